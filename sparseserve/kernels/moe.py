@@ -2,11 +2,38 @@
 
 Roofline (T tokens, top-k, E_touched distinct experts, D hidden, I intermediate):
 bytes = E_touched * 3 * I * D * 2 (bf16 weights) + activations; FLOPs = T * k * 6 * D * I.
+
+GPU path (graph-capturable: static shapes, no host sync, nothing sized by the routing):
+1. `moe_align`: sort the T*k (token, slot) assignments by expert on the device and lay them
+   out in a buffer where each expert's segment is padded to BLOCK_M rows. The buffer is sized
+   for the worst case, T*k + min(E, T*k) * (BLOCK_M - 1) rows (only experts that receive a
+   token are padded); tiles past the used length carry expert -1 and exit at once.
+2. `_moe_gate_up_kernel`: grouped GEMM x[token] @ w_gate_up[e].T for both halves in one
+   program, the clamped SwiGLU in the epilogue; writes act [padded rows, I] in x's dtype.
+3. `_moe_down_kernel`: grouped GEMM act @ w_down[e].T, the routing weight in the epilogue,
+   scattered to y[assignment] (one row per (token, slot)); then out = y.view(T, k, D).sum(1).
+   A plain sum, not atomics, keeps the result deterministic (eager == graph replay, bitwise).
+Programs are ordered with the M tile fastest, so the tiles of one expert that share a weight
+tile run side by side and the weight is read from HBM once (the rest hit L2).
+
+`torch._grouped_mm` (CUTLASS, where torch has it) is the alternative `fused_moe_grouped`;
+the benchmark times both and `fused_moe` picks by static facts.
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+try:  # Triton is optional: without it every path is the reference.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
 
 
 def score_experts(router_logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -77,6 +104,328 @@ def fused_moe_ref(
     return out.to(x.dtype)
 
 
+# ----------------------------------------------------------------------------------------
+# Alignment: assignments sorted by expert, each expert's segment padded to BLOCK_M rows.
+# ----------------------------------------------------------------------------------------
+
+
+def moe_align_sizes(num_assignments: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """Static worst-case (padded rows, tiles): only experts with >= 1 assignment are padded."""
+    worst = num_assignments + min(num_experts, num_assignments) * (block_m - 1)
+    num_blocks = (worst + block_m - 1) // block_m
+    return num_blocks * block_m, num_blocks
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the T*k assignments by expert into a padded layout (device ops only, graph-safe).
+
+    Returns sorted_ids int32 [padded rows]: the flat assignment index t*k+j of each row, or
+    T*k for a padding row; block_expert int32 [tiles]: the expert of each BLOCK_M tile, -1
+    for tiles past the used length. Within an expert, assignments keep their flat order.
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    num_assign = flat.numel()
+    padded_rows, num_blocks = moe_align_sizes(num_assign, num_experts, block_m)
+    sorted_e, order = torch.sort(flat, stable=True)
+    bounds = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, device=device))  # segment starts
+    counts = bounds[1:] - bounds[:-1]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    rank = torch.arange(num_assign, device=device) - bounds[sorted_e]
+    pos = padded_start[sorted_e] + rank
+    sorted_ids = torch.full((padded_rows,), num_assign, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, pos, order.to(torch.int32))
+    tile_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, tile_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+# ----------------------------------------------------------------------------------------
+# Triton grouped GEMMs
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int
+    gu_block_n: int  # per half: the program computes BLOCK_N gate and BLOCK_N up columns
+    gu_block_k: int
+    gu_warps: int
+    gu_stages: int
+    dn_block_n: int
+    dn_block_k: int
+    dn_warps: int
+    dn_stages: int
+
+
+def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoeConfig:
+    """Static choice from shapes only (never from the routing), so a graph keeps it.
+
+    Few tokens per expert: small M tiles, narrow N tiles so that enough programs stream the
+    touched experts' weights (weight-read bound). Many: 64-row tiles for the tensor cores.
+    """
+    avg = num_tokens * top_k / num_experts
+    if avg <= 4:
+        cfg = MoeConfig(16, 32, 64, 4, 5, 64, 64, 4, 5)
+    elif avg <= 24:
+        cfg = MoeConfig(32, 32, 64, 4, 5, 64, 64, 4, 5)
+    else:
+        cfg = MoeConfig(64, 64, 64, 4, 4, 128, 64, 4, 4)
+    return fit_config(cfg, hidden, inter)
+
+
+def fit_config(cfg: MoeConfig, hidden: int, inter: int) -> MoeConfig:
+    """Shrink tile sizes (keeping powers of two) until they divide the problem (tiny tests)."""
+
+    def fit(block: int, size: int) -> int:
+        while block > 16 and size % block:
+            block //= 2
+        return block
+
+    return MoeConfig(
+        cfg.block_m,
+        fit(min(cfg.gu_block_n, inter), inter),
+        fit(min(cfg.gu_block_k, hidden), hidden),
+        cfg.gu_warps,
+        cfg.gu_stages,
+        fit(min(cfg.dn_block_n, hidden), hidden),
+        fit(min(cfg.dn_block_k, inter), inter),
+        cfg.dn_warps,
+        cfg.dn_stages,
+    )
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _moe_gate_up_kernel(
+        x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
+        num_assign, top_k, hidden, inter, num_m_blocks,
+        stride_xm, stride_we, stride_wn, stride_am,
+        limit,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        # M tile fastest: neighbouring programs are the tiles of one expert at one N tile.
+        pid = tl.program_id(0)
+        pid_m = pid % num_m_blocks
+        pid_n = pid // num_m_blocks
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        if expert < 0:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(sorted_ids_ptr + offs_m)
+        row_ok = ids < num_assign
+        tokens = (ids // top_k).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
+        # w_gate_up[e] is [2I, D] with D contiguous: read [BLOCK_K, BLOCK_N] tiles of its transpose.
+        g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        u_ptrs = g_ptrs + inter * stride_wn
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, hidden // BLOCK_K):
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b_g = tl.load(g_ptrs)
+            b_u = tl.load(u_ptrs)
+            if UPCAST:  # the interpreter's 16-bit dot is wrong (triton 3.9); fp32 there
+                a = a.to(tl.float32)
+                b_g = b_g.to(tl.float32)
+                b_u = b_u.to(tl.float32)
+            acc_g = tl.dot(a, b_g, acc_g)
+            acc_u = tl.dot(a, b_u, acc_u)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        # Clamped SwiGLU in fp32 on the accumulators (reference: silu(min(g, L)) * clamp(u, -L, L)).
+        gate = tl.minimum(acc_g, limit)
+        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        act = gate * tl.sigmoid(gate) * up
+        out_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :]
+        tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _moe_down_kernel(
+        act_ptr, w_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
+        num_assign, hidden, inter, num_m_blocks,
+        stride_am, stride_we, stride_wn, stride_ym,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        pid_m = pid % num_m_blocks
+        pid_n = pid // num_m_blocks
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        if expert < 0:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(sorted_ids_ptr + offs_m)
+        row_ok = ids < num_assign
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, inter // BLOCK_K):
+            a = tl.load(a_ptrs)
+            b = tl.load(w_ptrs)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        # Routing weight in the epilogue; padding rows are neither weighted nor stored.
+        route_w = tl.load(topk_w_ptr + ids, mask=row_ok, other=0.0)
+        out = acc * route_w[:, None]
+        y_ptrs = y_ptr + ids[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    swiglu_limit: float,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """Sorted, padded grouped GEMMs in Triton (same contract as fused_moe_ref, graph-safe)."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w_gate_up.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    num_assign = num_tokens * top_k
+    cfg = fit_config(config, hidden, inter) if config else moe_config(num_tokens, top_k, num_experts, hidden, inter)
+    assert hidden % cfg.gu_block_k == 0 and inter % cfg.gu_block_n == 0, "tile must divide D and I"
+    assert hidden % cfg.dn_block_n == 0 and inter % cfg.dn_block_k == 0, "tile must divide D and I"
+    x = x.contiguous()
+    w_gate_up = w_gate_up.contiguous()
+    w_down = w_down.contiguous()
+    sorted_ids, block_expert = moe_align(topk_ids, num_experts, cfg.block_m)
+    padded_rows = sorted_ids.numel()
+    num_m_blocks = block_expert.numel()
+    act = torch.empty(padded_rows, inter, dtype=x.dtype, device=x.device)
+    limit = float(swiglu_limit)
+    grid = (num_m_blocks * (inter // cfg.gu_block_n),)
+    _moe_gate_up_kernel[grid](
+        x, w_gate_up, act, sorted_ids, block_expert,
+        num_assign, top_k, hidden, inter, num_m_blocks,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+        limit,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k, UPCAST=_interpreting(),
+        num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
+    )
+    y = torch.empty(num_assign, hidden, dtype=x.dtype, device=x.device)
+    route_w = topk_weights.reshape(-1).float().contiguous()
+    grid = (num_m_blocks * (hidden // cfg.dn_block_n),)
+    _moe_down_kernel[grid](
+        act, w_down, y, sorted_ids, block_expert, route_w,
+        num_assign, hidden, inter, num_m_blocks,
+        act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=cfg.dn_block_k, UPCAST=_interpreting(),
+        num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
+    )
+    if top_k == 1:
+        return y
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+# ----------------------------------------------------------------------------------------
+# torch._grouped_mm path (CUTLASS grouped GEMM; torch >= 2.8 on sm90+), measured against Triton
+# ----------------------------------------------------------------------------------------
+
+
+def grouped_mm_available(device: torch.device) -> bool:
+    """Static fact: torch has _grouped_mm and the device is a Hopper-or-newer GPU."""
+    if not hasattr(torch, "_grouped_mm") or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _swiglu_kernel(h_ptr, out_ptr, inter, stride_h, stride_o, limit, BLOCK: tl.constexpr):
+        # One pass over [rows, 2I] instead of the four of the torch expression.
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < inter
+        gate = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + row * stride_h + inter + offs, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = gate * tl.sigmoid(gate) * up
+        tl.store(out_ptr + row * stride_o + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu_fused(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """[rows, 2I] -> [rows, I]; Triton on CUDA, swiglu_clamped (its reference) elsewhere."""
+    inter = gate_up.shape[1] // 2
+    if not (HAS_TRITON and gate_up.is_cuda):
+        return swiglu_clamped(gate_up[:, :inter], gate_up[:, inter:], limit)
+    out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    grid = (gate_up.shape[0], triton.cdiv(inter, block))
+    _swiglu_kernel[grid](gate_up, out, inter, gate_up.stride(0), out.stride(0), float(limit), BLOCK=block)
+    return out
+
+
+def fused_moe_grouped(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """Same contract as fused_moe_ref through torch._grouped_mm (rows sorted by expert, no padding).
+
+    Group ends live on the device (offs), so nothing here syncs with the host.
+    """
+    num_tokens, hidden = x.shape
+    num_experts = w_gate_up.shape[0]
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    sorted_e, order = torch.sort(flat, stable=True)
+    ends = torch.searchsorted(sorted_e, torch.arange(1, num_experts + 1, device=x.device)).to(torch.int32)
+    xs = x.index_select(0, order // top_k)
+    gate_up = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=ends)
+    act = swiglu_fused(gate_up, swiglu_limit)
+    ys = torch._grouped_mm(act, w_down.transpose(1, 2), offs=ends)
+    # Back to (token, slot) order with a permutation (no atomics: deterministic), weight, sum.
+    inverse = torch.empty_like(order)
+    inverse.scatter_(0, order, torch.arange(order.numel(), device=x.device))
+    y = ys.index_select(0, inverse).float() * topk_weights.reshape(-1, 1).float()
+    return y.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# Dispatch
+# ----------------------------------------------------------------------------------------
+
+# Set by measurement (docs/perf_moe.md): the token counts from which _grouped_mm is used
+# instead of the Triton kernels; None = never. Static per shape, so a graph keeps it.
+GROUPED_MM_MIN_TOKENS: int | None = None
+
+
+def _use_triton(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
+    return (
+        HAS_TRITON
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and w_gate_up.dtype == x.dtype
+        and os.environ.get("SPARSESERVE_MOE_BACKEND", "") != "ref"
+    )
+
+
 def fused_moe(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -86,7 +435,16 @@ def fused_moe(
     swiglu_limit: float,
 ) -> torch.Tensor:
     """Dispatch: the Triton grouped kernel on CUDA, the reference elsewhere."""
-    return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
+    if not _use_triton(x, w_gate_up):
+        return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
+    if (
+        GROUPED_MM_MIN_TOKENS is not None
+        and x.shape[0] >= GROUPED_MM_MIN_TOKENS
+        and x.dtype == torch.bfloat16
+        and grouped_mm_available(x.device)
+    ):
+        return fused_moe_grouped(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
+    return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
 
 
 def select_experts(
@@ -97,4 +455,5 @@ def select_experts(
     correction_bias: torch.Tensor | None = None,
     hash_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch version is already graph-safe (topk and gather on the device, no host sync)."""
     return select_experts_ref(router_logits, top_k, scoring_func, routed_scaling_factor, correction_bias, hash_ids)

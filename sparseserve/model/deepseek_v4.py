@@ -1,0 +1,90 @@
+"""DeepSeek-V4 over a flat, varlen batch of tokens from many sequences.
+
+forward() runs the decoder stack and returns the residual streams [T, hc, D] (what the
+MTP drafter consumes); compute_logits() applies hc_head, the final norm and the LM head
+to the tokens whose logits are wanted. Parameter names equal `DeepseekV4ForCausalLM`'s.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .batch import BatchMetadata
+from .layers.attention import Attention
+from .layers.hyper_connection import HyperConnection, HyperHead
+from .layers.moe import SparseMoE
+from .layers.norm import RMSNorm
+from .layers.rope import rope_inv_freq
+from .state import ModelState
+from .step_context import StepContext, build_step_context
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, model_config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        hf = model_config.hf_config
+        self.self_attn = Attention(hf, layer_idx, model_config.compress_rate(layer_idx),
+                                   model_config.is_csa(layer_idx))
+        self.mlp = SparseMoE(hf, hf.mlp_layer_types[layer_idx] == "hash_moe")
+        self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        hc_args = (hf.hc_mult, hf.hidden_size, hf.hc_sinkhorn_iters, hf.hc_eps, hf.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc_args)
+        self.ffn_hc = HyperConnection(*hc_args)
+
+    def forward(self, streams: torch.Tensor, ctx: StepContext, state) -> torch.Tensor:
+        post, comb, collapsed = self.attn_hc(streams)
+        attn_out = self.self_attn(self.input_layernorm(collapsed), ctx, state)
+        streams = HyperConnection.expand(streams, attn_out, post, comb)
+        post, comb, collapsed = self.ffn_hc(streams)
+        mlp_out = self.mlp(self.post_attention_layernorm(collapsed), ctx.batch.input_ids)
+        return HyperConnection.expand(streams, mlp_out, post, comb)
+
+
+class DeepseekV4Decoder(nn.Module):
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__()
+        hf = model_config.hf_config
+        self.embed_tokens = nn.Embedding(hf.vocab_size, hf.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(model_config, i) for i in range(hf.num_hidden_layers))
+        self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        self.hc_head = HyperHead(hf.hc_mult, hf.hidden_size, hf.hc_eps, hf.rms_norm_eps)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__()
+        self.model_config = model_config
+        hf = model_config.hf_config
+        self.hc_mult = hf.hc_mult
+        self.model = DeepseekV4Decoder(model_config)
+        self.lm_head = nn.Linear(hf.hidden_size, hf.vocab_size, bias=False)
+        rope_dim = hf.qk_rope_head_dim
+        for name in ("main", "compress"):
+            self.register_buffer(f"{name}_inv_freq", rope_inv_freq(hf.rope_parameters[name], rope_dim),
+                                 persistent=False)
+
+    def inv_freq(self) -> dict[str, torch.Tensor]:
+        return {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
+
+    def prepare(self, batch: BatchMetadata, state: ModelState) -> StepContext:
+        index_trash = {}
+        for layer_idx, layer_state in enumerate(state.layers):
+            if layer_state.index_pool is not None:
+                index_trash[self.model_config.compress_rate(layer_idx)] = layer_state.index_pool.shape[0] - 1
+        return build_step_context(batch, state.layout, self.model_config, self.inv_freq(), index_trash)
+
+    def forward(self, batch: BatchMetadata, state: ModelState) -> torch.Tensor:
+        """Residual streams [T, hc, D] after the last layer."""
+        ctx = self.prepare(batch, state)
+        embeds = self.model.embed_tokens(batch.input_ids)
+        streams = embeds.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer, layer_state in zip(self.model.layers, state.layers):
+            streams = layer(streams, ctx, layer_state)
+        return streams
+
+    def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for the given residual streams [N, hc, D]."""
+        hidden = self.model.norm(self.model.hc_head(streams))
+        return self.lm_head(hidden).float()

@@ -1,0 +1,67 @@
+"""Manifold-constrained hyper-connections (mHC): the residual is `hc_mult` streams.
+
+Each sub-block collapses the streams with `pre` weights, and writes back its output with
+`post` weights plus a Sinkhorn-projected (doubly stochastic) `comb` mix of the streams.
+All mixing coefficients are computed in fp32."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norm import rms_normalize
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, hc_mult: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.hc_mult = hc_mult
+        self.sinkhorn_iters = sinkhorn_iters
+        self.hc_eps = hc_eps
+        self.norm_eps = norm_eps
+        mix = (2 + hc_mult) * hc_mult
+        self.fn = nn.Parameter(torch.empty(mix, hc_mult * hidden_size))
+        self.base = nn.Parameter(torch.empty(mix))
+        self.scale = nn.Parameter(torch.empty(3))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, hc, D] -> (post [T, hc] fp32, comb [T, hc, hc] fp32, collapsed [T, D])."""
+        hc = self.hc_mult
+        flat = rms_normalize(streams.flatten(1).float(), self.norm_eps)
+        pre_w, post_w, comb_w = F.linear(flat, self.fn.float()).split([hc, hc, hc * hc], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([hc, hc, hc * hc])
+        scale = self.scale.float()
+        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+        comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def expand(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """new[k] = post[k] * block_out + sum_j comb[j, k] * streams[j]."""
+        dtype = streams.dtype
+        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the streams before the shared norm and the LM head."""
+
+    def __init__(self, hc_mult: int, hidden_size: int, hc_eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.hc_eps = hc_eps
+        self.norm_eps = norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(hc_mult, hc_mult * hidden_size))
+        self.hc_base = nn.Parameter(torch.empty(hc_mult))
+        self.hc_scale = nn.Parameter(torch.empty(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = rms_normalize(streams.flatten(1).float(), self.norm_eps)
+        mixes = F.linear(flat, self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

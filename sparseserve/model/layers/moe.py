@@ -1,0 +1,65 @@
+"""Sparse MoE block: routed experts (top-k by score + correction bias, or hash-routed
+through the frozen tid2eid table) plus one shared expert; clamped SwiGLU everywhere.
+Names follow `transformers`' DeepseekV4SparseMoeBlock."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels.moe import fused_moe, select_experts, swiglu_clamped
+
+
+class Router(nn.Module):
+    def __init__(self, hf, is_hash: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hf.n_routed_experts, hf.hidden_size))
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(hf.vocab_size, hf.num_experts_per_tok, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(hf.n_routed_experts))
+
+
+class Experts(nn.Module):
+    def __init__(self, hf) -> None:
+        super().__init__()
+        inter = hf.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(hf.n_routed_experts, 2 * inter, hf.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(hf.n_routed_experts, hf.hidden_size, inter))
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hf) -> None:
+        super().__init__()
+        inter = hf.moe_intermediate_size
+        self.gate_proj = nn.Linear(hf.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(hf.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hf.hidden_size, bias=False)
+        self.limit = hf.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_clamped(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hf, is_hash: bool) -> None:
+        super().__init__()
+        self.is_hash = is_hash
+        self.top_k = hf.num_experts_per_tok
+        self.scoring_func = hf.scoring_func
+        self.routed_scaling_factor = hf.routed_scaling_factor
+        self.limit = hf.swiglu_limit
+        self.gate = Router(hf, is_hash)
+        self.experts = Experts(hf)
+        self.shared_experts = SharedExpert(hf)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.gate.weight)
+        if self.is_hash:
+            weights, ids = select_experts(logits, self.top_k, self.scoring_func, self.routed_scaling_factor,
+                                          hash_ids=self.gate.tid2eid[input_ids])
+        else:
+            weights, ids = select_experts(logits, self.top_k, self.scoring_func, self.routed_scaling_factor,
+                                          correction_bias=self.gate.e_score_correction_bias)
+        routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.limit)
+        return routed + self.shared_experts(x)

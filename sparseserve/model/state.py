@@ -1,0 +1,97 @@
+"""The model's per-sequence state (the "KV cache"), addressed by absolute position.
+
+Per layer, one KV pool of rows [head_dim]:
+    [ring: num_slots * ring_rows][staging: max_step_tokens][trash: 1][entries: num_blocks * block_size / rate]
+- ring: the last `sliding_window + num_speculative_tokens` window rows of each running sequence;
+- staging: the current step's fresh rows (read by attention before they are committed to the ring);
+- trash: a write target for tokens whose write must go nowhere (keeps shapes static);
+- entries: the paged compressed entries (CSA / HCA layers only).
+CSA layers also have an indexer-key pool (entries only, [index_head_dim]). Every compressor
+has a state buffer of projected (kv || gate) rows laid out as [ring][staging][trash].
+The engine decides num_blocks and num_slots; this module only lays out and addresses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    num_blocks: int
+    block_size: int
+    num_slots: int
+    max_step_tokens: int
+    sliding_window: int
+    num_speculative_tokens: int = 0
+
+    @property
+    def ring_rows(self) -> int:
+        return self.sliding_window + self.num_speculative_tokens
+
+    def compressor_ring_rows(self, rate: int, overlap: bool) -> int:
+        # A CSA entry pools two windows; speculative positions may run ahead of the last commit.
+        return (2 if overlap else 1) * rate + self.num_speculative_tokens
+
+    def staging_base(self, ring_rows: int) -> int:
+        return self.num_slots * ring_rows
+
+    def trash_row(self, ring_rows: int) -> int:
+        return self.staging_base(ring_rows) + self.max_step_tokens
+
+    def comp_base(self) -> int:
+        return self.trash_row(self.ring_rows) + 1
+
+    def entries_per_block(self, rate: int) -> int:
+        return self.block_size // rate
+
+
+class LayerState:
+    """The tensors of one layer (those a layer kind does not use are None)."""
+
+    def __init__(self, kv_pool: torch.Tensor, index_pool: torch.Tensor | None,
+                 compressor_state: torch.Tensor | None, indexer_state: torch.Tensor | None) -> None:
+        self.kv_pool = kv_pool
+        self.index_pool = index_pool
+        self.compressor_state = compressor_state
+        self.indexer_state = indexer_state
+
+
+class ModelState:
+    def __init__(self, model_config: ModelConfig, layout: StateLayout, device: torch.device, dtype: torch.dtype) -> None:
+        if layout.block_size % model_config.lcm_rate != 0:
+            raise ValueError(
+                f"block_size {layout.block_size} must be a multiple of every compress rate "
+                f"(lcm {model_config.lcm_rate})"
+            )
+        self.layout = layout
+        hf = model_config.hf_config
+        self.layers: list[LayerState] = []
+        base_rows = layout.comp_base()
+        for layer_idx in range(hf.num_hidden_layers):
+            rate = model_config.compress_rate(layer_idx)
+            entry_rows = layout.num_blocks * layout.entries_per_block(rate) if rate else 0
+            kv_pool = torch.zeros(base_rows + entry_rows, hf.head_dim, device=device, dtype=dtype)
+            index_pool = compressor_state = indexer_state = None
+            if rate:
+                overlap = model_config.is_csa(layer_idx)
+                comp_ring = layout.compressor_ring_rows(rate, overlap)
+                state_rows = layout.trash_row(comp_ring) + 1
+                width = (2 if overlap else 1) * hf.head_dim
+                compressor_state = torch.zeros(state_rows, 2 * width, device=device, dtype=dtype)
+                if overlap:
+                    # Entries only, plus a trash row at the end for tokens that close no window.
+                    index_pool = torch.zeros(entry_rows + 1, hf.index_head_dim, device=device, dtype=dtype)
+                    indexer_state = torch.zeros(state_rows, 4 * hf.index_head_dim, device=device, dtype=dtype)
+            self.layers.append(LayerState(kv_pool, index_pool, compressor_state, indexer_state))
+
+    def nbytes(self) -> int:
+        total = 0
+        for layer in self.layers:
+            for t in (layer.kv_pool, layer.index_pool, layer.compressor_state, layer.indexer_state):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total

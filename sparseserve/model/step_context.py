@@ -1,0 +1,126 @@
+"""Everything a step's layers share, derived once per forward on the device from the
+batch metadata: row lists, state addresses and rope tables."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ModelConfig
+from ..kernels import rows as R
+from .batch import BatchMetadata
+from .layers.rope import rope_cos_sin
+from .state import StateLayout
+
+
+@dataclass
+class CompressorAddresses:
+    """Addresses of one compressor kind (a rate, with or without overlap)."""
+
+    staging_rows: torch.Tensor  # [T] where each token's projections are staged
+    ring_write_rows: torch.Tensor  # [T] where they are committed after the step
+    emit_src_rows: torch.Tensor  # [M, S] state rows pooled by each emitting token
+
+
+@dataclass
+class RateAddresses:
+    """Addresses shared by all layers of one compress rate."""
+
+    emit_tokens: torch.Tensor  # [M] token indices that may close a window
+    emit_kv_rows: torch.Tensor  # [M] KV-pool rows of the emitted entries (trash if none)
+    emit_index_rows: torch.Tensor  # [M] indexer-pool rows (CSA only; trash if none)
+    emit_cos: torch.Tensor
+    emit_sin: torch.Tensor
+    visible_rows: torch.Tensor | None  # [T, E] KV-pool rows of visible entries (HCA)
+    num_entries: int
+
+
+@dataclass
+class StepContext:
+    batch: BatchMetadata
+    layout: StateLayout
+    window_rows: torch.Tensor  # [T, W]
+    kv_staging_rows: torch.Tensor  # [T]
+    kv_ring_write_rows: torch.Tensor  # [T]
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "main"/"compress" -> cos, sin at token positions
+    rates: dict[int, RateAddresses] = field(default_factory=dict)
+    compressors: dict[tuple[int, bool], CompressorAddresses] = field(default_factory=dict)
+
+
+def build_step_context(
+    batch: BatchMetadata,
+    layout: StateLayout,
+    model_config: ModelConfig,
+    inv_freq: dict[str, torch.Tensor],
+    index_trash_rows: dict[int, int],
+) -> StepContext:
+    if batch.num_tokens > layout.max_step_tokens:
+        raise ValueError(
+            f"step has {batch.num_tokens} tokens but the state was laid out for {layout.max_step_tokens}; "
+            "raise max_num_batched_tokens"
+        )
+    device = batch.positions.device
+    pos, seq = batch.positions, batch.token_seq
+    token_idx = torch.arange(batch.num_tokens, device=device)
+    ring = layout.ring_rows
+    window = layout.sliding_window
+    window_rows = R.source_rows(
+        pos, seq, batch.seq_start, batch.seq_token_offset, batch.seq_slots,
+        torch.arange(-window + 1, 1, device=device), ring, layout.staging_base(ring),
+    )
+    ctx = StepContext(
+        batch=batch,
+        layout=layout,
+        window_rows=window_rows,
+        kv_staging_rows=layout.staging_base(ring) + token_idx,
+        kv_ring_write_rows=R.ring_write_rows(
+            pos, seq, batch.seq_start, batch.seq_num_tokens, batch.seq_slots, ring, layout.trash_row(ring)
+        ),
+        rope={name: rope_cos_sin(pos, f) for name, f in inv_freq.items()},
+    )
+    comp_base = layout.comp_base()
+    hca_rates = {model_config.compress_rate(i) for i in range(model_config.num_layers)
+                 if model_config.compress_rate(i) and not model_config.is_csa(i)}
+    for layer_idx in range(model_config.num_layers):
+        rate = model_config.compress_rate(layer_idx)
+        if rate == 0:
+            continue
+        overlap = model_config.is_csa(layer_idx)
+        if rate not in ctx.rates:
+            emit_tokens = batch.emit_tokens[rate]
+            emit_pos, emit_seq = pos[emit_tokens], seq[emit_tokens]
+            epb = layout.entries_per_block(rate)
+            num_entries = batch.num_entries[rate]
+            cos, sin = rope_cos_sin(emit_pos + 1 - rate, inv_freq["compress"])
+            visible = None
+            if rate in hca_rates:
+                ids = R.visible_entry_ids(pos, rate, num_entries)
+                visible = R.entry_pool_rows(ids, seq, batch.block_table, epb, comp_base)
+            index_trash = index_trash_rows.get(rate, 0)
+            ctx.rates[rate] = RateAddresses(
+                emit_tokens=emit_tokens,
+                emit_kv_rows=R.emit_pool_rows(emit_pos, emit_seq, batch.block_table, rate, epb, comp_base,
+                                              layout.trash_row(ring)),
+                emit_index_rows=R.emit_pool_rows(emit_pos, emit_seq, batch.block_table, rate, epb, 0, index_trash),
+                emit_cos=cos,
+                emit_sin=sin,
+                visible_rows=visible,
+                num_entries=num_entries,
+            )
+        key = (rate, overlap)
+        if key not in ctx.compressors:
+            comp_ring = layout.compressor_ring_rows(rate, overlap)
+            span = (2 if overlap else 1) * rate
+            emit_tokens = ctx.rates[rate].emit_tokens
+            ctx.compressors[key] = CompressorAddresses(
+                staging_rows=layout.staging_base(comp_ring) + token_idx,
+                ring_write_rows=R.ring_write_rows(
+                    pos, seq, batch.seq_start, batch.seq_num_tokens, batch.seq_slots, comp_ring,
+                    layout.trash_row(comp_ring),
+                ),
+                emit_src_rows=R.source_rows(
+                    pos[emit_tokens], seq[emit_tokens], batch.seq_start, batch.seq_token_offset, batch.seq_slots,
+                    torch.arange(-span + 1, 1, device=device), comp_ring, layout.staging_base(comp_ring),
+                ),
+            )
+    return ctx

@@ -8,10 +8,21 @@ and out-of-range entries score -inf.
 
 Roofline (per token, E visible entries, Hi heads, Di dim): bytes = E*Di*2 (keys)
 + E*4 (scores out); FLOPs = 2*Hi*E*Di + 2*Hi*E.
+
+Triton kernel: one program per (token, chunk of entries). Heads are the M dimension of the
+[Hi, Di] x [Di, BLOCK_E] product, so each key is read once per token for all heads; the
+relu, the head weights and the head sum run on the product in registers, and only the
+[BLOCK_E] scores go out. Tiles past the token's visible count skip the key loads and the
+product (a device-side loop bound, no host branch) and write -inf. Configs come from
+static shapes only, so the launch can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
 
 
 def entry_rows(
@@ -63,6 +74,118 @@ def indexer_scores_ref(
     return out
 
 
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, pos_ptr, out_ptr,
+    num_heads, head_dim, num_entries, max_blocks, rate, entries_per_block, scale,
+    stride_qt, stride_qh, stride_wt, stride_pool, stride_bt, stride_ot,
+    CHUNKS: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    # Flat grid (y/z cap at 65535); a token's chunks are adjacent in launch order.
+    pid = tl.program_id(0)
+    tok = (pid // CHUNKS).to(tl.int64)
+    chunk = pid % CHUNKS
+    seq = tl.load(seq_ptr + tok).to(tl.int64)
+    visible = (tl.load(pos_ptr + tok).to(tl.int64) + 1) // rate
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < num_heads
+    d_mask = offs_d < head_dim
+    q = tl.load(q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    # scale folded into the head weights: sum_h w*relu(x)*scale = sum_h (w*scale)*relu(x).
+    w = tl.load(w_ptr + tok * stride_wt + offs_h, mask=h_mask, other=0.0).to(tl.float32) * scale
+
+    chunk_start = chunk * (TILES * BLOCK_E)
+    # Tiles holding at least one visible entry; the rest only get -inf.
+    n_live = tl.minimum(tl.maximum(tl.cdiv(visible - chunk_start, BLOCK_E), 0), TILES)
+    out_base = out_ptr + tok * stride_ot
+    bt_base = bt_ptr + seq * stride_bt
+    for i in range(0, n_live):
+        offs_e = chunk_start + i * BLOCK_E + tl.arange(0, BLOCK_E)
+        in_range = offs_e < num_entries
+        blk_idx = offs_e // entries_per_block
+        blk = tl.load(bt_base + blk_idx, mask=in_range & (blk_idx < max_blocks), other=-1)
+        ok = in_range & (offs_e < visible) & (blk >= 0)
+        row = blk.to(tl.int64) * entries_per_block + (offs_e % entries_per_block)
+        k = tl.load(pool_ptr + row[:, None] * stride_pool + offs_d[None, :],
+                    mask=ok[:, None] & d_mask[None, :], other=0.0)
+        dots = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_E], fp32
+        sc = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
+        tl.store(out_base + offs_e, tl.where(ok, sc, float("-inf")), mask=in_range)
+    for i in range(n_live, TILES):
+        offs_e = chunk_start + i * BLOCK_E + tl.arange(0, BLOCK_E)
+        tl.store(out_base + offs_e, tl.full([BLOCK_E], float("-inf"), tl.float32), mask=offs_e < num_entries)
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    block_e: int
+    tiles: int  # tiles of block_e entries per program
+    num_warps: int
+    num_stages: int
+
+
+def indexer_config(num_tokens: int, num_heads: int, head_dim: int, num_entries: int, num_sms: int) -> IndexerConfig:
+    """Static-shape choice: 128-entry tiles, and enough tiles per program to amortise the q
+    load while keeping >= 4 programs per SM in flight."""
+    block_e = 128 if num_entries > 64 else 64
+    total_tiles = num_tokens * triton.cdiv(max(num_entries, 1), block_e)
+    tiles = 1
+    while tiles < 16 and total_tiles // (tiles * 2) >= 4 * num_sms:
+        tiles *= 2
+    tiles = min(tiles, triton.cdiv(max(num_entries, 1), block_e))
+    return IndexerConfig(block_e, tiles, 4, 3)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def indexer_scores_triton(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    token_seq: torch.Tensor,
+    positions: torch.Tensor,
+    rate: int,
+    entries_per_block: int,
+    scale: float,
+    num_entries: int,
+    config: IndexerConfig | None = None,
+) -> torch.Tensor:
+    """Triton kernel; same contract as indexer_scores_ref. Runs on CUDA, or on the CPU under
+    TRITON_INTERPRET=1 (tests)."""
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty((num_tokens, num_entries), dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or num_entries == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if weights.stride(1) != 1:
+        weights = weights.contiguous()
+    if index_pool.stride(1) != 1:
+        index_pool = index_pool.contiguous()
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    cfg = config or indexer_config(num_tokens, num_heads, head_dim, num_entries, _num_sms(q.device))
+    chunks = triton.cdiv(num_entries, cfg.block_e * cfg.tiles)
+    _indexer_scores_kernel[(num_tokens * chunks,)](
+        q, weights, index_pool, block_table, token_seq.contiguous(), positions.contiguous(), out,
+        num_heads, head_dim, num_entries, block_table.shape[1], rate, entries_per_block, float(scale),
+        q.stride(0), q.stride(1), weights.stride(0), index_pool.stride(0), block_table.stride(0), out.stride(0),
+        CHUNKS=chunks, TILES=cfg.tiles,
+        BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_E=cfg.block_e, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
 def indexer_scores(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -75,7 +198,11 @@ def indexer_scores(
     scale: float,
     num_entries: int,
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
+    """Dispatch: the Triton kernel on CUDA (bf16/fp16), the reference elsewhere."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return indexer_scores_triton(
+            q, weights, index_pool, block_table, token_seq, positions, rate, entries_per_block, scale, num_entries
+        )
     return indexer_scores_ref(
         q, weights, index_pool, block_table, token_seq, positions, rate, entries_per_block, scale, num_entries
     )

@@ -6,10 +6,24 @@ The softmax denominator also holds exp(sink[h]), and the sink contributes no val
 
 Roofline (per token, D = head dim, H heads, L rows): bytes = L*D*2 (rows, bf16)
 + 2*H*D*2 (q in, out); FLOPs = 4*H*L*D (QK^T and PV).
+
+Triton kernel: one program per (token, block of heads, split of the row list). Heads are
+the M dimension of both dot products, so a KV tile is loaded once and serves every head of
+the block (QK^T uses it as K, PV as V). Rows stream in tiles with an online softmax whose
+running max starts at the sink logit, so the sink is in the denominator from the start and
+the running max is always finite (a token whose rows are all -1 gets exactly 0). Small
+batches split the row list across programs (flash-decoding) and a second kernel merges the
+partial results. Every choice (block sizes, splits) comes from static shapes only, so the
+launch is safe to capture in a CUDA graph.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
 
 
 def sparse_mqa_attention_ref(
@@ -42,8 +56,206 @@ def sparse_mqa_attention_ref(
     return out
 
 
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _sparse_mqa_fwd_kernel(
+    q_ptr, kv_ptr, rows_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    num_heads, num_rows, head_dim, rows_per_split,
+    stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
+    qk_scale,  # scale * log2(e): logits are kept in base 2
+    HEAD_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One flat grid axis (the y/z axes cap at 65535); head blocks and splits of one token
+    # are adjacent in launch order, so they run together and share its rows through L2.
+    pid = tl.program_id(0)
+    per_token = HEAD_BLOCKS * NUM_SPLITS
+    tok = (pid // per_token).to(tl.int64)
+    rem = pid % per_token
+    hb = rem // NUM_SPLITS
+    split = rem % NUM_SPLITS
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < num_heads
+    d_mask = offs_d < head_dim
+    q = tl.load(
+        q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    # The running max starts at the sink logit and the sum at exp(sink - max) = 1, so the sink
+    # sits in the denominator; only split 0 adds it, the merge then counts it once.
+    m_i = tl.load(sinks_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + (split == 0).to(tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    row_start = split * rows_per_split
+    row_end = tl.minimum(row_start + rows_per_split, num_rows)
+    rows_base = rows_ptr + tok * stride_rt
+    for n0 in range(row_start, row_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        r = tl.load(rows_base + offs_n, mask=offs_n < row_end, other=-1)
+        valid = r >= 0
+        # Holes are masked out of the gather, so they cost no memory traffic.
+        kv = tl.load(
+            kv_ptr + r.to(tl.int64)[:, None] * stride_kv + offs_d[None, :],
+            mask=valid[:, None] & d_mask[None, :], other=0.0,
+        )
+        s = tl.dot(q, tl.trans(kv)) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        # Partials: unnormalised acc [T, S, H, D] and (max, sum) [T, S, 2, H], fp32, contiguous.
+        part = tok * NUM_SPLITS + split
+        tl.store(
+            part_acc_ptr + (part * num_heads + offs_h[:, None]) * head_dim + offs_d[None, :],
+            acc, mask=h_mask[:, None] & d_mask[None, :],
+        )
+        tl.store(part_ml_ptr + part * 2 * num_heads + offs_h, m_i, mask=h_mask)
+        tl.store(part_ml_ptr + part * 2 * num_heads + num_heads + offs_h, l_i, mask=h_mask)
+
+
+@triton.jit
+def _sparse_mqa_merge_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr,
+    num_heads, head_dim, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < num_heads
+    mask = h_mask[:, None] & (offs_d[None, :] < head_dim)
+    ml_base = part_ml_ptr + tok * NUM_SPLITS * 2 * num_heads
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(ml_base + s * 2 * num_heads + offs_h, mask=h_mask, other=0.0))
+    l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m_s = tl.load(ml_base + s * 2 * num_heads + offs_h, mask=h_mask, other=0.0)
+        l_s = tl.load(ml_base + s * 2 * num_heads + num_heads + offs_h, mask=h_mask, other=0.0)
+        w = tl.exp2(m_s - m)  # every split's max is >= the sink logit: finite, no NaN
+        l += l_s * w
+        a = tl.load(
+            part_acc_ptr + ((tok * NUM_SPLITS + s) * num_heads + offs_h[:, None]) * head_dim + offs_d[None, :],
+            mask=mask, other=0.0,
+        )
+        acc += a * w[:, None]
+    out = acc / l[:, None]
+    tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int = 1
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def attention_config(num_tokens: int, num_heads: int, num_rows: int, head_dim: int, num_sms: int) -> AttnConfig:
+    """Pick block sizes and row splits from static shapes only (graph-safe).
+
+    Large batches (prefill, big decode): 64 heads per program so each KV tile feeds an
+    M=64 tensor-core product, 8 warps to hold the [64, D] fp32 accumulator. Small batches:
+    fewer heads per program and row splits, to put enough loads in flight on every SM.
+    """
+    big_d = head_dim > 128
+    if num_tokens * triton.cdiv(num_heads, 64) >= num_sms or num_heads < 64:
+        block_h = 64 if num_heads >= 64 else max(16, triton.next_power_of_2(num_heads))
+        warps = 8 if (big_d and block_h >= 64) else 4
+        return AttnConfig(block_h, 64 if not big_d else 32, warps, 3 if big_d else 2, 1)
+    block_h = 16
+    programs = num_tokens * triton.cdiv(num_heads, block_h)
+    max_splits = max(1, num_rows // 128)  # each split keeps >= 128 rows so partials stay small
+    splits = max(1, min(max_splits, triton.cdiv(2 * num_sms, programs)))
+    return AttnConfig(block_h, 64 if not big_d else 32, 4, 3, splits)
+
+
+def sparse_mqa_attention_triton(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    rows: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    config: AttnConfig | None = None,
+) -> torch.Tensor:
+    """Triton kernel; same contract as sparse_mqa_attention_ref. Runs on CUDA, or on the CPU
+    under TRITON_INTERPRET=1 (tests)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_rows = rows.shape[1]
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if kv_pool.stride(1) != 1:
+        kv_pool = kv_pool.contiguous()
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    sinks = sinks.contiguous()
+    cfg = config or attention_config(num_tokens, num_heads, num_rows, head_dim, _num_sms(q.device))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    head_blocks = triton.cdiv(num_heads, cfg.block_h)
+    splits = cfg.num_splits
+    rows_per_split = triton.cdiv(triton.cdiv(max(num_rows, 1), splits), cfg.block_n) * cfg.block_n
+    if splits > 1:
+        part_acc = torch.empty((num_tokens, splits, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((num_tokens, splits, 2, num_heads), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    grid = (num_tokens * head_blocks * splits,)
+    _sparse_mqa_fwd_kernel[grid](
+        q, kv_pool, rows, sinks, out, part_acc, part_ml,
+        num_heads, num_rows, head_dim, rows_per_split,
+        q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1),
+        float(scale) * _LOG2E,
+        HEAD_BLOCKS=head_blocks, NUM_SPLITS=splits,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        merge_bh = 16
+        _sparse_mqa_merge_kernel[(num_tokens, triton.cdiv(num_heads, merge_bh))](
+            part_acc, part_ml, out, num_heads, head_dim, out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, BLOCK_H=merge_bh, BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
 def sparse_mqa_attention(
     q: torch.Tensor, kv_pool: torch.Tensor, rows: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
+    """Dispatch: the Triton kernel on CUDA (bf16/fp16), the reference elsewhere."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return sparse_mqa_attention_triton(q, kv_pool, rows, sinks, scale)
     return sparse_mqa_attention_ref(q, kv_pool, rows, sinks, scale)

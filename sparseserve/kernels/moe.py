@@ -200,7 +200,7 @@ def fit_config(cfg: MoeConfig, hidden: int, inter: int) -> MoeConfig:
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_assign", "top_k", "num_m_blocks"])
     def _moe_gate_up_kernel(
         x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
         num_assign, top_k, hidden, inter, num_m_blocks,
@@ -247,7 +247,7 @@ if HAS_TRITON:
         out_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :]
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_assign", "num_m_blocks"])
     def _moe_down_kernel(
         act_ptr, w_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
         num_assign, hidden, inter, num_m_blocks,
@@ -284,8 +284,12 @@ if HAS_TRITON:
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+# Read once, at the moment the kernels above were decorated (that is when Triton decides).
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRET
 
 
 def fused_moe_triton(
@@ -366,16 +370,22 @@ if HAS_TRITON:
         tl.store(out_ptr + row * stride_o + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_fused(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
-    """[rows, 2I] -> [rows, I]; Triton on CUDA, swiglu_clamped (its reference) elsewhere."""
+def swiglu_triton(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """[rows, 2I] -> [rows, I] in one pass; the reference is swiglu_clamped on the two halves."""
     inter = gate_up.shape[1] // 2
-    if not (HAS_TRITON and gate_up.is_cuda):
-        return swiglu_clamped(gate_up[:, :inter], gate_up[:, inter:], limit)
     out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(inter))
     grid = (gate_up.shape[0], triton.cdiv(inter, block))
     _swiglu_kernel[grid](gate_up, out, inter, gate_up.stride(0), out.stride(0), float(limit), BLOCK=block)
     return out
+
+
+def swiglu_fused(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Triton on CUDA, swiglu_clamped elsewhere."""
+    if HAS_TRITON and gate_up.is_cuda:
+        return swiglu_triton(gate_up, limit)
+    inter = gate_up.shape[1] // 2
+    return swiglu_clamped(gate_up[:, :inter], gate_up[:, inter:], limit)
 
 
 def fused_moe_grouped(

@@ -1,0 +1,271 @@
+"""MoE kernels against the plain-PyTorch reference.
+
+CPU tests run the Triton kernels under TRITON_INTERPRET=1 (set before triton is imported) on
+tiny shapes; `gpu` tests run the compiled kernels, CUDA-graph capture and the _grouped_mm path.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # importing torch does not import triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from sparseserve.kernels import moe  # noqa: E402
+
+triton_needed = pytest.mark.skipif(not moe.HAS_TRITON, reason="needs triton")
+LIMIT = 1.5  # small enough that the clamps bite on these random inputs
+
+
+def make_weights(num_experts: int, hidden: int, inter: int, dtype, device, gen):
+    # Scaled so that gate/up values spread across the clamp limit.
+    w_gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5 * 2).to(dtype).to(device)
+    w_down = (torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype).to(device)
+    return w_gate_up, w_down
+
+
+def random_routing(num_tokens: int, top_k: int, experts: list[int], gen) -> torch.Tensor:
+    """Distinct experts per token, drawn from `experts` only (the rest receive no tokens)."""
+    pool = torch.tensor(experts)
+    rows = [pool[torch.randperm(len(experts), generator=gen)[:top_k]] for _ in range(num_tokens)]
+    return torch.stack(rows)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def reference(x, w_gate_up, w_down, weights, ids, limit):
+    """The reference in fp32 (the oracle for both fp32 and bf16 runs)."""
+    return moe.fused_moe_ref(x.float(), w_gate_up.float(), w_down.float(), weights, ids, limit)
+
+
+# ------------------------------------------------------------------ alignment
+
+
+def align_oracle(ids: torch.Tensor, num_experts: int, block_m: int):
+    flat = ids.reshape(-1).tolist()
+    rows, tiles = [], []
+    for e in range(num_experts):
+        mine = [i for i, v in enumerate(flat) if v == e]
+        if not mine:
+            continue
+        ntiles = -(-len(mine) // block_m)
+        rows += mine + [len(flat)] * (ntiles * block_m - len(mine))
+        tiles += [e] * ntiles
+    return rows, tiles
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (1, 6), (7, 2), (40, 6)])
+def test_moe_align_matches_oracle(num_tokens, top_k, block_m):
+    gen = torch.Generator().manual_seed(num_tokens * 10 + top_k)
+    ids = random_routing(num_tokens, top_k, [0, 2, 3, 5, 7], gen) if top_k <= 5 else random_routing(
+        num_tokens, top_k, list(range(8)), gen
+    )
+    sorted_ids, block_expert = moe.moe_align(ids, 8, block_m)
+    rows, tiles = align_oracle(ids, 8, block_m)
+    padded_rows, num_blocks = moe.moe_align_sizes(ids.numel(), 8, block_m)
+    assert sorted_ids.shape == (padded_rows,) and block_expert.shape == (num_blocks,)
+    assert sorted_ids[: len(rows)].tolist() == rows
+    assert (sorted_ids[len(rows):] == ids.numel()).all()
+    assert block_expert[: len(tiles)].tolist() == tiles
+    assert (block_expert[len(tiles):] == -1).all()
+
+
+def test_moe_align_worst_case_fills_buffer():
+    # Every assignment on its own expert: each pads to a full tile, the static bound is reached.
+    ids = torch.arange(8).view(8, 1)
+    sorted_ids, block_expert = moe.moe_align(ids, 8, 16)
+    assert block_expert.tolist() == list(range(8))
+    assert sorted_ids.view(8, 16)[:, 0].tolist() == list(range(8))
+
+
+# ------------------------------------------------------------------ Triton path (interpreter on CPU)
+
+CPU_D, CPU_I, CPU_E = 64, 32, 8
+
+
+def run_case(num_tokens, top_k, experts, dtype, device, seed, config=None, tol=None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, CPU_D if device == "cpu" else 512, generator=gen).to(dtype).to(device)
+    hidden = x.shape[1]
+    inter = CPU_I if device == "cpu" else 256
+    num_experts = CPU_E if device == "cpu" else 64
+    w_gate_up, w_down = make_weights(num_experts, hidden, inter, dtype, device, gen)
+    ids = random_routing(num_tokens, top_k, experts, gen).to(device)
+    weights = torch.rand(num_tokens, top_k, generator=gen).to(device) + 0.1
+    out = moe.fused_moe_triton(x, w_gate_up, w_down, weights, ids, LIMIT, config=config)
+    ref = reference(x, w_gate_up, w_down, weights, ids, LIMIT)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    err = rel_err(out, ref)
+    assert err < (tol or (1e-5 if dtype == torch.float32 else 2e-2)), err
+    if dtype != torch.float32:  # no worse than the reference run in the same low precision
+        ref_lp = moe.fused_moe_ref(x, w_gate_up, w_down, weights, ids, LIMIT)
+        assert err < 2 * rel_err(ref_lp, ref) + 1e-3
+
+
+@triton_needed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [1, 2, 6])
+def test_triton_matches_ref_cpu(top_k, dtype):
+    # Experts 1 and 4 receive no tokens.
+    run_case(13, top_k, [0, 2, 3, 5, 6, 7], dtype, "cpu", seed=top_k)
+
+
+@triton_needed
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_triton_all_tokens_one_expert_cpu(top_k):
+    # Every token routes to expert 3 (with top_k 2 the second slot is expert 5): 40 rows on one
+    # expert span several 16-row tiles, the other experts get nothing.
+    num_tokens = 40
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(num_tokens, CPU_D, generator=gen)
+    w_gate_up, w_down = make_weights(CPU_E, CPU_D, CPU_I, torch.float32, "cpu", gen)
+    ids = torch.tensor([[3, 5][:top_k]] * num_tokens)
+    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
+    cfg = moe.MoeConfig(16, 32, 64, 4, 2, 64, 32, 4, 2)
+    out = moe.fused_moe_triton(x, w_gate_up, w_down, weights, ids, LIMIT, config=cfg)
+    ref = reference(x, w_gate_up, w_down, weights, ids, LIMIT)
+    assert rel_err(out, ref) < 1e-5
+
+
+@triton_needed
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_triton_tile_configs_cpu(block_m):
+    cfg = moe.MoeConfig(block_m, 16, 32, 4, 2, 32, 16, 4, 2)
+    run_case(21, 6, list(range(CPU_E)), torch.float32, "cpu", seed=block_m, config=cfg)
+
+
+@triton_needed
+def test_triton_duplicate_experts_in_a_row_cpu():
+    # Hash routing could name one expert twice for a token: each slot still counts once.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, CPU_D, generator=gen)
+    w_gate_up, w_down = make_weights(CPU_E, CPU_D, CPU_I, torch.float32, "cpu", gen)
+    ids = torch.tensor([[1, 1], [2, 1], [0, 0], [7, 6], [1, 1]])
+    weights = torch.rand(5, 2, generator=gen)
+    out = moe.fused_moe_triton(x, w_gate_up, w_down, weights, ids, LIMIT)
+    assert rel_err(out, reference(x, w_gate_up, w_down, weights, ids, LIMIT)) < 1e-5
+
+
+@triton_needed
+def test_swiglu_triton_cpu():
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(9, 2 * 48, generator=gen) * 3
+    out = moe.swiglu_triton(h, LIMIT)
+    ref = moe.swiglu_clamped(h[:, :48], h[:, 48:], LIMIT)
+    assert torch.allclose(out, ref, atol=1e-6)
+
+
+def test_dispatch_on_cpu_is_reference():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, CPU_D, generator=gen)
+    w_gate_up, w_down = make_weights(CPU_E, CPU_D, CPU_I, torch.float32, "cpu", gen)
+    ids = random_routing(4, 2, list(range(CPU_E)), gen)
+    weights = torch.rand(4, 2, generator=gen)
+    out = moe.fused_moe(x, w_gate_up, w_down, weights, ids, LIMIT)
+    assert torch.equal(out, moe.fused_moe_ref(x, w_gate_up, w_down, weights, ids, LIMIT))
+    logits = torch.randn(4, CPU_E, generator=gen)
+    bias = torch.randn(CPU_E, generator=gen) * 0.1
+    for got, want in zip(
+        moe.select_experts(logits, 2, "sqrtsoftplus", 2.5, bias),
+        moe.select_experts_ref(logits, 2, "sqrtsoftplus", 2.5, bias),
+    ):
+        assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+@pytest.mark.parametrize("top_k", [1, 2, 6])
+def test_triton_matches_ref_gpu(num_tokens, top_k):
+    # Half of the 64 experts receive nothing; the default (static) config for each size.
+    run_case(num_tokens, top_k, list(range(0, 64, 2)), torch.bfloat16, "cuda", seed=num_tokens + top_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_triton_all_tokens_one_expert_gpu(block_m):
+    num_tokens, top_k = 333, 2
+    gen = torch.Generator().manual_seed(block_m)
+    x = torch.randn(num_tokens, 512, generator=gen).bfloat16().cuda()
+    w_gate_up, w_down = make_weights(64, 512, 256, torch.bfloat16, "cuda", gen)
+    ids = torch.stack([torch.full((num_tokens,), 9), torch.randint(10, 64, (num_tokens,), generator=gen)], 1).cuda()
+    weights = (torch.rand(num_tokens, top_k, generator=gen) + 0.1).cuda()
+    cfg = moe.MoeConfig(block_m, 32, 64, 4, 3, 64, 64, 4, 3)
+    out = moe.fused_moe_triton(x, w_gate_up, w_down, weights, ids, LIMIT, config=cfg)
+    assert rel_err(out, reference(x, w_gate_up, w_down, weights, ids, LIMIT)) < 2e-2
+
+
+def capture_and_replay(fn, num_tokens, top_k, num_experts=64):
+    """Capture fn on static buffers, replay with fresh routings, compare with eager fn."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 512, generator=gen).bfloat16().cuda()
+    w_gate_up, w_down = make_weights(num_experts, 512, 256, torch.bfloat16, "cuda", gen)
+    ids = random_routing(num_tokens, top_k, list(range(num_experts)), gen).cuda()
+    weights = torch.rand(num_tokens, top_k, generator=gen).cuda()
+    args = (x, w_gate_up, w_down, weights, ids, LIMIT)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compile) off the capture
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    routings = [
+        random_routing(num_tokens, top_k, list(range(num_experts)), gen),
+        random_routing(num_tokens, top_k, [5, 6, 7, 8, 9, 10][: max(top_k, 1) + 1], gen),  # most experts empty
+        torch.stack([torch.arange(top_k)] * num_tokens),  # all tokens on the same experts
+    ]
+    for new_ids in routings:
+        ids.copy_(new_ids)
+        x.copy_(torch.randn(num_tokens, 512, generator=gen).bfloat16())
+        weights.copy_(torch.rand(num_tokens, top_k, generator=gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        eager = fn(*args)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        assert torch.allclose(out.float(), eager.float(), rtol=1e-2, atol=1e-3)
+        assert rel_err(out, reference(*args)) < 2e-2
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 6), (8, 6), (200, 2), (64, 1)])
+def test_triton_cuda_graph_replay(num_tokens, top_k):
+    capture_and_replay(moe.fused_moe_triton, num_tokens, top_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 6), (300, 2)])
+def test_grouped_mm_path_gpu(num_tokens, top_k):
+    if not moe.grouped_mm_available(torch.device("cuda")):
+        pytest.skip("_grouped_mm needs sm90+")
+    run_case_fn = moe.fused_moe_grouped
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 512, generator=gen).bfloat16().cuda()
+    w_gate_up, w_down = make_weights(64, 512, 256, torch.bfloat16, "cuda", gen)
+    ids = random_routing(num_tokens, top_k, list(range(0, 64, 3)), gen).cuda()
+    weights = torch.rand(num_tokens, top_k, generator=gen).cuda()
+    out = run_case_fn(x, w_gate_up, w_down, weights, ids, LIMIT)
+    assert rel_err(out, reference(x, w_gate_up, w_down, weights, ids, LIMIT)) < 2e-2
+    capture_and_replay(moe.fused_moe_grouped, num_tokens, top_k)
+
+
+@pytest.mark.gpu
+def test_dispatch_gpu_matches_ref():
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(33, 512, generator=gen).bfloat16().cuda()
+    w_gate_up, w_down = make_weights(64, 512, 256, torch.bfloat16, "cuda", gen)
+    logits = torch.randn(33, 64, generator=gen).cuda()
+    weights, ids = moe.select_experts(logits, 6, "sqrtsoftplus", 1.5, torch.randn(64, generator=gen).cuda() * 0.1)
+    out = moe.fused_moe(x, w_gate_up, w_down, weights, ids, LIMIT)
+    assert rel_err(out, reference(x, w_gate_up, w_down, weights, ids, LIMIT)) < 2e-2

@@ -62,16 +62,16 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _sparse_mqa_fwd_kernel(
     q_ptr, kv_ptr, rows_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    num_heads, num_rows, head_dim, rows_per_split,
+    num_heads, num_rows, head_dim, rows_per_split, head_blocks,
     stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
     qk_scale,  # scale * log2(e): logits are kept in base 2
-    HEAD_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One flat grid axis (the y/z axes cap at 65535); head blocks and splits of one token
     # are adjacent in launch order, so they run together and share its rows through L2.
     pid = tl.program_id(0)
-    per_token = HEAD_BLOCKS * NUM_SPLITS
+    per_token = head_blocks * NUM_SPLITS
     tok = (pid // per_token).to(tl.int64)
     rem = pid % per_token
     hb = rem // NUM_SPLITS
@@ -156,6 +156,7 @@ def _sparse_mqa_merge_kernel(
             mask=mask, other=0.0,
         )
         acc += a * w[:, None]
+    l = tl.where(h_mask, l, 1.0)  # padded heads: avoid 0/0 (never stored)
     out = acc / l[:, None]
     tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -236,10 +237,10 @@ def sparse_mqa_attention_triton(
     grid = (num_tokens * head_blocks * splits,)
     _sparse_mqa_fwd_kernel[grid](
         q, kv_pool, rows, sinks, out, part_acc, part_ml,
-        num_heads, num_rows, head_dim, rows_per_split,
+        num_heads, num_rows, head_dim, rows_per_split, head_blocks,
         q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1),
         float(scale) * _LOG2E,
-        HEAD_BLOCKS=head_blocks, NUM_SPLITS=splits,
+        NUM_SPLITS=splits,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

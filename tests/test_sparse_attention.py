@@ -1,0 +1,186 @@
+"""Sparse MQA attention with sink: Triton kernel vs the plain-PyTorch reference.
+
+CPU tests run the kernel under TRITON_INTERPRET=1 on small shapes (fp32, so the only
+differences are summation order: ~1e-6). GPU tests run real V4-Flash / V4-Pro shapes in
+bf16 against the fp32 reference on the same (upcast) inputs: the kernel rounds P to bf16
+for the PV product and the output to bf16 (2^-9 relative), so the relative Frobenius error
+sits near 3e-3; 1e-2 leaves room without hiding a wrong row or a lost sink (those give O(1)).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU runs)
+
+import pytest
+import torch
+
+from sparseserve.kernels.sparse_attention import (
+    AttnConfig,
+    attention_config,
+    sparse_mqa_attention,
+    sparse_mqa_attention_ref,
+    sparse_mqa_attention_triton,
+)
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _make_rows(num_tokens: int, num_rows: int, pool: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
+    """Ragged row lists: each token keeps a random number of valid rows, holes (-1) land
+    anywhere, rows include the pool's first and last row, one token has no rows at all."""
+    rows = torch.randint(0, pool, (num_tokens, num_rows), generator=gen, dtype=torch.int32)
+    keep = torch.randint(0, num_rows + 1, (num_tokens, 1), generator=gen)
+    pos = torch.arange(num_rows).unsqueeze(0)
+    rows[pos >= keep] = -1  # ragged tail
+    rows[torch.rand(num_tokens, num_rows, generator=gen) < 0.2] = -1  # holes anywhere
+    rows[0, :] = -1  # all holes: output must be exactly 0
+    if num_tokens > 1:
+        rows[1, 0], rows[1, -1] = 0, pool - 1  # pool boundaries, first/last slot
+    if num_tokens > 2:
+        rows[2, :] = torch.randint(0, pool, (num_rows,), generator=gen, dtype=torch.int32)  # full list
+    return rows.to(device)
+
+
+CPU_CASES = [
+    # (T, H, D, L, config): L around tile boundaries (16/32/64), splits that leave empty splits
+    (5, 4, 32, 40, None),
+    (4, 16, 64, 64, None),
+    (3, 16, 32, 65, AttnConfig(16, 16, 4, 2, 1)),
+    (4, 4, 64, 130, AttnConfig(16, 32, 4, 2, 3)),
+    (3, 16, 64, 33, AttnConfig(16, 16, 4, 2, 4)),  # 4 splits of 16 rows over 33: one split empty
+    (2, 32, 32, 48, AttnConfig(16, 16, 4, 2, 2)),  # two head blocks
+]
+
+
+@pytest.mark.parametrize("T,H,D,L,cfg", CPU_CASES)
+def test_attention_matches_reference_cpu(T, H, D, L, cfg):
+    gen = torch.Generator().manual_seed(1000 + T * H + D + L)
+    pool = 3 * L + 7
+    q = torch.randn(T, H, D, generator=gen)
+    kv = torch.randn(pool, D, generator=gen)
+    rows = _make_rows(T, L, pool, gen)
+    sinks = torch.randn(H, generator=gen) * 2
+    scale = D**-0.5
+    out = sparse_mqa_attention_triton(q, kv, rows, sinks, scale, cfg)
+    ref = sparse_mqa_attention_ref(q, kv, rows, sinks, scale)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5
+    assert out[0].abs().max().item() == 0.0  # no rows: sink only, output 0
+
+
+def test_attention_extreme_logits_and_sinks_cpu():
+    """Logits far above and far below the sink: the online max must not overflow or NaN."""
+    gen = torch.Generator().manual_seed(7)
+    T, H, D, L, pool = 4, 16, 32, 48, 100
+    q = torch.randn(T, H, D, generator=gen) * 8
+    kv = torch.randn(pool, D, generator=gen)
+    rows = _make_rows(T, L, pool, gen)
+    sinks = torch.linspace(-60, 60, H)
+    for cfg in (AttnConfig(16, 16, 4, 2, 1), AttnConfig(16, 16, 4, 2, 3)):
+        out = sparse_mqa_attention_triton(q, kv, rows, sinks, 1.0, cfg)
+        ref = sparse_mqa_attention_ref(q, kv, rows, sinks, 1.0)
+        assert torch.isfinite(out).all()
+        assert _rel(out, ref) < 1e-5
+
+
+def test_attention_strided_inputs_cpu():
+    """q as a slice of a wider tensor and a pool view with a row stride > D."""
+    gen = torch.Generator().manual_seed(11)
+    T, H, D, L, pool = 3, 4, 32, 20, 50
+    q_wide = torch.randn(T, H + 2, D, generator=gen)
+    q = q_wide[:, 1 : H + 1]
+    kv_wide = torch.randn(pool, D + 16, generator=gen)
+    kv = kv_wide[:, :D]
+    rows = _make_rows(T, L, pool, gen)
+    sinks = torch.randn(H, generator=gen)
+    out = sparse_mqa_attention_triton(q, kv, rows, sinks, 0.2)
+    ref = sparse_mqa_attention_ref(q, kv, rows, sinks, 0.2)
+    assert _rel(out, ref) < 1e-5
+
+
+def test_attention_config_is_static():
+    """Configs depend on shapes only and cover both the direct and the split path."""
+    big = attention_config(4096, 64, 640, 512, 132)
+    assert big.num_splits == 1 and big.block_h == 64
+    small = attention_config(8, 64, 640, 512, 132)
+    assert small.num_splits >= 1
+    assert attention_config(8, 64, 640, 512, 132) == small
+
+
+def test_dispatch_uses_reference_on_cpu():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 16, generator=gen)
+    kv = torch.randn(10, 16, generator=gen)
+    rows = torch.tensor([[0, 3, -1], [9, -1, 2]], dtype=torch.int32)
+    sinks = torch.zeros(4)
+    assert torch.equal(sparse_mqa_attention(q, kv, rows, sinks, 0.25), sparse_mqa_attention_ref(q, kv, rows, sinks, 0.25))
+
+
+# ---------------------------------------------------------------- GPU, real shapes
+def _gpu_case(T: int, H: int, L: int, window: int, pool: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    D = 512
+    q = torch.randn(T, H, D, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(pool, D, device="cuda", generator=gen).bfloat16()
+    # window rows first (some -1 for young sequences), then compressed rows with holes.
+    rows = torch.randint(0, pool, (T, L), device="cuda", generator=gen, dtype=torch.int32)
+    young = torch.rand(T, 1, device="cuda", generator=gen) < 0.3
+    rows[:, :window] = torch.where(young & (torch.arange(window, device="cuda") < window // 2), -1, rows[:, :window])
+    rows[torch.rand(T, L, device="cuda", generator=gen) < 0.1] = -1
+    rows[0] = -1
+    sinks = torch.randn(H, device="cuda", generator=gen)
+    return q, kv, rows, sinks, D**-0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_INTERPRET, reason="GPU tests need TRITON_INTERPRET=0")
+@pytest.mark.parametrize(
+    "name,T,H,L",
+    [
+        ("flash-csa-decode", 8, 64, 128 + 512),
+        ("flash-csa-prefill", 300, 64, 128 + 512),
+        ("flash-hca-decode-128k", 64, 64, 128 + 1024),
+        ("pro-csa-decode", 4, 128, 128 + 1024),
+        ("pro-csa-prefill", 200, 128, 128 + 1024),
+        ("pro-hca-decode-4k", 256, 128, 128 + 32),
+    ],
+)
+def test_attention_real_shapes_gpu(name, T, H, L):
+    q, kv, rows, sinks, scale = _gpu_case(T, H, L, 128, 50_000, seed=T * 7 + L)
+    ref = sparse_mqa_attention_ref(q.float(), kv.float(), rows, sinks, scale)
+    out = sparse_mqa_attention(q, kv, rows, sinks, scale)
+    torch.cuda.synchronize()
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert out[0].abs().max().item() == 0.0
+    assert _rel(out, ref) < 1e-2, name
+    # every config path (direct, split) computes the same function
+    for cfg in (AttnConfig(64, 32, 8, 3, 1), AttnConfig(16, 32, 4, 3, 4), AttnConfig(32, 32, 4, 3, 2)):
+        out2 = sparse_mqa_attention_triton(q, kv, rows, sinks, scale, cfg)
+        assert _rel(out2, ref) < 1e-2, (name, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_INTERPRET, reason="GPU tests need TRITON_INTERPRET=0")
+def test_attention_cuda_graph_replay_gpu():
+    """Captured once, replayed with new rows/q written in place: no host sync, no stale state."""
+    T, H, L = 8, 64, 640
+    q, kv, rows, sinks, scale = _gpu_case(T, H, L, 128, 20_000, seed=5)
+    sparse_mqa_attention(q, kv, rows, sinks, scale)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = sparse_mqa_attention(q, kv, rows, sinks, scale)
+    for seed in (1, 2):
+        q2, _, rows2, _, _ = _gpu_case(T, H, L, 128, 20_000, seed=100 + seed)
+        q.copy_(q2)
+        rows.copy_(rows2)
+        g.replay()
+        torch.cuda.synchronize()
+        ref = sparse_mqa_attention_ref(q.float(), kv.float(), rows, sinks, scale)
+        assert _rel(out, ref) < 1e-2

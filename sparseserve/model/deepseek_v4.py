@@ -60,10 +60,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_mult = hf.hc_mult
         self.model = DeepseekV4Decoder(model_config)
         self.lm_head = nn.Linear(hf.hidden_size, hf.vocab_size, bias=False)
-        rope_dim = hf.qk_rope_head_dim
-        for name in ("main", "compress"):
-            self.register_buffer(f"{name}_inv_freq", rope_inv_freq(hf.rope_parameters[name], rope_dim),
-                                 persistent=False)
+        for name, value in self.rope_buffers(model_config).items():
+            self.register_buffer(name, value, persistent=False)
+
+    @staticmethod
+    def rope_buffers(model_config: ModelConfig) -> dict[str, torch.Tensor]:
+        hf = model_config.hf_config
+        return {f"{name}_inv_freq": rope_inv_freq(hf.rope_parameters[name], hf.qk_rope_head_dim)
+                for name in ("main", "compress")}
 
     def inv_freq(self) -> dict[str, torch.Tensor]:
         return {"main": self.main_inv_freq, "compress": self.compress_inv_freq}

@@ -1,0 +1,203 @@
+"""Load a DeepSeek-V4 checkpoint directory (Hugging Face layout) or make dummy weights.
+
+- config.json goes through `transformers.DeepseekV4Config` (legacy keys such as
+  `compress_ratios`, `num_hash_layers`, `qk_rope_head_dim` are folded in there);
+- weights come from `model.safetensors` or a sharded `model.safetensors.index.json`, named as
+  `DeepseekV4ForCausalLM` writes them;
+- `mtp.*` tensors are returned separately for speculative decoding (not an error);
+- `load_format="dummy"` fills every tensor with random values of the right shape.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import DeepseekV4Config
+
+from ..config import ModelConfig
+from .deepseek_v4 import DeepseekV4ForCausalLM
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_MODEL = "tiny"
+
+# Presets with real V4 layer shapes but fewer layers/experts, for one GPU with dummy weights.
+PRESETS: dict[str, tuple[str, dict]] = {
+    "deepseek-v4-flash": ("deepseek-v4-flash", {}),
+    "deepseek-v4-pro": ("deepseek-v4-pro", {}),
+    "v4-flash-2l16e": ("deepseek-v4-flash", {"num_hidden_layers": 2, "n_routed_experts": 16,
+                                             "layer_types": ["compressed_sparse_attention",
+                                                             "heavily_compressed_attention"],
+                                             "num_hash_layers": 1}),
+    "v4-flash-4l64e": ("deepseek-v4-flash", {"num_hidden_layers": 4, "n_routed_experts": 64,
+                                             "layer_types": ["sliding_attention", "compressed_sparse_attention",
+                                                             "heavily_compressed_attention",
+                                                             "compressed_sparse_attention"],
+                                             "num_hash_layers": 1}),
+}
+
+
+KEEP_FP32 = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "norm")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory cannot be loaded as it is; the message names the problem."""
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> tuple[Path, dict]:
+    """A directory, a preset name or None (the embedded default model) -> (dir, hf overrides)."""
+    if model is None:
+        model = DEFAULT_MODEL
+    name = str(model)
+    if name in PRESETS:
+        base, overrides = PRESETS[name]
+        return CONFIGS_DIR / base, dict(overrides)
+    if (CONFIGS_DIR / name).is_dir() and not Path(name).is_dir():
+        return CONFIGS_DIR / name, {}
+    path = Path(name)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"model {name!r} is neither a directory nor a preset; presets: {', '.join(sorted(PRESETS))}, "
+            f"or one of the folders in {CONFIGS_DIR}"
+        )
+    return path, {}
+
+
+def load_hf_config(model_dir: Path, hf_overrides: dict | None = None) -> DeepseekV4Config:
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{model_dir} has no config.json")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+    if raw.get("model_type") not in (None, "deepseek_v4"):
+        raise CheckpointError(f"{config_path}: model_type is {raw.get('model_type')!r}, expected 'deepseek_v4'")
+    raw.pop("quantization_config", None)  # weights are served in bf16/fp32; fp8 files are rejected at load
+    overrides = dict(hf_overrides or {})
+    if "layer_types" in overrides or "num_hidden_layers" in overrides:
+        raw.pop("compress_ratios", None)
+    if "layer_types" in overrides:
+        raw.pop("layer_types", None)
+    raw.update(overrides)
+    for key in ("architectures", "transformers_version", "torch_dtype"):
+        raw.pop(key, None)
+    try:
+        return DeepseekV4Config(**raw)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{config_path}: invalid DeepSeek-V4 config: {exc}") from exc
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
+        files = sorted({model_dir / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index} names shard {f.name}, which is missing")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    if name in tensors:
+                        raise CheckpointError(f"tensor {name} appears in more than one shard (again in {f.name})")
+                    tensors[name] = handle.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot read {f}: it is corrupted or truncated ({exc})") from exc
+    return tensors
+
+
+def apply_weights(model: DeepseekV4ForCausalLM, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copy checkpoint tensors into the model; returns the kept `mtp.*` tensors."""
+    expected = model.state_dict()
+    mtp = {k: v for k, v in tensors.items() if k.startswith("mtp.")}
+    main = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+    missing = sorted(set(expected) - set(main))
+    unexpected = sorted(set(main) - set(expected))
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), first: {', '.join(missing[:5])}")
+    if unexpected:
+        raise CheckpointError(f"checkpoint has {len(unexpected)} unexpected tensor(s), first: {', '.join(unexpected[:5])}")
+    for name, value in main.items():
+        target = expected[name]
+        if tuple(value.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"tensor {name} has shape {tuple(value.shape)}, the config implies {tuple(target.shape)}"
+            )
+        if value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise CheckpointError(f"tensor {name} is fp8; fp8 checkpoints are not supported yet (use a bf16 copy)")
+    with torch.no_grad():
+        for name, value in main.items():
+            expected[name].copy_(value)
+    return mtp
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights of the right shapes (for benchmarks at real shapes; never zeros)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    hf = model.model_config.hf_config
+    for name, p in model.named_parameters():
+        if "norm" in name and name.endswith("weight"):
+            p.fill_(1.0)
+        elif p.dim() >= 2:
+            std = p.shape[-1] ** -0.5
+            p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
+        else:
+            p.copy_((torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype))
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):
+            b.copy_(torch.randint(0, hf.n_routed_experts, b.shape, generator=gen))
+            # Distinct experts per token: an offset walk modulo the expert count.
+            b.copy_((b[:, :1] + torch.arange(b.shape[1])) % hf.n_routed_experts)
+        elif name.endswith("e_score_correction_bias"):
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.01)
+
+
+def load_model(
+    model: str | os.PathLike | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    hf_overrides: dict | None = None,
+    seed: int = 0,
+) -> tuple[DeepseekV4ForCausalLM, ModelConfig, dict[str, torch.Tensor]]:
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+    model_dir, preset_overrides = resolve_model_dir(model)
+    overrides = {**preset_overrides, **(hf_overrides or {})}
+    hf_config = load_hf_config(model_dir, overrides)
+    model_config = ModelConfig(hf_config, dtype=dtype, path=str(model_dir))
+    with torch.device("meta"):
+        net = DeepseekV4ForCausalLM(model_config)
+    net = net.to_empty(device="cpu" if load_format != "dummy" else device)
+    # Non-persistent buffers (rope tables) are recomputed after to_empty.
+    fresh = DeepseekV4ForCausalLM.rope_buffers(model_config)
+    for name, value in fresh.items():
+        getattr(net, name).copy_(value)
+    mtp: dict[str, torch.Tensor] = {}
+    if load_format == "dummy":
+        init_dummy_weights(net, seed)
+    else:
+        mtp = apply_weights(net, read_tensors(checkpoint_files(model_dir)))
+    net = net.to(device)
+    for name, p in net.named_parameters():
+        # Small mixing/normalisation parameters stay fp32, as the reference keeps them.
+        if not any(part in name for part in KEEP_FP32):
+            p.data = p.data.to(dtype)
+    return net.eval(), model_config, mtp

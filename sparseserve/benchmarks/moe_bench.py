@@ -34,9 +34,10 @@ SWEEP = {
     "m16_n32_k128": moe.MoeConfig(16, 32, 128, 4, 4, 64, 128, 4, 4),
     "m16_n64_k128_s3": moe.MoeConfig(16, 64, 128, 4, 3, 128, 128, 4, 3),
     "m32_n32_k64": moe.MoeConfig(32, 32, 64, 4, 5, 64, 64, 4, 5),
+    "m32_n64_k64": moe.MoeConfig(32, 64, 64, 4, 4, 128, 64, 4, 4),
     "m64_n64_k64": moe.MoeConfig(64, 64, 64, 4, 4, 128, 64, 4, 4),
-    "m64_n64_k64_w8": moe.MoeConfig(64, 64, 64, 8, 4, 128, 64, 8, 4),
     "m128_n64_k64_w8": moe.MoeConfig(128, 64, 64, 8, 3, 128, 64, 8, 3),
+    "m128_n128_k64_w8": moe.MoeConfig(128, 128, 64, 8, 3, 256, 64, 8, 3),
 }
 
 
@@ -45,10 +46,10 @@ def sweep_for(num_tokens: int, top_k: int, num_experts: int) -> list[str]:
     if avg <= 1:
         return ["m16_n32_k64", "m16_n32_k128", "m16_n64_k128_s3"]
     if avg <= 4:
-        return ["m16_n32_k64", "m16_n32_k128", "m32_n32_k64"]
+        return ["m16_n32_k64", "m16_n32_k128", "m16_n64_k128_s3"]
     if avg <= 24:
-        return ["m16_n32_k64", "m32_n32_k64", "m64_n64_k64"]
-    return ["m64_n64_k64", "m64_n64_k64_w8", "m128_n64_k64_w8"]
+        return ["m16_n32_k64", "m32_n32_k64", "m32_n64_k64"]
+    return ["m64_n64_k64", "m128_n64_k64_w8", "m128_n128_k64_w8"]
 
 
 def sync() -> None:

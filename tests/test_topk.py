@@ -1,0 +1,239 @@
+"""Top-k tests on the CPU: the reference, and both Triton paths under TRITON_INTERPRET=1.
+
+The GPU tests (real shapes, CUDA-graph replay, the bug-switch regression) live in
+tests/test_topk_gpu.py.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import pytest
+import torch
+
+from sparseserve.kernels.topk import IndexerTopK, auto_path, topk_indices, topk_indices_ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRET, reason="triton was imported before TRITON_INTERPRET=1 could be set (run this file alone)"
+)
+
+
+def assert_topk_valid(out: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor, k: int) -> None:
+    """Exact sets against the reference, and sets-with-equal-scores against torch.topk."""
+    ref = topk_indices_ref(scores, lengths, k)
+    assert out.shape == ref.shape and out.dtype == torch.int32
+    for r in range(out.shape[0]):
+        n = int(min(max(int(lengths[r]), 0), scores.shape[1]))
+        m = min(n, k)
+        got = out[r].tolist()
+        assert got[m:] == [-1] * (k - m), f"row {r}: slots past min(length, k) must be -1"
+        assert sorted(got[:m]) == sorted(ref[r, :m].tolist()), f"row {r} (length {n}): index set differs"
+        if m:
+            top = torch.topk(scores[r, :n], m).values.sort().values
+            mine = scores[r, torch.tensor(got[:m])].sort().values
+            assert torch.equal(top, mine), f"row {r}: chosen scores differ from torch.topk"
+
+
+def make_rows(rows: int, width: int, gen: torch.Generator, kind: str) -> torch.Tensor:
+    if kind == "random":
+        return torch.randn(rows, width, generator=gen)
+    if kind == "ties":  # many equal values, so ties straddle the k-th score
+        return torch.randint(0, 5, (rows, width), generator=gen).float() * 0.25
+    if kind == "mixed":  # negatives, zeros of both signs, infinities among the valid entries
+        x = torch.randn(rows, width, generator=gen)
+        x[:, ::7] = 0.0
+        x[:, 3::7] = -0.0
+        x[:, 5::11] = float("-inf")
+        x[:, 6::13] = float("inf")
+        return x
+    raise ValueError(kind)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def test_reference_tie_rule_and_padding():
+    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 9.0], [5.0, 5.0, 5.0, 5.0, 0.0, 0.0]])
+    lengths = torch.tensor([5, 3], dtype=torch.int32)  # column 5 of row 0 is ignored
+    out = topk_indices_ref(scores, lengths, 4)
+    assert sorted(out[0].tolist()) == [1, 2, 3, 4]
+    assert out[1].tolist()[:3] == [0, 1, 2] and out[1, 3] == -1
+
+
+def test_free_function_on_cpu_is_reference():
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(3, 50, generator=gen)
+    lengths = torch.tensor([50, 7, 0], dtype=torch.int32)
+    assert torch.equal(topk_indices(scores, lengths, 8), topk_indices_ref(scores, lengths, 8))
+
+
+# ----------------------------------------------------------------------------- Triton paths (interpreter)
+
+CASES = [
+    # rows, width, k, kind
+    (4, 3000, 64, "random"),
+    (3, 2500, 512, "random"),
+    (4, 1500, 16, "ties"),
+    (3, 2100, 100, "mixed"),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path", ["standard", "persistent"])
+@pytest.mark.parametrize("rows,width,k,kind", CASES)
+def test_triton_paths_match_reference(path, rows, width, k, kind):
+    gen = torch.Generator().manual_seed(rows * 1000 + width + k)
+    scores = make_rows(rows, width, gen, kind)
+    # Lengths: full, just above k, exactly k, just below k, a chunk boundary, zero.
+    choices = [width, k + 1, k, k - 1, 1024, 1025, 0, width - 1]
+    lengths = torch.tensor([min(choices[(i * 3 + k) % len(choices)], width) for i in range(rows)], dtype=torch.int32)
+    lengths[0] = width
+    # Garbage past the length must be ignored, even NaN and +inf.
+    for r in range(rows):
+        scores[r, int(lengths[r]):] = float("nan") if r % 2 else float("inf")
+    op = IndexerTopK(rows, width, k, backend=path, device="cpu", num_programs=3)
+    assert op.path == path
+    assert_topk_valid(op(scores, lengths).clone(), scores, lengths, k)
+
+
+@needs_interpreter
+def test_paths_agree_exactly_including_order():
+    """Both paths write the same slots: the entries above the k-th score, then the ties, by index."""
+    gen = torch.Generator().manual_seed(7)
+    for kind in ("random", "ties"):
+        scores = make_rows(3, 2600, gen, kind)
+        lengths = torch.tensor([2600, 1800, 300], dtype=torch.int32)
+        outs = [
+            IndexerTopK(3, 2600, 128, backend=p, device="cpu", num_programs=2)(scores, lengths).clone()
+            for p in ("standard", "persistent")
+        ]
+        assert torch.equal(outs[0], outs[1])
+
+
+@needs_interpreter
+def test_lengths_around_k_and_chunk_edges():
+    gen = torch.Generator().manual_seed(3)
+    k, width = 32, 2200
+    lens = [0, 1, k - 1, k, k + 1, 1023, 1024, 1025, 2047, 2048, 2049, width]
+    scores = make_rows(len(lens), width, gen, "ties")
+    lengths = torch.tensor(lens, dtype=torch.int32)
+    for path in ("standard", "persistent"):
+        op = IndexerTopK(len(lens), width, k, backend=path, device="cpu", num_programs=5)
+        assert_topk_valid(op(scores, lengths).clone(), scores, lengths, k)
+
+
+@needs_interpreter
+def test_k_larger_than_width_and_fewer_rows_than_max():
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(2, 40, generator=gen)
+    lengths = torch.tensor([40, 13], dtype=torch.int32)
+    for path in ("standard", "persistent"):
+        op = IndexerTopK(8, 64, 64, backend=path, device="cpu", num_programs=3)
+        out = op(scores, lengths)
+        assert out.shape == (2, 64)
+        assert_topk_valid(out.clone(), scores, lengths, 64)
+
+
+@needs_interpreter
+def test_persistent_workspace_reset_every_call():
+    """Repeated calls on one object stay right: the path zeroes its counters each call."""
+    gen = torch.Generator().manual_seed(11)
+    op = IndexerTopK(2, 3000, 64, backend="persistent", device="cpu", num_programs=3)
+    for i in range(4):
+        scores = torch.randn(2, 3000, generator=gen)
+        lengths = torch.tensor([3000 - 100 * i, 500 + i], dtype=torch.int32)
+        assert_topk_valid(op(scores, lengths).clone(), scores, lengths, 64)
+
+
+@needs_interpreter
+def test_bug_switch_is_detected():
+    """The historical bug (zeroing skipped when the host max_seq_len is short) shows as -2 rows."""
+    gen = torch.Generator().manual_seed(13)
+    k = 64
+    op = IndexerTopK(2, 3000, k, backend="persistent", device="cpu", num_programs=3, _debug_skip_reset_when_short=True)
+    lengths = torch.tensor([3000, 2000], dtype=torch.int32)
+    scores = torch.randn(2, 3000, generator=gen)
+    # A long call with the true max_seq_len zeroes and is right.
+    assert_topk_valid(op(scores, lengths, max_seq_len=3000).clone(), scores, lengths, k)
+    # Frozen at a short max_seq_len (as a graph captured at a short length would be): stale counters.
+    scores = torch.randn(2, 3000, generator=gen)
+    out = op(scores, lengths, max_seq_len=k).clone()
+    assert (out == -2).all(), "stale counters must poison the rows with -2"
+    # The same object without the frozen short length recovers.
+    assert_topk_valid(op(scores, lengths, max_seq_len=3000).clone(), scores, lengths, k)
+
+
+# ----------------------------------------------------------------------------- interface
+
+
+def test_auto_picks_from_static_facts_only():
+    assert auto_path(1, 262144) == "persistent"
+    assert auto_path(4096, 262144) == "standard"
+    assert auto_path(4096, 8192) == "standard"
+    for rows, width in [(1, 8192), (8, 65536), (64, 262144), (256, 262144)]:
+        assert auto_path(rows, width) in ("standard", "persistent")
+
+
+def test_auto_on_cpu_without_interpreter_falls_back_to_torch():
+    code = (
+        "import os; os.environ.pop('TRITON_INTERPRET', None)\n"
+        "import torch\n"
+        "from sparseserve.kernels.topk import IndexerTopK, topk_indices_ref\n"
+        "op = IndexerTopK(2, 100, 8, device='cpu')\n"
+        "assert op.path == 'torch', op.path\n"
+        "s = torch.randn(2, 100); l = torch.tensor([100, 5], dtype=torch.int32)\n"
+        "assert torch.equal(op(s, l), topk_indices_ref(s, l, 8))\n"
+        "try:\n"
+        "    IndexerTopK(2, 100, 8, backend='standard', device='cpu')\n"
+        "    raise SystemExit('expected ValueError')\n"
+        "except ValueError:\n"
+        "    pass\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def test_torch_backend_matches_reference():
+    gen = torch.Generator().manual_seed(2)
+    scores = torch.randn(3, 300, generator=gen)
+    lengths = torch.tensor([300, 20, 0], dtype=torch.int32)
+    op = IndexerTopK(4, 300, 32, backend="torch", device="cpu")
+    assert torch.equal(op(scores, lengths), topk_indices_ref(scores, lengths, 32))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_rows=0, max_width=10, k=4),
+        dict(max_rows=2, max_width=10, k=0),
+        dict(max_rows=2, max_width=10, k=4, backend="fast"),
+        dict(max_rows=2, max_width=10, k=4.0),
+    ],
+)
+def test_bad_constructor_arguments(kwargs):
+    with pytest.raises(ValueError):
+        IndexerTopK(device="cpu", **kwargs)
+
+
+def test_bad_call_arguments():
+    op = IndexerTopK(2, 100, 8, backend="torch", device="cpu")
+    good_l = torch.tensor([10, 10], dtype=torch.int32)
+    with pytest.raises(ValueError):
+        op(torch.randn(2, 100, dtype=torch.float64), good_l)
+    with pytest.raises(ValueError):
+        op(torch.randn(2, 100), good_l.long())
+    with pytest.raises(ValueError):
+        op(torch.randn(3, 100), torch.tensor([1, 2, 3], dtype=torch.int32))  # more rows than max_rows
+    with pytest.raises(ValueError):
+        op(torch.randn(2, 101), good_l)  # wider than max_width
+    with pytest.raises(ValueError):
+        op(torch.randn(100, 2).t(), good_l)  # non-contiguous rows
+    with pytest.raises(ValueError):
+        topk_indices(torch.randn(2, 10), good_l, 0)

@@ -186,6 +186,12 @@ def main() -> None:
         row["triton_config"] = str(cfg)
         row["triton_ms"] = timer(lambda: moe.fused_moe_triton(*call_args))
         row["align_ms"] = timer(lambda: moe.moe_align(ids, num_experts, cfg.block_m))
+        # Stage breakdown (default config): the two grouped GEMMs alone.
+        sorted_ids, block_expert = moe.moe_align(ids, num_experts, cfg.block_m)
+        act = moe.moe_gate_up(x, w_gate_up, sorted_ids, block_expert, top_k, limit, cfg)
+        row["gate_up_ms"] = timer(lambda: moe.moe_gate_up(x, w_gate_up, sorted_ids, block_expert, top_k, limit, cfg))
+        row["down_ms"] = timer(lambda: moe.moe_down(act, w_down, sorted_ids, block_expert, weights, cfg))
+        del act
         if args.sweep:
             row["sweep_ms"] = {}
             for name in sweep_for(num_tokens, top_k, num_experts):
@@ -217,14 +223,14 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print()
-    print(f"{'T':>5} {'touched':>7} {'floorBW':>8} {'floorTC':>8} {'triton':>8} {'x floor':>7} {'grouped':>8} {'ref':>8} {'align':>7}  sweep")
+    print(f"{'T':>5} {'touched':>7} {'floorBW':>8} {'floorTC':>8} {'triton':>8} {'x floor':>7} {'grouped':>8} {'ref':>8} {'align':>7} {'gate_up':>7} {'down':>7}  sweep")
     for r in rows:
         fmt = lambda v: f"{v:8.3f}" if isinstance(v, float) else f"{'-':>8}"  # noqa: E731
         sweep = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}=X" for k, v in r.get("sweep_ms", {}).items())
         print(
             f"{r['tokens']:>5} {r['experts_touched']:>7} {fmt(r['floor_weight_read_ms'])} {fmt(r['floor_tensor_core_ms'])} "
             f"{fmt(r['triton_ms'])} {r['triton_over_floor']:7.2f} {fmt(r.get('grouped_mm_ms'))} {fmt(r.get('ref_ms'))} "
-            f"{r['align_ms']:7.3f}  {sweep}"
+            f"{r['align_ms']:7.3f} {r['gate_up_ms']:7.3f} {r['down_ms']:7.3f}  {sweep}"
         )
 
 

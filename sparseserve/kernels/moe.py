@@ -292,6 +292,58 @@ def _interpreting() -> bool:
     return _INTERPRET
 
 
+def moe_gate_up(
+    x: torch.Tensor, w_gate_up: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+    top_k: int, swiglu_limit: float, cfg: MoeConfig,
+) -> torch.Tensor:
+    """Stage 1: act[row] = swiglu_clamped(x[token(row)] @ w_gate_up[e].T) for every padded row.
+
+    Reference: the gate_up matmul and swiglu_clamped lines of fused_moe_ref, per expert.
+    """
+    hidden = x.shape[1]
+    inter = w_gate_up.shape[1] // 2
+    assert hidden % cfg.gu_block_k == 0 and inter % cfg.gu_block_n == 0, "tile must divide D and I"
+    assert x.stride(1) == 1 and w_gate_up.stride(2) == 1
+    num_m_blocks = block_expert.numel()
+    act = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    grid = (num_m_blocks * (inter // cfg.gu_block_n),)
+    _moe_gate_up_kernel[grid](
+        x, w_gate_up, act, sorted_ids, block_expert,
+        x.shape[0] * top_k, top_k, hidden, inter, num_m_blocks,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+        float(swiglu_limit),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k, UPCAST=_interpreting(),
+        num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
+    )
+    return act
+
+
+def moe_down(
+    act: torch.Tensor, w_down: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+    topk_weights: torch.Tensor, cfg: MoeConfig,
+) -> torch.Tensor:
+    """Stage 2: y[t*k+j] = w[t, j] * (act[row] @ w_down[e].T), one row per assignment.
+
+    Reference: the down matmul and weighting lines of fused_moe_ref, before the index_add.
+    """
+    hidden, inter = w_down.shape[1], w_down.shape[2]
+    assert hidden % cfg.dn_block_n == 0 and inter % cfg.dn_block_k == 0, "tile must divide D and I"
+    assert w_down.stride(2) == 1
+    num_assign = topk_weights.numel()
+    num_m_blocks = block_expert.numel()
+    y = torch.empty(num_assign, hidden, dtype=act.dtype, device=act.device)
+    route_w = topk_weights.reshape(-1).float().contiguous()
+    grid = (num_m_blocks * (hidden // cfg.dn_block_n),)
+    _moe_down_kernel[grid](
+        act, w_down, y, sorted_ids, block_expert, route_w,
+        num_assign, hidden, inter, num_m_blocks,
+        act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=cfg.dn_block_k, UPCAST=_interpreting(),
+        num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
+    )
+    return y
+
+
 def fused_moe_triton(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -306,39 +358,14 @@ def fused_moe_triton(
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
-    num_assign = num_tokens * top_k
     cfg = fit_config(config, hidden, inter) if config else moe_config(num_tokens, top_k, num_experts, hidden, inter)
-    assert hidden % cfg.gu_block_k == 0 and inter % cfg.gu_block_n == 0, "tile must divide D and I"
-    assert hidden % cfg.dn_block_n == 0 and inter % cfg.dn_block_k == 0, "tile must divide D and I"
     x = x.contiguous()
-    w_gate_up = w_gate_up.contiguous()
-    w_down = w_down.contiguous()
     sorted_ids, block_expert = moe_align(topk_ids, num_experts, cfg.block_m)
-    padded_rows = sorted_ids.numel()
-    num_m_blocks = block_expert.numel()
-    act = torch.empty(padded_rows, inter, dtype=x.dtype, device=x.device)
-    limit = float(swiglu_limit)
-    grid = (num_m_blocks * (inter // cfg.gu_block_n),)
-    _moe_gate_up_kernel[grid](
-        x, w_gate_up, act, sorted_ids, block_expert,
-        num_assign, top_k, hidden, inter, num_m_blocks,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        limit,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k, UPCAST=_interpreting(),
-        num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
-    )
-    y = torch.empty(num_assign, hidden, dtype=x.dtype, device=x.device)
-    route_w = topk_weights.reshape(-1).float().contiguous()
-    grid = (num_m_blocks * (hidden // cfg.dn_block_n),)
-    _moe_down_kernel[grid](
-        act, w_down, y, sorted_ids, block_expert, route_w,
-        num_assign, hidden, inter, num_m_blocks,
-        act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=cfg.dn_block_k, UPCAST=_interpreting(),
-        num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
-    )
+    act = moe_gate_up(x, w_gate_up, sorted_ids, block_expert, top_k, swiglu_limit, cfg)
+    y = moe_down(act, w_down, sorted_ids, block_expert, topk_weights, cfg)
     if top_k == 1:
         return y
+    # Deterministic combine (fp32 accumulation inside the sum), no atomics.
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
 
 

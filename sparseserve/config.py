@@ -66,3 +66,71 @@ class CacheConfig:
     @property
     def bytes_per_block(self) -> int:
         return sum(self.bytes_per_block_by_kind.values())
+
+
+@dataclass
+class EngineConfig:
+    """Every option of `LLM(...)`, with vLLM's names; validated by `validate()`."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    block_size: int | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    load_format: str = "auto"
+    hf_overrides: dict | None = None
+    speculative_config: dict | None = None
+    topk_backend: str = "auto"
+    num_gpu_blocks_override: int | None = None
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise NotImplementedError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; sparseserve runs on one GPU"
+            )
+        if self.speculative_config is not None:
+            raise NotImplementedError("speculative_config is not supported yet (MTP speculative decoding is planned)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.topk_backend not in ("auto", "standard", "persistent", "torch"):
+            raise ValueError(
+                f"topk_backend must be 'auto', 'standard', 'persistent' or 'torch', got {self.topk_backend!r}"
+            )
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu' or 'auto'")
+        return device
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        """'auto' is bfloat16 on CUDA and float32 on the CPU."""
+        names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16, "half": torch.float16}
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if self.dtype not in names:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {self.dtype!r}")
+        return names[self.dtype]

@@ -1,0 +1,303 @@
+"""The engine: requests in, scheduled steps through the runner, outputs back.
+
+One step: scheduler picks chunks -> runner runs the model and samples -> the engine
+appends tokens, detokenises, checks stops and frees finished requests.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from ..config import CacheConfig, EngineConfig
+from ..model.loader import load_model, resolve_model_dir
+from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..sampling_params import SamplingParams
+from ..worker.model_runner import ModelRunner, RunnerOutput
+from .detokenizer import detokenize_incrementally
+from .kv_cache import KVCacheManager, KVPlan, RequestTooLargeError, plan_kv
+from .request import Request
+from .scheduler import Scheduler
+
+logger = logging.getLogger("sparseserve")
+
+CPU_DEFAULT_CACHE_BYTES = 4 * 1024**3
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot run as given; the message says what to change."""
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        logger.info("no tokenizer loaded from %s (%s); prompts must be token ids", path, exc.__class__.__name__)
+        return None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        self.model, self.model_config, self.mtp_tensors = load_model(
+            config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed)
+        hf = self.model_config.hf_config
+        self.vocab_size = hf.vocab_size
+        self.max_model_len = int(config.max_model_len or hf.max_position_embeddings)
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if config.max_num_batched_tokens is not None:
+            self.max_num_batched_tokens = config.max_num_batched_tokens
+        else:
+            self.max_num_batched_tokens = 8192 if config.enable_chunked_prefill else self.max_model_len
+        if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}); enable chunked prefill or raise the budget")
+        self.block_size = config.block_size or max(self.model_config.lcm_rate, 16)
+        dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        self.kv_plan: KVPlan = plan_kv(self.model_config, dtype_bytes, self.block_size, self.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, config.max_num_seqs,
+                                  self.max_num_batched_tokens, self.max_model_len, self.block_size)
+        num_blocks, cache_bytes = self._size_cache()
+        self.runner.allocate_state(num_blocks)
+        self.cache_config = CacheConfig(
+            block_size=self.block_size, num_gpu_blocks=num_blocks, num_cpu_blocks=0,
+            num_slots=config.max_num_seqs,
+            bytes_per_block_by_kind=dict(self.kv_plan.bytes_per_block_by_kind),
+            bytes_per_slot_by_kind=dict(self.kv_plan.bytes_per_slot_by_kind))
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        logger.info("%s", self.kv_plan.report(self.max_model_len, cache_bytes))
+        logger.info("cache: %d blocks of %d tokens, %d slots (%.2f GiB)", num_blocks, self.block_size,
+                    config.max_num_seqs, cache_bytes / 1024**3)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            logger.warning("CUDA graphs are not implemented yet: decode steps run eagerly")
+        model_dir, _ = resolve_model_dir(config.model)
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_dir)
+        self.eos_token_id = hf.eos_token_id if isinstance(hf.eos_token_id, int) else None
+        self._rng = random.Random(config.seed)
+        self._counter = itertools.count()
+        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[Request]] = {}
+        self.prompts: dict[str, tuple[str | None, list[int]]] = {}
+
+    # ---- sizing ----
+    def _size_cache(self) -> tuple[int, int]:
+        plan = self.kv_plan
+        slots_bytes = self.config.max_num_seqs * plan.bytes_per_slot + plan.fixed_bytes
+        if self.config.kv_cache_memory_bytes is not None:
+            cache_bytes = self.config.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            peak = self.runner.profile_peak_activation_bytes()
+            free, total = torch.cuda.mem_get_info(self.device)
+            cache_bytes = int(self.config.gpu_memory_utilization * total - (total - free) - peak)
+        else:
+            full = self.config.max_num_seqs * plan.sequence_bytes(self.max_model_len) + plan.fixed_bytes
+            cache_bytes = min(full, max(CPU_DEFAULT_CACHE_BYTES, slots_bytes + plan.sequence_bytes(self.max_model_len)))
+        num_blocks = (cache_bytes - slots_bytes) // max(plan.bytes_per_block, 1)
+        if self.config.num_gpu_blocks_override is not None:
+            num_blocks = self.config.num_gpu_blocks_override
+            cache_bytes = slots_bytes + num_blocks * plan.bytes_per_block
+        elif plan.bytes_per_block == 0:  # sliding-window-only model: no growing state
+            num_blocks = self.config.max_num_seqs * plan.blocks_for(self.max_model_len)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache: {cache_bytes / 1024**3:.2f} GiB available, "
+                f"{slots_bytes / 1024**3:.2f} GiB needed for {self.config.max_num_seqs} sequence slots; "
+                "lower max_num_seqs or max_num_batched_tokens, or raise gpu_memory_utilization")
+        return int(num_blocks), int(cache_bytes)
+
+    # ---- requests ----
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer; pass {'prompt_token_ids': [...]} instead")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                    raise InvalidRequestError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                return self._prompt_ids(prompt["prompt"])
+        raise InvalidRequestError(
+            f"a prompt must be a string or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}")
+
+    def validate_request(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Everything that can be checked before a request is queued; raises with a clear message."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise RequestTooLargeError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
+                "shorten the prompt or raise max_model_len")
+        if params.stop_strings and (self.tokenizer is None or not params.detokenize):
+            raise InvalidRequestError("stop strings need detokenize=True and a tokenizer; use stop_token_ids instead")
+        longest = self._max_total_tokens(len(ids), params)
+        if self.kv.blocks_for(longest) > self.kv.num_blocks:
+            raise RequestTooLargeError(
+                f"the request may reach {longest} tokens, which needs {self.kv.blocks_for(longest)} cache blocks; "
+                f"the cache has {self.kv.num_blocks}. Lower max_tokens or give the cache more memory")
+        return text, ids
+
+    def _max_total_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        if params.max_tokens is None:
+            return self.max_model_len
+        return min(prompt_len + params.max_tokens, self.max_model_len)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self.validate_request(prompt, params)
+        self._add_validated(request_id, text, ids, params)
+
+    def _add_validated(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> None:
+        children = []
+        for index in range(params.n):
+            if params.seed is not None:
+                seed = (params.seed * 1_000_003 + index) & 0xFFFFFFFF
+            else:
+                seed = self._rng.getrandbits(32)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            req = Request(child_id, text, list(ids), params, seed, next(self._counter))
+            if params.logprobs is not None:
+                req.logprobs = []
+            self.requests[child_id] = req
+            children.append(req)
+            self.scheduler.add(req)
+        self.groups[request_id] = children
+        self.prompts[request_id] = (text, list(ids))
+
+    def abort_request(self, request_id: str) -> None:
+        for req in self.groups.pop(request_id, []):
+            if not req.is_finished:
+                self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+        self.prompts.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping ----
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could schedule nothing while requests wait; this is a bug")
+            return []
+        result = self.runner.execute(sched)
+        finished_groups: set[str] = set()
+        for chunk in sched.chunks:
+            req = chunk.request
+            req.num_computed_tokens += chunk.num_tokens
+            self._record_prompt_logprobs(req, result)
+            sampled = result.sampled.get(req.request_id)
+            if sampled is None:
+                continue
+            new_text = self._append_token(req, sampled)
+            if self._check_stop(req, len(new_text)):
+                self.scheduler.finish(req)
+                finished_groups.add(self._group_of(req))
+        outputs = []
+        for group_id in finished_groups:
+            if all(r.is_finished for r in self.groups[group_id]):
+                outputs.append(self._make_output(group_id))
+        return outputs
+
+    def _group_of(self, req: Request) -> str:
+        return req.request_id.split("#", 1)[0] if req.params.n > 1 else req.request_id
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    def _record_prompt_logprobs(self, req: Request, result: RunnerOutput) -> None:
+        rows = result.prompt_logprobs.get(req.request_id)
+        if not rows:
+            return
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]
+        for position, lp, rank, top in rows:
+            if position != len(req.prompt_logprobs):
+                continue  # already recorded (a recompute after preemption)
+            entry = {tid: Logprob(v, r + 1, self._decode_token(tid)) for r, (tid, v) in enumerate(top)}
+            target = req.prompt_token_ids[position]
+            entry[target] = Logprob(lp, rank, self._decode_token(target))
+            req.prompt_logprobs.append(entry)
+
+    def _append_token(self, req: Request, sampled) -> str:
+        req.output_token_ids.append(sampled.token_id)
+        if req.logprobs is not None:
+            entry = {tid: Logprob(v, r + 1, self._decode_token(tid)) for r, (tid, v) in enumerate(sampled.top)}
+            entry[sampled.token_id] = Logprob(sampled.logprob, sampled.rank, self._decode_token(sampled.token_id))
+            req.logprobs.append(entry)
+            req.cumulative_logprob += sampled.logprob
+        if req.params.detokenize and self.tokenizer is not None:
+            return detokenize_incrementally(self.tokenizer, req, req.params.skip_special_tokens)
+        return ""
+
+    def _check_stop(self, req: Request, new_text_len: int) -> bool:
+        params = req.params
+        token = req.output_token_ids[-1]
+        num_out = len(req.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id:
+                return self._finish(req, "stop", None)
+            if params.stop_token_ids and token in params.stop_token_ids:
+                return self._finish(req, "stop", token)
+            for stop in params.stop_strings:
+                # A new match must overlap the text added by this token.
+                idx = req.text.find(stop, max(0, len(req.text) - new_text_len - len(stop) + 1)) if new_text_len else -1
+                if idx != -1:
+                    req.text = req.text[:idx]
+                    return self._finish(req, "stop", stop)
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return self._finish(req, "length", None)
+        if req.num_tokens >= self.max_model_len:
+            return self._finish(req, "length", None)
+        return False
+
+    @staticmethod
+    def _finish(req: Request, reason: str, stop_reason) -> bool:
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        return True
+
+    def _make_output(self, group_id: str) -> RequestOutput:
+        children = self.groups.pop(group_id)
+        text, ids = self.prompts.pop(group_id)
+        completions = []
+        for index, req in enumerate(children):
+            self.requests.pop(req.request_id, None)
+            completions.append(CompletionOutput(
+                index=index, text=req.text, token_ids=list(req.output_token_ids),
+                cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+                logprobs=req.logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason))
+        return RequestOutput(request_id=group_id, prompt=text, prompt_token_ids=ids, outputs=completions,
+                             finished=True, prompt_logprobs=children[0].prompt_logprobs,
+                             metrics={"num_preemptions": sum(r.num_preemptions for r in children)})
+
+    def kv_report(self, max_model_len: int | None = None) -> str:
+        cache_bytes = self.cache_config.num_gpu_blocks * self.kv_plan.bytes_per_block
+        return self.kv_plan.report(max_model_len or self.max_model_len, cache_bytes)
+
+    def all_cache_free(self) -> bool:
+        return self.kv.all_free()

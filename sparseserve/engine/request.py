@@ -1,0 +1,52 @@
+"""A request as the engine tracks it: tokens, progress through the cache, output state."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ..outputs import Logprob
+from ..sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sample_seed: int  # counter-based RNG seed: same seed, same samples, whatever the batch
+    arrival: int  # order of arrival (lower = higher priority)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose state is in the cache
+    slot: int | None = None
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    # Output state
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Incremental detokenisation offsets (see engine/detokenizer.py)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

@@ -1,0 +1,115 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step: running requests first (in arrival order), then waiting ones, under a token
+budget of `max_num_batched_tokens` and at most `max_num_seqs` running. A request that
+needs blocks when none are free preempts the newest running request (its blocks and slot
+are freed and it restarts from scratch later), possibly itself.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the request's last token, so a new token is sampled."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.WAITING
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not self.kv.can_allocate(request, request.num_computed_tokens + n):
+                victim = self.running[-1]
+                if victim.request_id in scheduled:
+                    # Never preempt a request already in this step; stop scheduling instead.
+                    victim = request
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            self.kv.allocate(request, request.num_computed_tokens + n)
+            out.chunks.append(ScheduledChunk(request, n))
+            scheduled.add(request.request_id)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            remaining = request.num_tokens - request.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.enable_chunked_prefill:
+                break
+            if not self.kv.can_allocate(request, request.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.kv.allocate(request, request.num_computed_tokens + n)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, n))
+            scheduled.add(request.request_id)
+            budget -= n
+        return out
+
+    def finish(self, request: Request) -> None:
+        """Free a finished request's blocks and slot."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED

@@ -1,0 +1,19 @@
+"""The package logger; SPARSESERVE_LOGGING_LEVEL (default INFO) sets its level."""
+from __future__ import annotations
+
+import logging
+import os
+
+_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
+
+
+def init_logger() -> logging.Logger:
+    logger = logging.getLogger("sparseserve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    level = os.environ.get("SPARSESERVE_LOGGING_LEVEL", "INFO").upper()
+    logger.setLevel(getattr(logging, level, logging.INFO))
+    return logger

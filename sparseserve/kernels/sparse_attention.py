@@ -198,7 +198,9 @@ def attention_config(num_tokens: int, num_heads: int, num_rows: int, head_dim: i
     block_h = 16
     programs = num_tokens * triton.cdiv(num_heads, block_h)
     max_splits = max(1, num_rows // 128)  # each split keeps >= 128 rows so partials stay small
-    splits = max(1, min(max_splits, triton.cdiv(2 * num_sms, programs)))
+    splits = 1
+    while splits * 2 <= max_splits and programs * splits < 2 * num_sms:  # powers of 2: few compiles
+        splits *= 2
     return AttnConfig(block_h, 64 if not big_d else 32, 4, 3, splits)
 
 

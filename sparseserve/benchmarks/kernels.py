@@ -223,6 +223,27 @@ def measure_ceilings() -> dict:
     return dict(copy_bytes_per_s=2 * x.numel() * 2 / (copy_us * 1e-6), bf16_gemm_flops=2 * 8192**3 / (mm_us * 1e-6))
 
 
+def kernel_report() -> list[dict]:
+    """Registers, spills and shared memory of every compiled variant (best effort: the cache
+    layout is Triton-internal)."""
+    from sparseserve.kernels import indexer as idx_mod, sparse_attention as attn_mod
+
+    rows = []
+    for fn in (attn_mod._sparse_mqa_fwd_kernel, attn_mod._sparse_mqa_merge_kernel, idx_mod._indexer_scores_kernel):
+        try:
+            for entry in getattr(fn, "device_caches", {}).values():
+                for key, k in entry[0].items():
+                    md = k.metadata
+                    rows.append(dict(kernel=fn.__name__, key=str(key)[:300], n_regs=k.n_regs, n_spills=k.n_spills,
+                                     shared=getattr(md, "shared", None), num_warps=getattr(md, "num_warps", None),
+                                     num_stages=getattr(md, "num_stages", None)))
+        except Exception as exc:  # noqa: BLE001
+            rows.append(dict(kernel=fn.__name__, error=repr(exc)[:200]))
+    for r in rows:
+        print("kernel", r)
+    return rows
+
+
 def _record(results, kernel, phase, meta, case, t_us, ref_us, cfg) -> None:
     bps = case["bytes"] / (t_us * 1e-6)
     fps = case["flops"] / (t_us * 1e-6)
@@ -337,13 +358,14 @@ def run(args) -> dict:
         del case
     for r in results + sweep:
         r.pop("sweep", None)
+    compiled = kernel_report() if DEV == "cuda" else []
     return dict(
         card=card, sms=num_sms, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         torch=torch.__version__, triton=triton.__version__,
         command="PYTHONPATH=. python -m sparseserve.benchmarks.kernels " + " ".join(sys.argv[1:]),
         roofline=dict(hbm_bytes_per_s=HBM_BPS, bf16_flops=BF16_FLOPS, measured_now=ceilings),
         timing="triton.testing.do_bench median (warmup 10 ms, rep 40 ms, L2 flushed each run); reference: min of 2 event-timed runs after 1 warm-up",
-        results=results, sweep=sweep,
+        results=results, sweep=sweep, compiled=compiled,
     )
 
 

@@ -14,7 +14,12 @@ import pytest  # noqa: E402
 
 from sparseserve.kernels import moe  # noqa: E402
 
-triton_needed = pytest.mark.skipif(not moe.HAS_TRITON, reason="needs triton")
+# The kernels run on the CPU only if TRITON_INTERPRET=1 was set before sparseserve was first
+# imported (a test module collected earlier may have imported it): then run this file alone.
+triton_needed = pytest.mark.skipif(
+    not moe.HAS_TRITON or not (torch.cuda.is_available() or moe._INTERPRET),
+    reason="needs triton, and on the CPU TRITON_INTERPRET=1 before sparseserve is imported (run this file alone)",
+)
 LIMIT = 1.5  # small enough that the clamps bite on these random inputs
 
 
@@ -58,14 +63,20 @@ def align_oracle(ids: torch.Tensor, num_experts: int, block_m: int):
     return rows, tiles
 
 
+ALIGNERS = {"torch": moe.moe_align_torch}
+if moe.HAS_TRITON and (torch.cuda.is_available() or moe._INTERPRET):
+    ALIGNERS["triton"] = moe.moe_align_triton
+
+
+@pytest.mark.parametrize("impl", sorted(ALIGNERS))
 @pytest.mark.parametrize("block_m", [16, 32])
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (1, 6), (7, 2), (40, 6)])
-def test_moe_align_matches_oracle(num_tokens, top_k, block_m):
+def test_moe_align_matches_oracle(num_tokens, top_k, block_m, impl):
     gen = torch.Generator().manual_seed(num_tokens * 10 + top_k)
     ids = random_routing(num_tokens, top_k, [0, 2, 3, 5, 7], gen) if top_k <= 5 else random_routing(
         num_tokens, top_k, list(range(8)), gen
     )
-    sorted_ids, block_expert = moe.moe_align(ids, 8, block_m)
+    sorted_ids, block_expert = ALIGNERS[impl](ids, 8, block_m)
     rows, tiles = align_oracle(ids, 8, block_m)
     padded_rows, num_blocks = moe.moe_align_sizes(ids.numel(), 8, block_m)
     assert sorted_ids.shape == (padded_rows,) and block_expert.shape == (num_blocks,)
@@ -75,12 +86,25 @@ def test_moe_align_matches_oracle(num_tokens, top_k, block_m):
     assert (block_expert[len(tiles):] == -1).all()
 
 
-def test_moe_align_worst_case_fills_buffer():
+@pytest.mark.parametrize("impl", sorted(ALIGNERS))
+def test_moe_align_worst_case_fills_buffer(impl):
     # Every assignment on its own expert: each pads to a full tile, the static bound is reached.
     ids = torch.arange(8).view(8, 1)
-    sorted_ids, block_expert = moe.moe_align(ids, 8, 16)
+    sorted_ids, block_expert = ALIGNERS[impl](ids, 8, 16)
     assert block_expert.tolist() == list(range(8))
     assert sorted_ids.view(8, 16)[:, 0].tolist() == list(range(8))
+
+
+@triton_needed
+@pytest.mark.parametrize("num_experts,num_tokens", [(6, 50), (256, 20), (384, 3)])
+def test_moe_align_triton_equals_torch_cpu(num_experts, num_tokens):
+    # Wide and non-power-of-two expert counts (V4-Flash 256, V4-Pro 384); duplicates allowed.
+    gen = torch.Generator().manual_seed(num_experts)
+    ids = torch.randint(0, num_experts, (num_tokens, 6), generator=gen)
+    for block_m in (16, 64):
+        got = moe.moe_align_triton(ids, num_experts, block_m)
+        want = moe.moe_align_torch(ids, num_experts, block_m)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 # ------------------------------------------------------------------ Triton path (interpreter on CPU)
@@ -178,6 +202,18 @@ def test_dispatch_on_cpu_is_reference():
 
 
 # ------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 85])
+def test_moe_align_triton_equals_torch_gpu(num_tokens):
+    gen = torch.Generator().manual_seed(num_tokens)
+    for num_experts in (256, 384):
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:6] for _ in range(num_tokens)]).cuda()
+        for block_m in (16, 32):
+            got = moe.moe_align_triton(ids, num_experts, block_m)
+            want = moe.moe_align_torch(ids, num_experts, block_m)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.gpu

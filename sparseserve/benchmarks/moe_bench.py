@@ -33,23 +33,25 @@ SWEEP = {
     "m16_n32_k64": moe.MoeConfig(16, 32, 64, 4, 5, 64, 64, 4, 5),
     "m16_n32_k128": moe.MoeConfig(16, 32, 128, 4, 4, 64, 128, 4, 4),
     "m16_n64_k128_s3": moe.MoeConfig(16, 64, 128, 4, 3, 128, 128, 4, 3),
-    "m32_n32_k64": moe.MoeConfig(32, 32, 64, 4, 5, 64, 64, 4, 5),
     "m32_n64_k64": moe.MoeConfig(32, 64, 64, 4, 4, 128, 64, 4, 4),
+    "m32_n64_k128_s3": moe.MoeConfig(32, 64, 128, 4, 3, 128, 128, 4, 3),
     "m64_n64_k64": moe.MoeConfig(64, 64, 64, 4, 4, 128, 64, 4, 4),
-    "m128_n64_k64_w8": moe.MoeConfig(128, 64, 64, 8, 3, 128, 64, 8, 3),
+    "m64_n128_k64_s4": moe.MoeConfig(64, 128, 64, 4, 4, 256, 64, 4, 4),
     "m128_n128_k64_w8": moe.MoeConfig(128, 128, 64, 8, 3, 256, 64, 8, 3),
+    "m128_n128_k64_w8_s4": moe.MoeConfig(128, 128, 64, 8, 4, 256, 64, 8, 4),
+    "m128_n64_k128_w8": moe.MoeConfig(128, 64, 128, 8, 3, 128, 128, 8, 3),
 }
 
 
 def sweep_for(num_tokens: int, top_k: int, num_experts: int) -> list[str]:
     avg = num_tokens * top_k / num_experts
-    if avg <= 1:
-        return ["m16_n32_k64", "m16_n32_k128", "m16_n64_k128_s3"]
     if avg <= 4:
         return ["m16_n32_k64", "m16_n32_k128", "m16_n64_k128_s3"]
-    if avg <= 24:
-        return ["m16_n32_k64", "m32_n32_k64", "m32_n64_k64"]
-    return ["m64_n64_k64", "m128_n64_k64_w8", "m128_n128_k64_w8"]
+    if avg <= 12:
+        return ["m16_n32_k64", "m32_n64_k64", "m32_n64_k128_s3"]
+    if avg <= 48:
+        return ["m32_n64_k64", "m64_n64_k64", "m64_n128_k64_s4", "m128_n128_k64_w8"]
+    return ["m64_n128_k64_s4", "m128_n128_k64_w8", "m128_n128_k64_w8_s4", "m128_n64_k128_w8"]
 
 
 def sync() -> None:
@@ -128,7 +130,7 @@ def routing(num_tokens: int, num_experts: int, top_k: int, device) -> tuple[torc
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 64, 512, 4096])
+    parser.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 64, 512, 1024, 2048, 4096])
     parser.add_argument("--sweep", action="store_true", help="also time the candidate tile configs")
     parser.add_argument("--no-ref", action="store_true")
     parser.add_argument("--shape", default="flash", choices=["flash", "pro", "tiny"])
@@ -136,6 +138,8 @@ def main() -> None:
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
+    if not cuda and not moe._INTERPRET:
+        raise SystemExit("no CUDA: run the CPU smoke version as TRITON_INTERPRET=1 python -m sparseserve.benchmarks.moe_bench")
     device = torch.device("cuda" if cuda else "cpu")
     shape = args.shape if cuda else "tiny"
     hidden, inter, num_experts, top_k = {

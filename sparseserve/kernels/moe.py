@@ -35,6 +35,9 @@ try:  # Triton is optional: without it every path is the reference.
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
+# Read once, at import, which is when Triton decides whether the kernels below are interpreted.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
 
 def score_experts(router_logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     if scoring_func == "sqrtsoftplus":
@@ -116,8 +119,11 @@ def moe_align_sizes(num_assignments: int, num_experts: int, block_m: int) -> tup
     return num_blocks * block_m, num_blocks
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the T*k assignments by expert into a padded layout (device ops only, graph-safe).
+
+    The reference of _moe_align_kernel, and the path for large batches (one sort beats the
+    single-program kernel there).
 
     Returns sorted_ids int32 [padded rows]: the flat assignment index t*k+j of each row, or
     T*k for a padding row; block_expert int32 [tiles]: the expert of each BLOCK_M tile, -1
@@ -143,6 +149,75 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return sorted_ids, block_expert
 
 
+# One program does the whole alignment for small batches: at decode the dozen launches of
+# moe_align_torch cost more than the kernel (about 45 us of 130 at T=1 on the H200).
+ALIGN_KERNEL_MAX_ASSIGN = 512
+ALIGN_CHUNK = 32
+
+if HAS_TRITON:
+
+    @triton.jit(do_not_specialize=["num_assign", "padded_rows", "num_blocks"])
+    def _moe_align_kernel(
+        ids_ptr, sorted_ids_ptr, block_expert_ptr,
+        num_assign, num_experts, padded_rows, num_blocks,
+        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+    ):
+        experts = tl.arange(0, E_PAD)
+        lanes = tl.arange(0, CHUNK)
+        # Pass 1: tokens per expert, via a [CHUNK, E] one-hot per chunk.
+        counts = tl.zeros([E_PAD], dtype=tl.int32)
+        for start in range(0, num_assign, CHUNK):
+            offs = start + lanes
+            e = tl.load(ids_ptr + offs, mask=offs < num_assign, other=-1).to(tl.int32)
+            counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        padded_end = tl.cumsum(padded, axis=0)
+        padded_start = padded_end - padded
+        for start in range(0, padded_rows, CHUNK):
+            offs = start + lanes
+            tl.store(sorted_ids_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + num_assign, mask=offs < padded_rows)
+        tl.debug_barrier()  # the padding fill lands before the scatter below overwrites it
+        # Pass 2: row = segment start + earlier same-expert assignments (stable, in flat order).
+        seen = tl.zeros([E_PAD], dtype=tl.int32)
+        for start in range(0, num_assign, CHUNK):
+            offs = start + lanes
+            e = tl.load(ids_ptr + offs, mask=offs < num_assign, other=-1).to(tl.int32)
+            onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+            rank = tl.cumsum(onehot, axis=0) - 1 + (padded_start + seen)[None, :]
+            pos = tl.sum(onehot * rank, axis=1)
+            tl.store(sorted_ids_ptr + pos, offs, mask=offs < num_assign)
+            seen += tl.sum(onehot, axis=0)
+        # Tile -> expert: the number of segments that end at or before the tile's first row.
+        for start in range(0, num_blocks, CHUNK):
+            tiles = start + lanes
+            ended = (padded_end[None, :] <= (tiles * BLOCK_M)[:, None]).to(tl.int32)
+            expert = tl.sum(ended, axis=1)
+            expert = tl.where(expert < num_experts, expert, -1)
+            tl.store(block_expert_ptr + tiles, expert, mask=tiles < num_blocks)
+
+
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same result as moe_align_torch, in one single-program launch."""
+    num_assign = topk_ids.numel()
+    padded_rows, num_blocks = moe_align_sizes(num_assign, num_experts, block_m)
+    sorted_ids = torch.empty(padded_rows, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device)
+    e_pad = max(16, triton.next_power_of_2(num_experts))
+    _moe_align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_ids, block_expert,
+        num_assign, num_experts, padded_rows, num_blocks,
+        BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, E_PAD=e_pad, num_warps=8 if e_pad >= 256 else 4,
+    )
+    return sorted_ids, block_expert
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static choice (by T*k): the single-program kernel for small batches, torch ops otherwise."""
+    if HAS_TRITON and (topk_ids.is_cuda or _INTERPRET) and topk_ids.numel() <= ALIGN_KERNEL_MAX_ASSIGN:
+        return moe_align_triton(topk_ids, num_experts, block_m)
+    return moe_align_torch(topk_ids, num_experts, block_m)
+
+
 # ----------------------------------------------------------------------------------------
 # Triton grouped GEMMs
 # ----------------------------------------------------------------------------------------
@@ -164,16 +239,18 @@ class MoeConfig:
 def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoeConfig:
     """Static choice from shapes only (never from the routing), so a graph keeps it.
 
-    Few tokens per expert: small M tiles, narrow N tiles so that enough programs stream the
-    touched experts' weights (weight-read bound). Many: 64-row tiles for the tensor cores.
+    Few tokens per expert: 16/32-row tiles and narrow N tiles, so that many programs stream
+    the touched experts' weights (weight-read bound). Many: 128x256 tiles (gate 128 + up 128,
+    down 256 wide) in 8 warps for the tensor cores. Picked from the H200 sweep in
+    docs/perf_moe.md (V4-Flash shapes).
     """
     avg = num_tokens * top_k / num_experts
     if avg <= 4:
-        cfg = MoeConfig(16, 32, 64, 4, 5, 64, 64, 4, 5)
+        cfg = MoeConfig(16, 64, 128, 4, 3, 128, 128, 4, 3)
     elif avg <= 24:
-        cfg = MoeConfig(32, 32, 64, 4, 5, 64, 64, 4, 5)
+        cfg = MoeConfig(32, 64, 64, 4, 4, 128, 64, 4, 4)
     else:
-        cfg = MoeConfig(64, 64, 64, 4, 4, 128, 64, 4, 4)
+        cfg = MoeConfig(128, 128, 64, 8, 3, 256, 64, 8, 3)
     return fit_config(cfg, hidden, inter)
 
 
@@ -282,10 +359,6 @@ if HAS_TRITON:
         out = acc * route_w[:, None]
         y_ptrs = y_ptr + ids[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-# Read once, at the moment the kernels above were decorated (that is when Triton decides).
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _interpreting() -> bool:

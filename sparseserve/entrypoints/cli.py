@@ -1,0 +1,119 @@
+"""The `sparseserve` command: generate, kv-plan (and bench, see sparseserve.benchmarks).
+
+Every option of `LLM(...)` is a flag with the same name (dashes for underscores).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+
+from ..config import EngineConfig, ModelConfig
+
+DEFAULT_PROMPTS = ["Beautiful is better than", "Errors should never", "Now is better than"]
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, named as in LLM(...)."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        hint = str(hints[f.name])
+        if f.type in (bool, "bool") or hint == "<class 'bool'>":
+            parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=f.default)
+        elif "dict" in hint:
+            parser.add_argument(flag, type=json.loads, default=f.default, help="JSON object")
+        elif "int" in hint and "str" not in hint:
+            parser.add_argument(flag, type=int, default=f.default)
+        elif "float" in hint and "str" not in hint:
+            parser.add_argument(flag, type=float, default=f.default)
+        else:
+            parser.add_argument(flag, type=str, default=f.default)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ..llm import LLM
+    from ..sampling_params import SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        print(f"Prompt: {out.prompt!r}\nGenerated: {out.outputs[0].text!r}  "
+              f"[{len(out.outputs[0].token_ids)} tokens, {out.outputs[0].finish_reason}]\n")
+    return 0
+
+
+def cmd_kv_plan(args: argparse.Namespace) -> int:
+
+
+    from ..engine.kv_cache import plan_kv
+    from ..model.loader import load_hf_config, resolve_model_dir
+
+    model_dir, overrides = resolve_model_dir(args.model)
+    overrides.update(args.hf_overrides or {})
+    model_config = ModelConfig(load_hf_config(model_dir, overrides))
+    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}[args.dtype]
+    block_size = args.block_size or max(model_config.lcm_rate, 16)
+    plan = plan_kv(model_config, dtype_bytes, block_size, args.max_num_batched_tokens or 8192)
+    cache_bytes = int(args.gpu_memory_gb * 1024**3) if args.gpu_memory_gb else None
+    print(f"model: {args.model or 'tiny (embedded)'} ({model_config.num_layers} layers)")
+    print(plan.report(args.max_model_len, cache_bytes))
+
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparseserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions (the embedded model when --model is absent)")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", type=_parse_bool, nargs="?", const=True, default=False)
+    gen.set_defaults(func=cmd_generate)
+
+    kv = sub.add_parser("kv-plan", help="bytes per token and per sequence by layer kind, without loading weights")
+    kv.add_argument("--model", default=None, help="checkpoint directory or preset")
+    kv.add_argument("--max-model-len", type=int, required=True)
+    kv.add_argument("--gpu-memory-gb", type=float, default=None, help="cache memory to plan concurrency for")
+    kv.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float16", "float32"])
+    kv.add_argument("--block-size", type=int, default=None)
+    kv.add_argument("--max-num-batched-tokens", type=int, default=None)
+    kv.add_argument("--hf-overrides", type=json.loads, default=None)
+    kv.set_defaults(func=cmd_kv_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, NotImplementedError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -128,6 +128,26 @@ def run_sweep(rows_list, widths, ks, warmup_ms, rep_ms, log) -> list[dict]:
     return out
 
 
+def run_variants(shapes, warmup_ms, rep_ms, log) -> list[dict]:
+    """Graph-replay times of tile variants (standard BLOCK, persistent CHUNK); each checked exactly."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    out = []
+    for rows, width, k in shapes:
+        scores = torch.randn(rows, width, generator=gen, device="cuda")
+        lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
+        want = IndexerTopK(rows, width, k, backend="standard")(scores, lengths).clone()
+        for path, tiles in (("standard", (2048, 4096, 8192)), ("persistent", (1024, 2048, 4096, 8192))):
+            for tile in tiles:
+                op = IndexerTopK(rows, width, k, backend=path, _tile=tile)
+                ok = bool(torch.equal(op(scores, lengths), want))
+                graph = _graph_of(lambda: op(scores, lengths))
+                us = _bench(graph.replay, warmup_ms, rep_ms)
+                del graph, op
+                out.append({"rows": rows, "width": width, "k": k, "path": path, "tile": tile, "graph_us": us, "correct": ok})
+                log(f"variant R={rows} W={width} k={k} {path} tile={tile}: {us:.1f} us ok={ok}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/topk.json")
@@ -165,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         rows_list, widths, ks = [1, 8, 64, 256], [8192, 65536, 262144], [512, 1024]
     result["grid"] = run_grid(rows_list, widths, ks, args.warmup_ms, args.rep_ms, log)
     save()
+    if not args.quick:
+        result["variants"] = run_variants(
+            [(1, 262144, 512), (8, 65536, 512), (64, 262144, 512), (256, 262144, 512)], 5, 20, log
+        )
+        save()
     if not args.no_sweep and not args.quick:
         result["sweep"] = run_sweep(
             [1, 2, 4, 8, 16, 32, 64, 128, 256], [8192, 16384, 32768, 65536, 131072, 262144], [512, 1024],

@@ -404,6 +404,16 @@ def _num_sms(device: torch.device) -> int:
     return 4  # CPU under TRITON_INTERPRET=1: a few programs, to exercise the item loop
 
 
+def _normalize_device(device: torch.device | str | None) -> torch.device:
+    """'cuda' -> 'cuda:<current>', so that device checks compare like with like."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _check_triton_device(device: torch.device) -> None:
     if not _HAVE_TRITON:
         raise ValueError("the Triton top-k paths need triton installed; use backend='torch'")
@@ -431,11 +441,13 @@ def _check_inputs(scores: torch.Tensor, lengths: torch.Tensor, max_rows: int, ma
         )
 
 
-def _launch_standard(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, k: int) -> None:
+def _launch_standard(
+    scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, k: int, block: Optional[int] = None
+) -> None:
     rows, width = scores.shape
     if rows == 0:
         return
-    block, warps = _standard_config(width)
+    block, warps = _standard_config(width) if block is None else (block, 8 if block >= 4096 else 4)
     _topk_standard_kernel[(rows,)](
         scores, scores.stride(0), lengths, out, out.stride(0), width,
         K=k, BLOCK=block, FB=min(1024, _next_pow2(k)), num_warps=warps,
@@ -455,6 +467,7 @@ class IndexerTopK:
         backend: "auto" | "standard" | "persistent" | "torch".
         device: where the output and workspace live.
         num_programs: persistent grid size (default: the SM count; tests shrink it).
+        _tile: benchmark-only override of the standard BLOCK / persistent CHUNK.
         _debug_skip_reset_when_short: TEST ONLY. Restores the historical vLLM bug: the
             workspace zeroing is guarded by a host ``if`` on the caller's ``max_seq_len``
             (skipped when it is <= k), so a graph captured at a short length records no
@@ -471,6 +484,7 @@ class IndexerTopK:
         device: torch.device | str | None = None,
         num_programs: Optional[int] = None,
         _debug_skip_reset_when_short: bool = False,
+        _tile: Optional[int] = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -479,9 +493,7 @@ class IndexerTopK:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if max_width >= 2**31 - 1:
             raise ValueError(f"max_width must fit int32 indices, got {max_width}")
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        )
+        self.device = _normalize_device(device)
         self.max_rows, self.max_width, self.k = max_rows, max_width, k
         self.backend = backend
         self.path = auto_path(max_rows, max_width) if backend == "auto" else backend
@@ -492,6 +504,10 @@ class IndexerTopK:
         if self.path in ("standard", "persistent"):
             _check_triton_device(self.device)
         self._debug_skip_reset_when_short = bool(_debug_skip_reset_when_short)
+        # Benchmark-only tuning knob: the standard BLOCK or the persistent CHUNK (power of 2, 1K..8K).
+        if _tile is not None and (_tile not in (1024, 2048, 4096, 8192)):
+            raise ValueError(f"_tile must be one of 1024, 2048, 4096, 8192, got {_tile!r}")
+        self._tile = _tile
         self.out = torch.full((max_rows, k), -1, dtype=torch.int32, device=self.device)
         self.num_programs = 0
         if self.path == "persistent":
@@ -518,7 +534,7 @@ class IndexerTopK:
         if self.path == "torch":
             out.copy_(topk_indices_ref(scores, lengths, self.k))
         elif self.path == "standard":
-            _launch_standard(scores, lengths, out, self.k)
+            _launch_standard(scores, lengths, out, self.k, self._tile)
         else:
             self._persistent(scores, lengths, out, max_seq_len)
         return out
@@ -536,6 +552,9 @@ class IndexerTopK:
             out.fill_(-1)
             return
         chunk, cpr, warps = _persistent_config(rows, width, self.num_programs)
+        if self._tile is not None:
+            chunk, warps = self._tile, (8 if self._tile >= 4096 else 4)
+            cpr = -(-width // chunk)
         n_items = rows * cpr
         grid = (min(self.num_programs, n_items),)
         k = self.k

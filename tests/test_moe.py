@@ -201,7 +201,62 @@ def test_dispatch_on_cpu_is_reference():
         assert torch.equal(got, want)
 
 
+# ------------------------------------------------------------------ expert selection
+
+
+def check_selection(logits, top_k, scoring, scale, bias, hash_ids):
+    """Fused selection against select_experts_ref, tie-aware: the chosen experts' biased scores
+    must be the top-k values, and the weights are the reference formula on the chosen ids."""
+    w, ids = moe.select_experts_triton(logits, top_k, scoring, scale, bias, hash_ids)
+    w_ref, ids_ref = moe.select_experts_ref(logits, top_k, scoring, scale, bias, hash_ids)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == ids_ref.shape
+    scores = moe.score_experts(logits, scoring)
+    if hash_ids is not None:
+        assert torch.equal(ids, hash_ids.long())
+    else:
+        biased = scores.float() + (bias if bias is not None else 0)
+        got = biased.gather(1, ids).sort(dim=1).values
+        want = biased.gather(1, ids_ref).sort(dim=1).values
+        assert torch.equal(got, want)
+        assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()  # distinct experts
+    chosen = scores.gather(1, ids).float()
+    expect = chosen / (chosen.sum(-1, keepdim=True) + 1e-20) * scale
+    assert torch.allclose(w, expect, rtol=1e-6, atol=1e-7)
+    if logits.dtype == torch.float32 and hash_ids is None:  # no ties in fp32 random logits
+        assert torch.equal(ids.sort(dim=1).values, ids_ref.sort(dim=1).values)
+        torch.testing.assert_close(w.gather(1, ids.argsort(1)), w_ref.gather(1, ids_ref.argsort(1)))
+
+
+@triton_needed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("num_experts", [8, 256, 384])
+def test_select_experts_triton_cpu(num_experts, scoring, dtype):
+    gen = torch.Generator().manual_seed(num_experts)
+    logits = (torch.randn(5, num_experts, generator=gen) * 4).to(dtype)
+    logits[0, :3] = torch.tensor([30.0, -30.0, 25.0])  # softplus's linear and tiny ranges
+    bias = torch.randn(num_experts, generator=gen) * 0.1
+    hash_ids = torch.randint(0, num_experts, (5, 6), generator=gen)
+    check_selection(logits, 6, scoring, 2.5, bias, None)
+    check_selection(logits, 6, scoring, 2.5, None, None)
+    check_selection(logits, 6, scoring, 2.5, None, hash_ids)
+    check_selection(logits, 1, scoring, 1.0, bias, None)
+
+
 # ------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_select_experts_gpu(dtype):
+    gen = torch.Generator().manual_seed(5)
+    for num_experts, num_tokens in ((256, 64), (384, 3)):
+        logits = (torch.randn(num_tokens, num_experts, generator=gen) * 3).to(dtype).cuda()
+        bias = (torch.randn(num_experts, generator=gen) * 0.1).cuda()
+        hash_ids = torch.randint(0, num_experts, (num_tokens, 6), generator=gen).cuda()
+        for scoring in ("sqrtsoftplus", "sigmoid", "softmax"):
+            check_selection(logits, 6, scoring, 2.5, bias, None)
+            check_selection(logits, 6, scoring, 2.5, None, hash_ids)
 
 
 @pytest.mark.gpu

@@ -212,6 +212,11 @@ def main() -> None:
                 row["grouped_mm_ms"] = timer(lambda: moe.fused_moe_grouped(*call_args))
             except Exception as exc:
                 row["grouped_mm_ms"] = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+        logits = torch.randn(num_tokens, num_experts, device=device)
+        bias = torch.randn(num_experts, device=device) * 0.1
+        sel_args = (logits, top_k, "sqrtsoftplus", 1.5, bias)
+        row["select_ms"] = timer(lambda: moe.select_experts(*sel_args))
+        row["select_ref_ms"] = timer(lambda: moe.select_experts_ref(*sel_args))
         row["triton_over_floor"] = row["triton_ms"] / floor_ms
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -227,14 +232,14 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print()
-    print(f"{'T':>5} {'touched':>7} {'floorBW':>8} {'floorTC':>8} {'triton':>8} {'x floor':>7} {'grouped':>8} {'ref':>8} {'align':>7} {'gate_up':>7} {'down':>7}  sweep")
+    print(f"{'T':>5} {'touched':>7} {'floorBW':>8} {'floorTC':>8} {'triton':>8} {'x floor':>7} {'grouped':>8} {'ref':>8} {'align':>7} {'gate_up':>7} {'down':>7} {'select':>6} {'sel_ref':>7}  sweep")
     for r in rows:
         fmt = lambda v: f"{v:8.3f}" if isinstance(v, float) else f"{'-':>8}"  # noqa: E731
         sweep = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}=X" for k, v in r.get("sweep_ms", {}).items())
         print(
             f"{r['tokens']:>5} {r['experts_touched']:>7} {fmt(r['floor_weight_read_ms'])} {fmt(r['floor_tensor_core_ms'])} "
             f"{fmt(r['triton_ms'])} {r['triton_over_floor']:7.2f} {fmt(r.get('grouped_mm_ms'))} {fmt(r.get('ref_ms'))} "
-            f"{r['align_ms']:7.3f} {r['gate_up_ms']:7.3f} {r['down_ms']:7.3f}  {sweep}"
+            f"{r['align_ms']:7.3f} {r['gate_up_ms']:7.3f} {r['down_ms']:7.3f} {r['select_ms']:6.3f} {r['select_ref_ms']:7.3f}  {sweep}"
         )
 
 

@@ -557,6 +557,106 @@ def fused_moe(
     return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
 
 
+_SCORING_IDS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _round_like(x, ROUND: tl.constexpr):
+        """fp32 -> the logits dtype -> fp32, as torch rounds each op's output. bf16 by bit ops
+        (round to nearest even) since the interpreter's cast truncates; fp16 by a cast."""
+        if ROUND == 1:
+            bits = x.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            x = bits.to(tl.float32, bitcast=True)
+        elif ROUND == 2:
+            x = x.to(tl.float16).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _select_experts_kernel(
+        logits_ptr, bias_ptr, hash_ptr, weights_ptr, ids_ptr,
+        num_experts, stride_l, scale,
+        TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SCORING: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_HASH: tl.constexpr, ROUND: tl.constexpr,
+    ):
+        # One program per token: score, (bias), top-k by repeated max, gather, normalise.
+        row = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, E_PAD)
+        valid = e < num_experts
+        x = tl.load(logits_ptr + row * stride_l + e, mask=valid, other=0.0).to(tl.float32)
+        if SCORING == 0:
+            ex = tl.exp(tl.minimum(x, 20.0))
+            u = 1.0 + ex
+            # log1p(ex) without the cancellation of log(1 + ex) for small ex; torch's threshold 20.
+            lp = tl.where(u == 1.0, ex, tl.log(u) * ex / tl.where(u == 1.0, 1.0, u - 1.0))
+            sp = tl.where(x > 20.0, x, lp)
+            # torch rounds each op's output to the logits dtype: do the same (no-op for fp32).
+            sp = _round_like(sp, ROUND)
+            scores = tl.sqrt(sp)
+        elif SCORING == 1:
+            scores = tl.sigmoid(x)
+        else:
+            xm = tl.where(valid, x, float("-inf"))
+            p = tl.exp(xm - tl.max(xm, 0))
+            scores = p / tl.sum(p, 0)
+        scores = _round_like(scores, ROUND)
+        sel = scores
+        if HAS_BIAS:
+            sel = sel + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+        sel = tl.where(valid, sel, float("-inf"))
+        kk = tl.arange(0, K_PAD)
+        w_vec = tl.zeros([K_PAD], dtype=tl.float32)
+        id_vec = tl.zeros([K_PAD], dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            if HAS_HASH:
+                idx = tl.load(hash_ptr + row * TOP_K + j).to(tl.int32)
+            else:
+                best = tl.max(sel, 0)
+                idx = tl.min(tl.where(sel == best, e, E_PAD), 0)  # tie rule: the lower expert id
+                sel = tl.where(e == idx, float("-inf"), sel)
+            w_j = tl.sum(tl.where(e == idx, scores, 0.0), 0)
+            w_vec = tl.where(kk == j, w_j, w_vec)
+            id_vec = tl.where(kk == j, idx, id_vec)
+        w_vec = w_vec / (tl.sum(w_vec, 0) + 1e-20) * scale
+        out_mask = kk < TOP_K
+        tl.store(weights_ptr + row * TOP_K + kk, w_vec, mask=out_mask)
+        tl.store(ids_ptr + row * TOP_K + kk, id_vec.to(tl.int64), mask=out_mask)
+
+
+def select_experts_triton(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    routed_scaling_factor: float,
+    correction_bias: torch.Tensor | None = None,
+    hash_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts_ref in one launch. Chosen ids come in descending biased score, ties to the
+    lower expert id (torch.topk leaves ties unordered, so ids may differ there only)."""
+    num_tokens, num_experts = router_logits.shape
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if hash_ids is not None:
+        hash_ids = hash_ids.contiguous()
+        top_k = hash_ids.shape[1]
+    bias = correction_bias.contiguous() if correction_bias is not None else weights
+    if num_tokens == 0:
+        return weights, ids
+    e_pad = max(16, triton.next_power_of_2(num_experts))
+    _select_experts_kernel[(num_tokens,)](
+        router_logits, bias, hash_ids if hash_ids is not None else ids, weights, ids,
+        num_experts, router_logits.stride(0), float(routed_scaling_factor),
+        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=e_pad,
+        SCORING=_SCORING_IDS[scoring_func], HAS_BIAS=correction_bias is not None and hash_ids is None,
+        HAS_HASH=hash_ids is not None,
+        ROUND={torch.bfloat16: 1, torch.float16: 2}.get(router_logits.dtype, 0), num_warps=4,
+    )
+    return weights, ids
+
+
 def select_experts(
     router_logits: torch.Tensor,
     top_k: int,
@@ -565,5 +665,16 @@ def select_experts(
     correction_bias: torch.Tensor | None = None,
     hash_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch version is already graph-safe (topk and gather on the device, no host sync)."""
+    """Dispatch: one fused Triton launch on CUDA, the reference elsewhere (both graph-safe)."""
+    if (
+        HAS_TRITON
+        and router_logits.is_cuda
+        and scoring_func in _SCORING_IDS
+        and router_logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and (hash_ids is not None or top_k <= router_logits.shape[1])
+        and os.environ.get("SPARSESERVE_MOE_BACKEND", "") != "ref"
+    ):
+        return select_experts_triton(
+            router_logits, top_k, scoring_func, routed_scaling_factor, correction_bias, hash_ids
+        )
     return select_experts_ref(router_logits, top_k, scoring_func, routed_scaling_factor, correction_bias, hash_ids)

@@ -157,9 +157,10 @@ def test_triton_all_tokens_one_expert_cpu(top_k):
 
 
 @triton_needed
+@pytest.mark.parametrize("m_fastest", [True, False])
 @pytest.mark.parametrize("block_m", [16, 32, 64])
-def test_triton_tile_configs_cpu(block_m):
-    cfg = moe.MoeConfig(block_m, 16, 32, 4, 2, 32, 16, 4, 2)
+def test_triton_tile_configs_cpu(block_m, m_fastest):
+    cfg = moe.MoeConfig(block_m, 16, 32, 4, 2, 32, 16, 4, 2, m_fastest)
     run_case(21, 6, list(range(CPU_E)), torch.float32, "cpu", seed=block_m, config=cfg)
 
 
@@ -280,15 +281,15 @@ def test_triton_matches_ref_gpu(num_tokens, top_k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m", [16, 32, 64])
-def test_triton_all_tokens_one_expert_gpu(block_m):
+@pytest.mark.parametrize("block_m,m_fastest", [(16, True), (32, True), (64, True), (128, False)])
+def test_triton_all_tokens_one_expert_gpu(block_m, m_fastest):
     num_tokens, top_k = 333, 2
     gen = torch.Generator().manual_seed(block_m)
     x = torch.randn(num_tokens, 512, generator=gen).bfloat16().cuda()
     w_gate_up, w_down = make_weights(64, 512, 256, torch.bfloat16, "cuda", gen)
     ids = torch.stack([torch.full((num_tokens,), 9), torch.randint(10, 64, (num_tokens,), generator=gen)], 1).cuda()
     weights = (torch.rand(num_tokens, top_k, generator=gen) + 0.1).cuda()
-    cfg = moe.MoeConfig(block_m, 32, 64, 4, 3, 64, 64, 4, 3)
+    cfg = moe.MoeConfig(block_m, 32, 64, 4, 3, 64, 64, 4, 3, m_fastest)
     out = moe.fused_moe_triton(x, w_gate_up, w_down, weights, ids, LIMIT, config=cfg)
     assert rel_err(out, reference(x, w_gate_up, w_down, weights, ids, LIMIT)) < 2e-2
 

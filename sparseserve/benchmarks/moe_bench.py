@@ -40,6 +40,7 @@ SWEEP = {
     "m128_n128_k64_w8": moe.MoeConfig(128, 128, 64, 8, 3, 256, 64, 8, 3),
     "m128_n128_k64_w8_s4": moe.MoeConfig(128, 128, 64, 8, 4, 256, 64, 8, 4),
     "m128_n64_k128_w8": moe.MoeConfig(128, 64, 128, 8, 3, 128, 128, 8, 3),
+    "m128_n128_k64_w8_nfast": moe.MoeConfig(128, 128, 64, 8, 3, 256, 64, 8, 3, m_fastest=False),
 }
 
 
@@ -51,7 +52,7 @@ def sweep_for(num_tokens: int, top_k: int, num_experts: int) -> list[str]:
         return ["m16_n32_k64", "m32_n64_k64", "m32_n64_k128_s3"]
     if avg <= 48:
         return ["m32_n64_k64", "m64_n64_k64", "m64_n128_k64_s4", "m128_n128_k64_w8"]
-    return ["m64_n128_k64_s4", "m128_n128_k64_w8", "m128_n128_k64_w8_s4", "m128_n64_k128_w8"]
+    return ["m64_n128_k64_s4", "m128_n128_k64_w8", "m128_n128_k64_w8_s4", "m128_n64_k128_w8", "m128_n128_k64_w8_nfast"]
 
 
 def sync() -> None:

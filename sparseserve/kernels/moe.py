@@ -234,6 +234,9 @@ class MoeConfig:
     dn_block_k: int
     dn_warps: int
     dn_stages: int
+    # Program order: M tiles fastest (tiles of one expert share a weight tile through L2) or
+    # N tiles fastest (the programs of one M tile share its activation rows).
+    m_fastest: bool = True
 
 
 def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoeConfig:
@@ -272,6 +275,7 @@ def fit_config(cfg: MoeConfig, hidden: int, inter: int) -> MoeConfig:
         fit(min(cfg.dn_block_k, inter), inter),
         cfg.dn_warps,
         cfg.dn_stages,
+        cfg.m_fastest,
     )
 
 
@@ -284,11 +288,15 @@ if HAS_TRITON:
         stride_xm, stride_we, stride_wn, stride_am,
         limit,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+        M_FASTEST: tl.constexpr,
     ):
-        # M tile fastest: neighbouring programs are the tiles of one expert at one N tile.
         pid = tl.program_id(0)
-        pid_m = pid % num_m_blocks
-        pid_n = pid // num_m_blocks
+        if M_FASTEST:  # neighbouring programs: the tiles of one expert at one N tile
+            pid_m = pid % num_m_blocks
+            pid_n = pid // num_m_blocks
+        else:
+            pid_n = pid % (inter // BLOCK_N)
+            pid_m = pid // (inter // BLOCK_N)
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         if expert < 0:
             return
@@ -330,10 +338,15 @@ if HAS_TRITON:
         num_assign, hidden, inter, num_m_blocks,
         stride_am, stride_we, stride_wn, stride_ym,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+        M_FASTEST: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        pid_m = pid % num_m_blocks
-        pid_n = pid // num_m_blocks
+        if M_FASTEST:
+            pid_m = pid % num_m_blocks
+            pid_n = pid // num_m_blocks
+        else:
+            pid_n = pid % (hidden // BLOCK_N)
+            pid_m = pid // (hidden // BLOCK_N)
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         if expert < 0:
             return
@@ -386,6 +399,7 @@ def moe_gate_up(
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
         float(swiglu_limit),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k, UPCAST=_interpreting(),
+        M_FASTEST=cfg.m_fastest,
         num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
     )
     return act
@@ -412,6 +426,7 @@ def moe_down(
         num_assign, hidden, inter, num_m_blocks,
         act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=cfg.dn_block_k, UPCAST=_interpreting(),
+        M_FASTEST=cfg.m_fastest,
         num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
     )
     return y

@@ -177,6 +177,15 @@ def test_triton_duplicate_experts_in_a_row_cpu():
 
 
 @triton_needed
+def test_triton_empty_batch_cpu():
+    w_gate_up, w_down = make_weights(CPU_E, CPU_D, CPU_I, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    out = moe.fused_moe_triton(
+        torch.empty(0, CPU_D), w_gate_up, w_down, torch.empty(0, 2), torch.empty(0, 2, dtype=torch.long), LIMIT
+    )
+    assert out.shape == (0, CPU_D)
+
+
+@triton_needed
 def test_swiglu_triton_cpu():
     gen = torch.Generator().manual_seed(1)
     h = torch.randn(9, 2 * 48, generator=gen) * 3

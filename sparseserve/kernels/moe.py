@@ -446,6 +446,8 @@ def fused_moe_triton(
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
+    if num_tokens == 0:
+        return torch.empty_like(x)
     cfg = fit_config(config, hidden, inter) if config else moe_config(num_tokens, top_k, num_experts, hidden, inter)
     x = x.contiguous()
     sorted_ids, block_expert = moe_align(topk_ids, num_experts, cfg.block_m)

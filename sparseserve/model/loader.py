@@ -149,24 +149,25 @@ def apply_weights(model: DeepseekV4ForCausalLM, tensors: dict[str, torch.Tensor]
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights of the right shapes (for benchmarks at real shapes; never zeros)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights of the right shapes (for benchmarks at real shapes; never zeros).
+    Drawn on the parameters' device, so billions of values take seconds on a GPU."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     hf = model.model_config.hf_config
     for name, p in model.named_parameters():
         if "norm" in name and name.endswith("weight"):
             p.fill_(1.0)
         elif p.dim() >= 2:
-            std = p.shape[-1] ** -0.5
-            p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
+            p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype) * p.shape[-1] ** -0.5)
         else:
-            p.copy_((torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype))
+            p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype) * 0.1)
     for name, b in model.named_buffers():
         if name.endswith("tid2eid"):
-            b.copy_(torch.randint(0, hf.n_routed_experts, b.shape, generator=gen))
-            # Distinct experts per token: an offset walk modulo the expert count.
-            b.copy_((b[:, :1] + torch.arange(b.shape[1])) % hf.n_routed_experts)
+            # Distinct experts per token: a random start walking modulo the expert count.
+            first = torch.randint(0, hf.n_routed_experts, (b.shape[0], 1), generator=gen, device=device)
+            b.copy_((first + torch.arange(b.shape[1], device=device)) % hf.n_routed_experts)
         elif name.endswith("e_score_correction_bias"):
-            b.copy_(torch.randn(b.shape, generator=gen) * 0.01)
+            b.copy_(torch.randn(b.shape, generator=gen, device=device) * 0.01)
 
 
 def load_model(

@@ -55,6 +55,8 @@ CPU_CASES = [
     (4, 4, 64, 130, AttnConfig(16, 32, 4, 2, 3)),
     (3, 16, 64, 33, AttnConfig(16, 16, 4, 2, 4)),  # 4 splits of 16 rows over 33: one split empty
     (2, 32, 32, 48, AttnConfig(16, 16, 4, 2, 2)),  # two head blocks
+    (4, 16, 64, 50, AttnConfig(16, 16, 4, 2, 1, 2)),  # output columns split in two programs
+    (3, 4, 32, 70, AttnConfig(16, 32, 4, 2, 2, 2)),  # column split with row splits
 ]
 
 
@@ -160,7 +162,8 @@ def test_attention_real_shapes_gpu(name, T, H, L):
     assert out[0].abs().max().item() == 0.0
     assert _rel(out, ref) < 1e-2, name
     # every config path (direct, split) computes the same function
-    for cfg in (AttnConfig(64, 32, 8, 3, 1), AttnConfig(16, 32, 4, 3, 4), AttnConfig(32, 32, 4, 3, 2)):
+    for cfg in (AttnConfig(64, 32, 8, 3, 1), AttnConfig(16, 32, 4, 3, 4), AttnConfig(32, 32, 4, 3, 2),
+                AttnConfig(64, 32, 8, 2, 1, 2), AttnConfig(64, 16, 4, 3, 2, 2)):
         out2 = sparse_mqa_attention_triton(q, kv, rows, sinks, scale, cfg)
         assert _rel(out2, ref) < 1e-2, (name, cfg)
 

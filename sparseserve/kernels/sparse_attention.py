@@ -65,31 +65,37 @@ def _sparse_mqa_fwd_kernel(
     num_heads, num_rows, head_dim, rows_per_split, head_blocks,
     stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
     qk_scale,  # scale * log2(e): logits are kept in base 2
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DV_SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # One flat grid axis (the y/z axes cap at 65535); head blocks and splits of one token
-    # are adjacent in launch order, so they run together and share its rows through L2.
+    # One flat grid axis (the y/z axes cap at 65535); head blocks, value halves and splits of
+    # one token are adjacent in launch order, so they run together and share rows through L2.
     pid = tl.program_id(0)
-    per_token = head_blocks * NUM_SPLITS
+    per_token = head_blocks * DV_SPLIT * NUM_SPLITS
     tok = (pid // per_token).to(tl.int64)
     rem = pid % per_token
-    hb = rem // NUM_SPLITS
+    hb = rem // (DV_SPLIT * NUM_SPLITS)
+    dv = (rem // NUM_SPLITS) % DV_SPLIT
     split = rem % NUM_SPLITS
 
+    # DV_SPLIT = 2: this program accumulates only its half of the output columns (half the
+    # fp32 accumulator registers); QK^T still needs all D, from its own and the other half.
+    DV: tl.constexpr = BLOCK_D // DV_SPLIT
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < num_heads
-    d_mask = offs_d < head_dim
-    q = tl.load(
-        q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :], other=0.0,
-    )
+    offs_own = dv * DV + tl.arange(0, DV)
+    own_mask = offs_own < head_dim
+    q_base = q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh
+    q_own = tl.load(q_base + offs_own[None, :], mask=h_mask[:, None] & own_mask[None, :], other=0.0)
+    if DV_SPLIT == 2:
+        offs_oth = (1 - dv) * DV + tl.arange(0, DV)
+        oth_mask = offs_oth < head_dim
+        q_oth = tl.load(q_base + offs_oth[None, :], mask=h_mask[:, None] & oth_mask[None, :], other=0.0)
     # The running max starts at the sink logit and the sum at exp(sink - max) = 1, so the sink
     # sits in the denominator; only split 0 adds it, the merge then counts it once.
     m_i = tl.load(sinks_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + (split == 0).to(tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
 
     row_start = split * rows_per_split
     row_end = tl.minimum(row_start + rows_per_split, num_rows)
@@ -98,35 +104,37 @@ def _sparse_mqa_fwd_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         r = tl.load(rows_base + offs_n, mask=offs_n < row_end, other=-1)
         valid = r >= 0
+        row_ptr = kv_ptr + r.to(tl.int64)[:, None] * stride_kv
         # Holes are masked out of the gather, so they cost no memory traffic.
-        kv = tl.load(
-            kv_ptr + r.to(tl.int64)[:, None] * stride_kv + offs_d[None, :],
-            mask=valid[:, None] & d_mask[None, :], other=0.0,
-        )
-        s = tl.dot(q, tl.trans(kv)) * qk_scale  # [BLOCK_H, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
+        k_own = tl.load(row_ptr + offs_own[None, :], mask=valid[:, None] & own_mask[None, :], other=0.0)
+        s = tl.dot(q_own, tl.trans(k_own))  # [BLOCK_H, BLOCK_N]
+        if DV_SPLIT == 2:
+            k_oth = tl.load(row_ptr + offs_oth[None, :], mask=valid[:, None] & oth_mask[None, :], other=0.0)
+            s = tl.dot(q_oth, tl.trans(k_oth), s)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_own.dtype), k_own)
         m_i = m_new
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(
-            out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :],
+            out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_own[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & own_mask[None, :],
         )
     else:
         # Partials: unnormalised acc [T, S, H, D] and (max, sum) [T, S, 2, H], fp32, contiguous.
         part = tok * NUM_SPLITS + split
         tl.store(
-            part_acc_ptr + (part * num_heads + offs_h[:, None]) * head_dim + offs_d[None, :],
-            acc, mask=h_mask[:, None] & d_mask[None, :],
+            part_acc_ptr + (part * num_heads + offs_h[:, None]) * head_dim + offs_own[None, :],
+            acc, mask=h_mask[:, None] & own_mask[None, :],
         )
-        tl.store(part_ml_ptr + part * 2 * num_heads + offs_h, m_i, mask=h_mask)
-        tl.store(part_ml_ptr + part * 2 * num_heads + num_heads + offs_h, l_i, mask=h_mask)
+        ml_mask = h_mask & ((tl.zeros([BLOCK_H], dtype=tl.int32) + dv) == 0)  # both halves hold the same (max, sum)
+        tl.store(part_ml_ptr + part * 2 * num_heads + offs_h, m_i, mask=ml_mask)
+        tl.store(part_ml_ptr + part * 2 * num_heads + num_heads + offs_h, l_i, mask=ml_mask)
 
 
 @triton.jit
@@ -169,6 +177,7 @@ class AttnConfig:
     num_warps: int
     num_stages: int
     num_splits: int = 1
+    dv_split: int = 1  # 2: each program owns half of the output columns
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -236,13 +245,14 @@ def sparse_mqa_attention_triton(
         part_ml = torch.empty((num_tokens, splits, 2, num_heads), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    grid = (num_tokens * head_blocks * splits,)
+    dv_split = cfg.dv_split if block_d >= 32 else 1
+    grid = (num_tokens * head_blocks * dv_split * splits,)
     _sparse_mqa_fwd_kernel[grid](
         q, kv_pool, rows, sinks, out, part_acc, part_ml,
         num_heads, num_rows, head_dim, rows_per_split, head_blocks,
         q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1),
         float(scale) * _LOG2E,
-        NUM_SPLITS=splits,
+        NUM_SPLITS=splits, DV_SPLIT=dv_split,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

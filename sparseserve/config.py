@@ -92,6 +92,11 @@ class EngineConfig:
     speculative_config: dict | None = None
     topk_backend: str = "auto"
     num_gpu_blocks_override: int | None = None
+    cuda_graph_sizes: list[int] | None = None
+    cudagraph_audit: bool = False
+    step_timeout_s: float = 60.0
+    # TEST ONLY: restores the historical top-k bug (workspace zeroing behind a host `if`).
+    debug_topk_skip_reset_when_short: bool = False
 
     def validate(self) -> None:
         if self.tensor_parallel_size != 1:

@@ -16,7 +16,8 @@ from ..config import CacheConfig, EngineConfig
 from ..model.loader import load_model, resolve_model_dir
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import SamplingParams
-from ..worker.model_runner import ModelRunner, RunnerOutput
+from ..worker.graph_audit import audit_graph_replays
+from ..worker.model_runner import ModelRunner, RunnerOptions, RunnerOutput
 from .detokenizer import detokenize_incrementally
 from .kv_cache import KVCacheManager, KVPlan, RequestTooLargeError, plan_kv
 from .request import Request
@@ -66,7 +67,12 @@ class LLMEngine:
         dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
         self.kv_plan: KVPlan = plan_kv(self.model_config, dtype_bytes, self.block_size, self.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, config.max_num_seqs,
-                                  self.max_num_batched_tokens, self.max_model_len, self.block_size)
+                                  self.max_num_batched_tokens, self.max_model_len, self.block_size,
+                                  RunnerOptions(enforce_eager=config.enforce_eager,
+                                                cuda_graph_sizes=config.cuda_graph_sizes,
+                                                topk_backend=config.topk_backend,
+                                                step_timeout_s=config.step_timeout_s,
+                                                debug_topk_skip_reset_when_short=config.debug_topk_skip_reset_when_short))
         num_blocks, cache_bytes = self._size_cache()
         self.runner.allocate_state(num_blocks)
         self.cache_config = CacheConfig(
@@ -80,8 +86,11 @@ class LLMEngine:
         logger.info("%s", self.kv_plan.report(self.max_model_len, cache_bytes))
         logger.info("cache: %d blocks of %d tokens, %d slots (%.2f GiB)", num_blocks, self.block_size,
                     config.max_num_seqs, cache_bytes / 1024**3)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            logger.warning("CUDA graphs are not implemented yet: decode steps run eagerly")
+        if config.cudagraph_audit:
+            self.runner.audit_graphs()
+        self.runner.capture_graphs()
+        if config.cudagraph_audit:
+            audit_graph_replays(self.runner, self.kv, seed=config.seed)
         model_dir, _ = resolve_model_dir(config.model)
         self.tokenizer = None
         if not config.skip_tokenizer_init:

@@ -26,6 +26,9 @@ class BatchMetadata:
     # Tokens that may close a compress window, per rate (all tokens in a captured step,
     # only the closing ones in an eager step); kernels mask the rest.
     emit_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Host fact: the longest sequence (positions + 1) in the step. Only the test-only top-k
+    # bug switch reads it; nothing real may branch on it (DESIGN.md invariant 1).
+    max_seq_len: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -95,4 +98,5 @@ def build_batch(
         logits_indices=t(logits),
         num_entries=num_entries,
         emit_tokens={r: t(v) for r, v in emit.items()},
+        max_seq_len=max((c.start_pos + len(c.token_ids) for c in chunks), default=0),
     )

@@ -17,7 +17,7 @@ from .layers.moe import SparseMoE
 from .layers.norm import RMSNorm
 from .layers.rope import rope_inv_freq
 from .state import ModelState
-from .step_context import StepContext, build_step_context
+from .step_context import StepContext, TopKFn, build_step_context
 
 
 class DecoderLayer(nn.Module):
@@ -72,16 +72,17 @@ class DeepseekV4ForCausalLM(nn.Module):
     def inv_freq(self) -> dict[str, torch.Tensor]:
         return {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
 
-    def prepare(self, batch: BatchMetadata, state: ModelState) -> StepContext:
+    def prepare(self, batch: BatchMetadata, state: ModelState, topk: TopKFn | None = None) -> StepContext:
         index_trash = {}
         for layer_idx, layer_state in enumerate(state.layers):
             if layer_state.index_pool is not None:
                 index_trash[self.model_config.compress_rate(layer_idx)] = layer_state.index_pool.shape[0] - 1
-        return build_step_context(batch, state.layout, self.model_config, self.inv_freq(), index_trash)
+        return build_step_context(batch, state.layout, self.model_config, self.inv_freq(), index_trash, topk)
 
-    def forward(self, batch: BatchMetadata, state: ModelState) -> torch.Tensor:
-        """Residual streams [T, hc, D] after the last layer."""
-        ctx = self.prepare(batch, state)
+    def forward(self, batch: BatchMetadata, state: ModelState, topk: TopKFn | None = None) -> torch.Tensor:
+        """Residual streams [T, hc, D] after the last layer. `topk` selects the indexer's
+        entries (default: the stateless dispatch); the runner passes its graph-safe one."""
+        ctx = self.prepare(batch, state, topk)
         embeds = self.model.embed_tokens(batch.input_ids)
         streams = embeds.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for layer, layer_state in zip(self.model.layers, state.layers):

@@ -2,15 +2,25 @@
 batch metadata: row lists, state addresses and rope tables."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import ModelConfig
 from ..kernels import rows as R
+from ..kernels.topk import topk_indices
 from .batch import BatchMetadata
 from .layers.rope import rope_cos_sin
 from .state import StateLayout
+
+
+# (scores [T, E] fp32, lengths [T] int32, k, max_seq_len host int) -> int32 [T, k] entry ids (-1 = none)
+TopKFn = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+
+
+def default_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, max_seq_len: int) -> torch.Tensor:
+    return topk_indices(scores, lengths, k)
 
 
 @dataclass
@@ -43,6 +53,7 @@ class StepContext:
     kv_staging_rows: torch.Tensor  # [T]
     kv_ring_write_rows: torch.Tensor  # [T]
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "main"/"compress" -> cos, sin at token positions
+    topk: "TopKFn"
     rates: dict[int, RateAddresses] = field(default_factory=dict)
     compressors: dict[tuple[int, bool], CompressorAddresses] = field(default_factory=dict)
 
@@ -53,6 +64,7 @@ def build_step_context(
     model_config: ModelConfig,
     inv_freq: dict[str, torch.Tensor],
     index_trash_rows: dict[int, int],
+    topk: TopKFn | None = None,
 ) -> StepContext:
     if batch.num_tokens > layout.max_step_tokens:
         raise ValueError(
@@ -77,6 +89,7 @@ def build_step_context(
             pos, seq, batch.seq_start, batch.seq_num_tokens, batch.seq_slots, ring, layout.trash_row(ring)
         ),
         rope={name: rope_cos_sin(pos, f) for name, f in inv_freq.items()},
+        topk=topk or default_topk,
     )
     comp_base = layout.comp_base()
     hca_rates = {model_config.compress_rate(i) for i in range(model_config.num_layers)

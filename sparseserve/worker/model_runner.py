@@ -6,6 +6,7 @@ scheduler's policies; it receives chunks and returns what was sampled.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -13,10 +14,14 @@ import torch
 from ..config import ModelConfig
 from ..engine.kv_cache import KVPlan
 from ..engine.scheduler import SchedulerOutput
-from ..model.batch import BatchMetadata, SequenceChunk, build_batch
+from ..kernels.topk import IndexerTopK
+from ..model.batch import SequenceChunk, build_batch
 from ..model.deepseek_v4 import DeepseekV4ForCausalLM
 from ..model.state import ModelState, StateLayout
+from ..model.step_context import TopKFn, default_topk
+from .cuda_graph import CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes, pad_chunks, pick_bucket
 from .sampler import SamplingTensors, sample, token_logprobs
+from .watchdog import StepWatchdog
 
 logger = logging.getLogger("sparseserve")
 
@@ -36,10 +41,19 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
 
 
+@dataclass
+class RunnerOptions:
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
+    topk_backend: str = "auto"
+    step_timeout_s: float = 60.0
+    debug_topk_skip_reset_when_short: bool = False  # TEST ONLY: the historical top-k bug
+
+
 class ModelRunner:
     def __init__(self, model: DeepseekV4ForCausalLM, model_config: ModelConfig, device: torch.device,
                  dtype: torch.dtype, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_size: int) -> None:
+                 block_size: int, options: RunnerOptions | None = None) -> None:
         self.model = model
         self.model_config = model_config
         self.device = device
@@ -48,12 +62,41 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self.options = options or RunnerOptions()
         self.state: ModelState | None = None
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # Static row widths of decode steps (eager and graph alike, so both compute the same).
+        self.decode_entries = {r: max_model_len // r for r in model_config.rates}
+        self.csa_rates = sorted({model_config.compress_rate(i) for i in range(model_config.num_layers)
+                                 if model_config.is_csa(i)})
+        self.watchdog = StepWatchdog(self.options.step_timeout_s)
+        self.use_graphs = device.type == "cuda" and not self.options.enforce_eager
+        self.graph_sizes = sorted(self.options.cuda_graph_sizes or default_graph_sizes(max_num_seqs))
+        if any(s < 1 or s > max_num_seqs for s in self.graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must lie in [1, max_num_seqs={max_num_seqs}], got {self.graph_sizes}")
+        self._topk: dict[int, IndexerTopK] = {}
+        self.graphs: CudaGraphRunner | None = None
+
+    # ---- top-k paths: fixed per row bucket from static facts (DESIGN.md invariant 3) ----
+    def topk_for(self, max_rows: int) -> tuple[TopKFn, str]:
+        if not self.csa_rates or self.device.type != "cuda" or self.options.topk_backend == "torch":
+            return default_topk, "torch"
+        if max_rows not in self._topk:
+            width = max(self.max_model_len // r for r in self.csa_rates)
+            self._topk[max_rows] = IndexerTopK(
+                max_rows, width, self.model_config.hf_config.index_topk, self.options.topk_backend, self.device,
+                _debug_skip_reset_when_short=self.options.debug_topk_skip_reset_when_short)
+        topk = self._topk[max_rows]
+
+        def run(scores: torch.Tensor, lengths: torch.Tensor, k: int, max_seq_len: int) -> torch.Tensor:
+            return topk(scores, lengths, max_seq_len)
+
+        return run, topk.path
 
     # ---- memory ----
     def _layout(self, num_blocks: int) -> StateLayout:
-        return StateLayout(num_blocks=num_blocks, block_size=self.block_size, num_slots=self.max_num_seqs,
+        # One slot more than max_num_seqs: the dummy slot that padded graph rows write to.
+        return StateLayout(num_blocks=num_blocks, block_size=self.block_size, num_slots=self.max_num_seqs + 1,
                            max_step_tokens=self.max_num_batched_tokens,
                            sliding_window=self.model_config.hf_config.sliding_window)
 
@@ -70,7 +113,7 @@ class ModelRunner:
         base = torch.cuda.memory_allocated()
         chunk = SequenceChunk(slot=0, start_pos=0, token_ids=[1] * length, block_ids=list(range(blocks)))
         batch = build_batch([chunk], self.model_config.rates, self.device)
-        streams = self.model(batch, state)
+        streams = self.model(batch, state, topk=self.topk_for(self.max_num_batched_tokens)[0])
         rows = min(self.max_num_seqs, length)
         logits = self.model.compute_logits(streams[-rows:])
         torch.log_softmax(logits, dim=-1)
@@ -83,6 +126,25 @@ class ModelRunner:
     def allocate_state(self, num_blocks: int) -> None:
         self.state = ModelState(self.model_config, self._layout(num_blocks), self.device, self.dtype)
 
+    def _new_graph_runner(self) -> CudaGraphRunner:
+        return CudaGraphRunner(self.model, self.state, self.graph_sizes, query_len=1,
+                               max_blocks=self.max_blocks_per_seq, num_entries=self.decode_entries,
+                               dummy_slot=self.max_num_seqs, topk_for=self.topk_for, short_len=2)
+
+    def capture_graphs(self) -> None:
+        if not self.use_graphs:
+            return
+        self.graphs = self._new_graph_runner()
+        self.graphs.capture_all()
+
+    def audit_graphs(self) -> None:
+        """Capture each graph again under short and max_model_len dummy lengths and compare."""
+        if not self.use_graphs:
+            raise ValueError("cudagraph_audit needs CUDA graphs: a CUDA device and enforce_eager=False")
+        problems = self._new_graph_runner().audit_captures(self.max_model_len)
+        if problems:
+            raise GraphCaptureError("CUDA graph audit failed:\n" + "\n".join(problems))
+
     # ---- execution ----
     @torch.no_grad()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -90,8 +152,7 @@ class ModelRunner:
         if not sched.chunks:
             return out
         chunks: list[SequenceChunk] = []
-        prompt_lp_rows: list[tuple[int, int, int]] = []  # (request index, first position, count)
-        for i, sc in enumerate(sched.chunks):
+        for sc in sched.chunks:
             req = sc.request
             start = req.num_computed_tokens
             want_prompt = (req.params.prompt_logprobs is not None and req.num_preemptions == 0
@@ -100,9 +161,8 @@ class ModelRunner:
             chunks.append(SequenceChunk(slot=req.slot, start_pos=start,
                                         token_ids=req.all_token_ids[start:start + sc.num_tokens],
                                         block_ids=req.block_ids, want_logits=want))
-        batch = build_batch(chunks, self.model_config.rates, self.device, max_blocks=self.max_blocks_per_seq)
-        streams = self.model(batch, self.state)
-        logits = self.model.compute_logits(streams[batch.logits_indices])
+        logits, describe = self.forward(chunks)
+        self.wait(describe)
         # Map each chunk to its rows of `logits`.
         row = 0
         sample_rows: list[int] = []
@@ -110,15 +170,47 @@ class ModelRunner:
         for sc, chunk in zip(sched.chunks, chunks):
             n = {"all": len(chunk.token_ids), "last": 1, "none": 0}[chunk.want_logits]
             if chunk.want_logits == "all":
-                prompt_lp_rows.append((row, chunk.start_pos, n))
                 self._prompt_logprobs(sc.request, logits[row:row + n], chunk.start_pos, out)
             if sc.completes:
                 sample_rows.append(row + n - 1)
                 sample_reqs.append(sc.request)
             row += n
         if sample_reqs:
-            self._sample(logits[torch.tensor(sample_rows, device=logits.device)], sample_reqs, out)
+            self._sample(logits[torch.tensor(sample_rows, device=logits.device)], sample_reqs, out, describe)
         return out
+
+    def is_decode_step(self, chunks: list[SequenceChunk]) -> bool:
+        return all(len(c.token_ids) == 1 and c.want_logits == "last" for c in chunks)
+
+    def forward(self, chunks: list[SequenceChunk]) -> tuple[torch.Tensor, Callable[[], str]]:
+        """fp32 logits of the chunks' wanted tokens: by graph replay when a graph holds the
+        step; otherwise eagerly. On CUDA an eager decode step is padded to the same bucket and
+        built the same way as the graph's, so both modes compute the same function."""
+        lengths = [c.start_pos + len(c.token_ids) for c in chunks]
+        bucket = pick_bucket(self.graph_sizes, len(chunks)) if self.is_decode_step(chunks) else None
+        if bucket is not None and self.device.type == "cuda" and self.graphs is not None:
+            logits, graph = self.graphs.run(chunks)
+            mode = f"graph {graph.key}, topk_path={graph.topk_path}"
+        elif bucket is not None and self.device.type == "cuda":
+            topk_fn, path = self.topk_for(bucket)
+            padded = pad_chunks(chunks, bucket, 1, self.max_num_seqs)
+            batch = decode_batch(padded, self.model_config.rates, self.device, self.max_blocks_per_seq,
+                                 self.decode_entries)
+            streams = self.model(batch, self.state, topk=topk_fn)
+            logits = self.model.compute_logits(streams[batch.logits_indices])[: len(chunks)]
+            mode = f"eager decode step (bucket {bucket}), topk_path={path}"
+        else:
+            topk_fn, path = self.topk_for(self.max_num_batched_tokens)
+            batch = build_batch(chunks, self.model_config.rates, self.device, max_blocks=self.max_blocks_per_seq)
+            streams = self.model(batch, self.state, topk=topk_fn)
+            logits = self.model.compute_logits(streams[batch.logits_indices])
+            mode = f"eager step, topk_path={path}"
+
+        def describe() -> str:
+            return (f"{mode}, {len(chunks)} sequences, lengths min/max {min(lengths)}/{max(lengths)}, "
+                    f"{sum(len(c.token_ids) for c in chunks)} tokens")
+
+        return logits, describe
 
     def _sampling_tensors(self, reqs) -> SamplingTensors:
         def t(values, dtype):
@@ -138,7 +230,14 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
         )
 
-    def _sample(self, logits: torch.Tensor, reqs, out: RunnerOutput) -> None:
+    def wait(self, describe: Callable[[], str]) -> None:
+        """Wait for the step with a deadline before any blocking read: a hung kernel becomes an error."""
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+            self.watchdog.wait(done, describe)
+
+    def _sample(self, logits: torch.Tensor, reqs, out: RunnerOutput, describe: Callable[[], str]) -> None:
         tokens = sample(logits, self._sampling_tensors(reqs))
         num_top = max((r.params.logprobs or 0) for r in reqs)
         want_lp = any(r.params.logprobs is not None for r in reqs)

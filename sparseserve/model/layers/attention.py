@@ -13,7 +13,6 @@ from ...kernels.compressor import compress_windows
 from ...kernels.indexer import indexer_scores
 from ...kernels.rows import entry_pool_rows
 from ...kernels.sparse_attention import sparse_mqa_attention
-from ...kernels.topk import topk_indices
 from ..state import LayerState
 from ..step_context import StepContext
 from .norm import RMSNorm, rms_normalize
@@ -132,7 +131,7 @@ class Attention(nn.Module):
                                     batch.positions, self.rate, ctx.layout.entries_per_block(self.rate),
                                     idx.softmax_scale, rate_addr.num_entries)
             lengths = ((batch.positions + 1) // self.rate).clamp(max=rate_addr.num_entries).to(torch.int32)
-            chosen = topk_indices(scores, lengths, idx.topk)
+            chosen = ctx.topk(scores, lengths, idx.topk, batch.max_seq_len)
             rows = entry_pool_rows(chosen, batch.token_seq, batch.block_table,
                                    ctx.layout.entries_per_block(self.rate), ctx.layout.comp_base())
         else:

@@ -1,0 +1,71 @@
+"""CPU tests of the graph machinery's host logic: buckets, padding, the audit's comparison,
+and the watchdog."""
+import pytest
+
+from sparseserve.model.batch import SequenceChunk
+from sparseserve.worker.cuda_graph import _dot_kernel_sequence, decode_batch, default_graph_sizes, pad_chunks, pick_bucket
+from sparseserve.worker.graph_audit import interesting_lengths
+from sparseserve.worker.watchdog import StepTimeoutError, StepWatchdog
+
+
+def test_default_sizes_and_bucket_choice():
+    assert default_graph_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert default_graph_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert default_graph_sizes(3) == [1, 2, 3]
+    sizes = [1, 2, 4, 8, 16]
+    assert [pick_bucket(sizes, n) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert pick_bucket(sizes, 17) is None
+
+
+def test_padding_touches_only_the_dummy_slot_and_no_blocks():
+    real = [SequenceChunk(slot=0, start_pos=40, token_ids=[7], block_ids=[3, 4, 5]),
+            SequenceChunk(slot=2, start_pos=9, token_ids=[8], block_ids=[6])]
+    padded = pad_chunks(real, 4, 1, dummy_slot=5)
+    batch = decode_batch(padded, [4, 16], "cpu", max_blocks=8, num_entries={4: 64, 16: 16})
+    assert batch.seq_slots.tolist() == [0, 2, 5, 5]
+    assert (batch.block_table[2:] == -1).all() and batch.block_table[0, :3].tolist() == [3, 4, 5]
+    assert batch.logits_indices.tolist() == [0, 1, 2, 3]
+    assert batch.positions[:2].tolist() == [40, 9]
+    assert batch.num_entries == {4: 64, 16: 16}
+    assert all(t.tolist() == [0, 1, 2, 3] for t in batch.emit_tokens.values())  # kernels mask non-closing ones
+
+
+def test_dot_parser_and_difference_report(tmp_path):
+    dot = tmp_path / "g.dot"
+    dot.write_text('digraph G {\n'
+                   'node0 [label="KERNEL\\nid=0\\nfill_kernel\\nblock=(256,1,1)"];\n'
+                   'node1 [label="MEMSET\\nid=1\\nvalue=0"];\n'
+                   'node2 [label="KERNEL\\nid=2\\n_topk_hist_kernel\\n"];\n'
+                   'node0 -> node1;\n}\n')
+    seq = _dot_kernel_sequence(str(dot))
+    assert seq[1] == "MEMSET" and seq[0].startswith("KERNEL") and len(seq) == 3
+
+
+def test_interesting_lengths_cover_boundaries():
+    pts = interesting_lengths(4096, [4, 128], 2048)
+    for p in (3, 4, 5, 127, 128, 129, 2047, 2048, 2049, 4096):
+        assert p in pts
+
+
+class NeverDone:
+    def query(self):
+        return False
+
+
+class DoneAfter:
+    def __init__(self, n):
+        self.n = n
+
+    def query(self):
+        self.n -= 1
+        return self.n <= 0
+
+
+def test_watchdog_turns_a_hang_into_an_error():
+    dog = StepWatchdog(0.05)
+    with pytest.raises(StepTimeoutError, match="graph batch=8, query_len=1, topk_path=persistent"):
+        dog.wait(NeverDone(), lambda: "graph batch=8, query_len=1, topk_path=persistent, lengths 5/4000")
+    dog.wait(DoneAfter(3), lambda: "unused")
+    with pytest.raises(ValueError):
+        StepWatchdog(0)
+

@@ -1,0 +1,75 @@
+"""CUDA graphs on the GPU: graph replay equals the eager step token for token, the audit
+passes, and the historical top-k bug (workspace zeroing behind a host `if`) is caught."""
+import gc
+import random
+
+import pytest
+import torch
+
+from sparseserve import LLM, SamplingParams
+from sparseserve.model.loader import CONFIGS_DIR
+from sparseserve.worker.cuda_graph import GraphCaptureError
+from sparseserve.worker.graph_audit import audit_graph_replays
+from sparseserve.worker.watchdog import StepTimeoutError
+
+pytestmark = pytest.mark.gpu
+TINY = str(CONFIGS_DIR / "tiny")
+MAX_LEN = 1024
+COMMON = dict(dtype="bfloat16", max_model_len=MAX_LEN, max_num_seqs=64, kv_cache_memory_bytes=2 * 1024**3)
+
+
+def prompt_set(n=64, seed=0):
+    rng = random.Random(seed)
+    # Lengths at window/compress/top-k-reach boundaries of the tiny model, then random ones.
+    special = [1, 3, 4, 5, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, MAX_LEN - 20]
+    lengths = special + [rng.randint(1, MAX_LEN - 20) for _ in range(n - len(special))]
+    return [{"prompt_token_ids": [rng.randrange(2, 512) for _ in range(n_tok)]} for n_tok in lengths]
+
+
+def generate(enforce_eager, **kw):
+    llm = LLM(TINY, enforce_eager=enforce_eager, **COMMON, **kw)
+    outs = llm.generate(prompt_set(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    free = llm.llm_engine.all_cache_free()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert free
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("backend", ["auto", "standard", "persistent", "torch"])
+def test_graph_replay_equals_eager_token_for_token(backend):
+    eager = generate(True, topk_backend=backend)
+    graph = generate(False, topk_backend=backend)
+    mismatched = [i for i, (a, b) in enumerate(zip(eager, graph)) if a != b]
+    assert not mismatched, f"{len(mismatched)} of 64 prompts differ, first {mismatched[:5]}"
+
+
+def test_audit_passes_with_every_path():
+    for backend in ("standard", "persistent"):
+        llm = LLM(TINY, cudagraph_audit=True, cuda_graph_sizes=[1, 4, 8], topk_backend=backend, **COMMON)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def test_audit_detects_the_historical_topk_bug():
+    with pytest.raises(GraphCaptureError, match="different kernels"):
+        LLM(TINY, cudagraph_audit=True, cuda_graph_sizes=[1, 4], topk_backend="persistent",
+            debug_topk_skip_reset_when_short=True, **COMMON)
+    gc.collect()
+    torch.cuda.empty_cache()
+    # Without the capture comparison, the replay comparison catches the stale counters.
+    llm = LLM(TINY, cuda_graph_sizes=[1, 4], topk_backend="persistent", debug_topk_skip_reset_when_short=True,
+              **COMMON)
+    with pytest.raises(GraphCaptureError, match="replay differs from the eager step"):
+        audit_graph_replays(llm.llm_engine.runner, llm.llm_engine.kv, seed=1)
+    assert llm.llm_engine.all_cache_free()
+
+
+def test_watchdog_reports_a_step_that_does_not_finish():
+    llm = LLM(TINY, step_timeout_s=0.3, cuda_graph_sizes=[1], **COMMON)
+    torch.cuda._sleep(int(4e9))  # ~2 s of GPU time queued ahead of the step's event
+    with pytest.raises(StepTimeoutError, match="graph batch=1"):
+        llm.llm_engine.runner.wait(lambda: "graph batch=1, query_len=1, topk_path=standard, lengths 9/9")
+    torch.cuda.synchronize()

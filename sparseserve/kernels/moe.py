@@ -242,18 +242,21 @@ class MoeConfig:
 def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoeConfig:
     """Static choice from shapes only (never from the routing), so a graph keeps it.
 
-    Few tokens per expert: 16/32-row tiles and narrow N tiles, so that many programs stream
-    the touched experts' weights (weight-read bound). Many: 128x256 tiles (gate 128 + up 128,
-    down 256 wide) in 8 warps for the tensor cores. Picked from the H200 sweep in
-    docs/perf_moe.md (V4-Flash shapes).
+    By the mean tokens per expert: few, 16/32-row tiles and many programs streaming the touched
+    experts' weights (weight-read bound); many, 64/128-row tiles with wide N (gate 128 + up 128,
+    down 256) for the tensor cores. N tiles run fastest so that the programs of one M tile share
+    its activation rows in L2 (M-fastest re-read them from HBM: 4.70 vs 3.97 ms at T=4096).
+    From the H200 sweeps in docs/perf_moe.md (V4-Flash shapes).
     """
     avg = num_tokens * top_k / num_experts
     if avg <= 4:
-        cfg = MoeConfig(16, 64, 128, 4, 3, 128, 128, 4, 3)
-    elif avg <= 24:
-        cfg = MoeConfig(32, 64, 64, 4, 4, 128, 64, 4, 4)
+        cfg = MoeConfig(16, 64, 128, 4, 3, 128, 128, 4, 3, m_fastest=False)
+    elif avg <= 12:
+        cfg = MoeConfig(32, 64, 128, 4, 3, 128, 128, 4, 3, m_fastest=False)
+    elif avg <= 48:
+        cfg = MoeConfig(64, 128, 64, 4, 4, 256, 64, 4, 4, m_fastest=False)
     else:
-        cfg = MoeConfig(128, 128, 64, 8, 3, 256, 64, 8, 3)
+        cfg = MoeConfig(128, 128, 64, 8, 3, 256, 64, 8, 3, m_fastest=False)
     return fit_config(cfg, hidden, inter)
 
 

@@ -1,6 +1,7 @@
-"""The `sparseserve` command: generate, kv-plan (and bench, see sparseserve.benchmarks).
+"""The `sparseserve` command: generate, bench throughput, bench latency, kv-plan.
 
-Every option of `LLM(...)` is a flag with the same name (dashes for underscores).
+Every option of `LLM(...)` is a flag with the same name (dashes for underscores), for
+`generate` and both `bench` commands.
 """
 from __future__ import annotations
 
@@ -23,26 +24,47 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+def _field_default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field, named as in LLM(...)."""
     hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine options (LLM(...) arguments)")
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         hint = str(hints[f.name])
+        default = _field_default(f)
         if f.type in (bool, "bool") or hint == "<class 'bool'>":
-            parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=f.default)
+            group.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=default)
         elif "dict" in hint:
-            parser.add_argument(flag, type=json.loads, default=f.default, help="JSON object")
+            group.add_argument(flag, type=json.loads, default=default, help="JSON object")
+        elif hint.startswith("list[") or hint.startswith("typing.List") or "list[" in hint:
+            item = int if "int" in hint else float if "float" in hint else str
+            group.add_argument(flag, type=item, nargs="+", default=default, help="space-separated values")
         elif "int" in hint and "str" not in hint:
-            parser.add_argument(flag, type=int, default=f.default)
+            group.add_argument(flag, type=int, default=default)
         elif "float" in hint and "str" not in hint:
-            parser.add_argument(flag, type=float, default=f.default)
+            group.add_argument(flag, type=float, default=default)
         else:
-            parser.add_argument(flag, type=str, default=f.default)
+            group.add_argument(flag, type=str, default=default)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    """The LLM(...) keyword arguments the flags set: only values that differ from the defaults, so a
+    flag whose option is left at its default never reaches LLM(...)."""
+    out = {}
+    for f in dataclasses.fields(EngineConfig):
+        if hasattr(args, f.name):
+            value = getattr(args, f.name)
+            if value != _field_default(f) or f.name == "model":
+                out[f.name] = value
+    return out
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -74,7 +96,27 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
     cache_bytes = int(args.gpu_memory_gb * 1024**3) if args.gpu_memory_gb else None
     print(f"model: {args.model or 'tiny (embedded)'} ({model_config.num_layers} layers)")
     print(plan.report(args.max_model_len, cache_bytes))
+    gib = 1024**3
+    dtype_name = "bfloat16" if args.dtype == "auto" else args.dtype
+    compressed = plan.bytes_per_token * args.max_model_len
+    dense = plan.dense_mla_bytes_per_token * args.max_model_len
+    print(f"per sequence at {args.max_model_len:,} tokens ({dtype_name}): compressed state {compressed / gib:.2f} GiB "
+          f"(+ {plan.bytes_per_slot / 1024**2:.2f} MiB fixed window/compressor rows); "
+          f"dense-MLA {dense / gib:.2f} GiB ({dense / max(compressed, 1e-9):.1f}x)")
+    return 0
 
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from ..benchmarks import throughput
+
+    throughput.run(args)
+    return 0
+
+
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    from ..benchmarks import latency
+
+    latency.run(args)
     return 0
 
 
@@ -93,6 +135,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", type=_parse_bool, nargs="?", const=True, default=False)
     gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from ..benchmarks.latency import add_latency_args
+    from ..benchmarks.throughput import add_throughput_args
+
+    tput = bench_sub.add_parser("throughput", help="offline throughput on random-token prompts (vLLM's output)")
+    add_engine_args(tput)
+    add_throughput_args(tput)
+    tput.set_defaults(func=cmd_bench_throughput)
+
+    lat = bench_sub.add_parser("latency", help="time per prefill and per decode step, with percentiles")
+    add_engine_args(lat)
+    add_latency_args(lat)
+    lat.set_defaults(func=cmd_bench_latency)
 
     kv = sub.add_parser("kv-plan", help="bytes per token and per sequence by layer kind, without loading weights")
     kv.add_argument("--model", default=None, help="checkpoint directory or preset")

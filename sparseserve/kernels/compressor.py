@@ -7,11 +7,17 @@ pools 2*rate slots: the first half of each source token's features from window w
 the second half from window w. Sources before position 0 get zero weight.
 The token's projections live in a position-addressed state buffer (kv || gate).
 
+An emitting token whose out row is -1 writes nothing (and the kernel reads nothing for it):
+a captured step passes every token as a possible emitter, and the ones that close no window
+then cost no memory traffic, with no host branch (DESIGN.md invariant 1).
+
 Roofline (per emitted entry, S slots, width Wd): bytes = S * 2 * Wd * 2 + out; FLOPs ~ 6 * S * Wd.
 """
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from ..model.layers.norm import rms_normalize
 from ..model.layers.rope import apply_rope
@@ -33,7 +39,7 @@ def compress_windows_ref(
 
     state: [N, 2 * Wd] rows of kv || gate; src_rows: [M, S] (S = 2*rate with overlap, else rate;
     -1 = no source); position_bias: [rate, Wd]; cos/sin: [M, rope_dim/2] at the entry positions;
-    out_pool: [P, head_dim]; out_rows: [M] destination rows.
+    out_pool: [P, head_dim]; out_rows: [M] destination rows (-1 = write nothing).
     """
     if src_rows.shape[0] == 0:
         return
@@ -54,7 +60,160 @@ def compress_windows_ref(
     pooled = (kv * torch.softmax(gate, dim=1)).sum(dim=1)
     entry = (norm_weight.float() * rms_normalize(pooled, norm_eps)).to(out_pool.dtype)
     entry = apply_rope(entry, cos, sin)
-    out_pool.index_copy_(0, out_rows.long(), entry)
+    keep = out_rows >= 0  # a mask index syncs on CUDA; this is the CPU path
+    out_pool.index_copy_(0, out_rows[keep].long(), entry[keep])
+
+
+@triton.jit
+def _compress_windows_kernel(
+    state_ptr, src_ptr, bias_ptr, normw_ptr, cos_ptr, sin_ptr, out_ptr, out_rows_ptr,
+    stride_state, stride_src, stride_bias, stride_cos, stride_sin, stride_out,
+    eps,
+    HEAD_DIM: tl.constexpr,  # output channels (the RMSNorm width)
+    WIDTH: tl.constexpr,  # kv (and gate) features per state row: 2*HEAD_DIM with overlap
+    RATE: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,  # 2*RATE with overlap, else RATE
+    HALF_ROPE: tl.constexpr,  # rope_dim // 2 (pairs rotated at the tail of the row)
+    BLOCK_S: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # >= HEAD_DIM // 2
+):
+    # One program per emitting token, holding its whole row so the RMSNorm needs no second
+    # pass. Channels are split into even and odd halves (pairs (2i, 2i+1)) so the interleaved
+    # rope is a plain elementwise op; both halves hit the same cache lines, so DRAM traffic is
+    # that of a contiguous row.
+    m = tl.program_id(0).to(tl.int64)
+    out_row = tl.load(out_rows_ptr + m).to(tl.int64)
+    if out_row >= 0:  # device-side: a token that closes no window reads and writes nothing
+        pair = tl.arange(0, BLOCK_P)
+        pmask = pair < HEAD_DIM // 2
+        ch = 2 * pair
+        # Running max starts finite so an all-hole tile gives alpha = 1, p = 0 (not NaN).
+        m_e = tl.full([BLOCK_P], -1.0e30, tl.float32)
+        m_o = tl.full([BLOCK_P], -1.0e30, tl.float32)
+        l_e = tl.zeros([BLOCK_P], tl.float32)
+        l_o = tl.zeros([BLOCK_P], tl.float32)
+        a_e = tl.zeros([BLOCK_P], tl.float32)
+        a_o = tl.zeros([BLOCK_P], tl.float32)
+        for s0 in range(0, NUM_SLOTS, BLOCK_S):
+            j = s0 + tl.arange(0, BLOCK_S)
+            jmask = j < NUM_SLOTS
+            rows = tl.load(src_ptr + m * stride_src + j, mask=jmask, other=-1).to(tl.int64)
+            valid = rows >= 0
+            if OVERLAP:
+                # Slots of window w-1 read features [:HEAD_DIM], those of window w [HEAD_DIM:]
+                # (the reference concatenates; here it is only an offset).
+                second = j >= RATE
+                feat = tl.where(second, HEAD_DIM, 0)
+                brow = tl.where(second, j - RATE, j)
+            else:
+                feat = j * 0
+                brow = j
+            lmask = valid[:, None] & pmask[None, :]
+            bmask = jmask[:, None] & pmask[None, :]
+            src = state_ptr + rows[:, None] * stride_state + feat[:, None] + ch[None, :]
+            bias = bias_ptr + brow[:, None] * stride_bias + feat[:, None] + ch[None, :]
+            kv_e = tl.load(src, mask=lmask, other=0.0).to(tl.float32)
+            kv_o = tl.load(src + 1, mask=lmask, other=0.0).to(tl.float32)
+            g_e = tl.load(src + WIDTH, mask=lmask, other=0.0).to(tl.float32)
+            g_o = tl.load(src + WIDTH + 1, mask=lmask, other=0.0).to(tl.float32)
+            g_e = g_e + tl.load(bias, mask=bmask, other=0.0).to(tl.float32)
+            g_o = g_o + tl.load(bias + 1, mask=bmask, other=0.0).to(tl.float32)
+            g_e = tl.where(lmask, g_e, float("-inf"))
+            g_o = tl.where(lmask, g_o, float("-inf"))
+            # Online softmax over slots, per channel.
+            mn_e = tl.maximum(m_e, tl.max(g_e, 0))
+            mn_o = tl.maximum(m_o, tl.max(g_o, 0))
+            al_e = tl.exp(m_e - mn_e)
+            al_o = tl.exp(m_o - mn_o)
+            p_e = tl.exp(g_e - mn_e[None, :])
+            p_o = tl.exp(g_o - mn_o[None, :])
+            l_e = l_e * al_e + tl.sum(p_e, 0)
+            l_o = l_o * al_o + tl.sum(p_o, 0)
+            a_e = a_e * al_e + tl.sum(p_e * kv_e, 0)
+            a_o = a_o * al_o + tl.sum(p_o * kv_o, 0)
+            m_e = mn_e
+            m_o = mn_o
+        # Padding channels (pmask off) hold 0/0: divide them by 1 instead.
+        pe = tl.where(pmask, a_e / tl.where(pmask, l_e, 1.0), 0.0)
+        po = tl.where(pmask, a_o / tl.where(pmask, l_o, 1.0), 0.0)
+        ms = (tl.sum(pe * pe, 0) + tl.sum(po * po, 0)) / HEAD_DIM
+        r = 1.0 / tl.sqrt(ms + eps)
+        w_e = tl.load(normw_ptr + ch, mask=pmask, other=0.0).to(tl.float32)
+        w_o = tl.load(normw_ptr + ch + 1, mask=pmask, other=0.0).to(tl.float32)
+        # The reference rounds the normed entry to the pool dtype before rope: so do we.
+        odt = out_ptr.dtype.element_ty
+        y_e = (w_e * (pe * r)).to(odt).to(tl.float32)
+        y_o = (w_o * (po * r)).to(odt).to(tl.float32)
+        k = pair - (HEAD_DIM // 2 - HALF_ROPE)
+        rmask = pmask & (k >= 0)
+        c = tl.load(cos_ptr + m * stride_cos + k, mask=rmask, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + m * stride_sin + k, mask=rmask, other=0.0).to(tl.float32)
+        o_e = tl.where(rmask, y_e * c - y_o * s, y_e)
+        o_o = tl.where(rmask, y_o * c + y_e * s, y_o)
+        dst = out_ptr + out_row * stride_out + ch
+        tl.store(dst, o_e.to(odt), mask=pmask)
+        tl.store(dst + 1, o_o.to(odt), mask=pmask)
+
+
+def compress_config(head_dim: int, num_slots: int) -> tuple[int, int]:
+    """(BLOCK_S, num_warps): about 2K elements per [BLOCK_S, BLOCK_P] tile (six live tiles)."""
+    block_p = triton.next_power_of_2(max(head_dim // 2, 1))
+    block_s = min(triton.next_power_of_2(num_slots), max(1, 2048 // block_p))
+    return block_s, (8 if block_p >= 256 else 4)
+
+
+def compress_windows_triton(
+    state: torch.Tensor,
+    src_rows: torch.Tensor,
+    position_bias: torch.Tensor,
+    overlap: bool,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out_pool: torch.Tensor,
+    out_rows: torch.Tensor,
+    block_s: int | None = None,
+) -> None:
+    """Triton kernel, one launch for all M emitting tokens; same contract as
+    compress_windows_ref. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
+    No host sync: only static shapes are read here (CUDA-graph capturable)."""
+    num_emit = src_rows.shape[0]
+    if num_emit == 0:
+        return
+    width = state.shape[1] // 2
+    rate = position_bias.shape[0]
+    head_dim = out_pool.shape[1]
+    num_slots = src_rows.shape[1]
+    if head_dim != (width // 2 if overlap else width) or num_slots != (2 if overlap else 1) * rate:
+        raise ValueError(
+            f"compressor shapes disagree: state width {width}, out head_dim {head_dim}, "
+            f"{num_slots} slots at rate {rate}, overlap={overlap}"
+        )
+    if head_dim % 2 or 2 * cos.shape[-1] > head_dim:
+        raise ValueError(f"head_dim {head_dim} must be even and hold the rope dims {2 * cos.shape[-1]}")
+    # Unit stride on the feature axis; these are no-ops for the model's tensors.
+    state = state if state.stride(1) == 1 else state.contiguous()
+    src_rows = src_rows if src_rows.stride(1) == 1 else src_rows.contiguous()
+    position_bias = position_bias.contiguous()
+    norm_weight = norm_weight.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    out_rows = out_rows.contiguous()
+    if out_pool.stride(1) != 1:
+        raise ValueError("out_pool needs unit stride on its last dim (it is written in place)")
+    cfg_s, num_warps = compress_config(head_dim, num_slots)
+    _compress_windows_kernel[(num_emit,)](
+        state, src_rows, position_bias, norm_weight, cos, sin, out_pool, out_rows,
+        state.stride(0), src_rows.stride(0), position_bias.stride(0), cos.stride(0), sin.stride(0),
+        out_pool.stride(0),
+        float(norm_eps),
+        HEAD_DIM=head_dim, WIDTH=width, RATE=rate, OVERLAP=bool(overlap), NUM_SLOTS=num_slots,
+        HALF_ROPE=cos.shape[-1], BLOCK_S=block_s or cfg_s,
+        BLOCK_P=triton.next_power_of_2(max(head_dim // 2, 1)),
+        num_warps=num_warps,
+    )
 
 
 def compress_windows(
@@ -69,5 +228,10 @@ def compress_windows(
     out_pool: torch.Tensor,
     out_rows: torch.Tensor,
 ) -> None:
-    """Dispatch: the Triton kernel on CUDA (when written), the reference elsewhere."""
-    compress_windows_ref(state, src_rows, position_bias, overlap, norm_weight, norm_eps, cos, sin, out_pool, out_rows)
+    """Dispatch on the device (a static fact): the Triton kernel on CUDA, the reference elsewhere."""
+    if state.is_cuda:
+        compress_windows_triton(state, src_rows, position_bias, overlap, norm_weight, norm_eps, cos, sin,
+                                out_pool, out_rows)
+    else:
+        compress_windows_ref(state, src_rows, position_bias, overlap, norm_weight, norm_eps, cos, sin,
+                             out_pool, out_rows)

@@ -13,11 +13,16 @@ GPU path (graph-capturable: static shapes, no host sync, nothing sized by the ro
 3. `_moe_down_kernel`: grouped GEMM act @ w_down[e].T, the routing weight in the epilogue,
    scattered to y[assignment] (one row per (token, slot)); then out = y.view(T, k, D).sum(1).
    A plain sum, not atomics, keeps the result deterministic (eager == graph replay, bitwise).
-Programs are ordered with the M tile fastest, so the tiles of one expert that share a weight
-tile run side by side and the weight is read from HBM once (the rest hit L2).
+The grid runs N tiles fastest by default: the programs of one M tile (one expert's rows) run
+side by side and share its activation rows in L2, and an expert's few M tiles follow each
+other so its weight tiles are read from HBM about once. `moe_config` picks tile shapes from
+static shapes only (mean tokens per expert), never from the routing.
 
+`select_experts` is one fused Triton launch on CUDA (scores, correction bias, top-k by
+repeated max with the tie rule "lower expert id first", hash ids, normalisation).
 `torch._grouped_mm` (CUTLASS, where torch has it) is the alternative `fused_moe_grouped`;
-the benchmark times both and `fused_moe` picks by static facts.
+the benchmark times both. It was slower at every measured size on the H200 (docs/perf_moe.md),
+so `fused_moe` uses it only when GROUPED_MM_MIN_TOKENS is set.
 """
 from __future__ import annotations
 

@@ -7,13 +7,25 @@ Every row is derived from a token's absolute position (DESIGN.md invariant 4):
   the flat batch (so a chunk never reads a ring row it has itself overwritten);
 - compressed entry w lives in a paged block: comp_base + block_table[seq, w // epb] * epb + w % epb.
 All functions here are device-side tensor code with static output shapes.
+
+Each builder has a plain-PyTorch reference (`*_ref`, the CPU path and the test oracle) and a
+Triton kernel that builds the whole list in one launch; the public names dispatch on the
+device (a static fact): Triton on CUDA, the reference elsewhere. No host sync anywhere, so
+all of them can be captured in a CUDA graph. Outputs are int64.
 """
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
-def source_rows(
+# ---------------------------------------------------------------------------------------------
+# References (CPU path, test oracle)
+# ---------------------------------------------------------------------------------------------
+
+
+def source_rows_ref(
     positions: torch.Tensor,
     token_seq: torch.Tensor,
     seq_start: torch.Tensor,
@@ -32,7 +44,7 @@ def source_rows(
     return torch.where(src >= 0, rows, torch.full_like(rows, -1))
 
 
-def ring_write_rows(
+def ring_write_rows_ref(
     positions: torch.Tensor,
     token_seq: torch.Tensor,
     seq_start: torch.Tensor,
@@ -50,7 +62,7 @@ def ring_write_rows(
     return torch.where(keep, rows, torch.full_like(rows, trash_row))
 
 
-def entry_pool_rows(
+def entry_pool_rows_ref(
     entry_ids: torch.Tensor,
     token_seq: torch.Tensor,
     block_table: torch.Tensor,
@@ -73,7 +85,21 @@ def visible_entry_ids(positions: torch.Tensor, rate: int, num_entries: int) -> t
     return torch.where(visible, entries, torch.full_like(entries, -1))
 
 
-def emit_pool_rows(
+def visible_pool_rows_ref(
+    positions: torch.Tensor,
+    token_seq: torch.Tensor,
+    block_table: torch.Tensor,
+    rate: int,
+    num_entries: int,
+    entries_per_block: int,
+    comp_base: int,
+) -> torch.Tensor:
+    """Pool rows [T, num_entries] of every entry visible to each token (HCA), -1 elsewhere."""
+    ids = visible_entry_ids(positions, rate, num_entries)
+    return entry_pool_rows_ref(ids, token_seq, block_table, entries_per_block, comp_base)
+
+
+def emit_pool_rows_ref(
     positions: torch.Tensor,
     token_seq: torch.Tensor,
     block_table: torch.Tensor,
@@ -83,8 +109,279 @@ def emit_pool_rows(
     trash_row: int,
 ) -> torch.Tensor:
     """Pool row [M] each emitting token writes its entry to; tokens that close no window
-    write the trash row (no host branch on whether a window closed)."""
+    write the trash row (no host branch on whether a window closed). With trash_row = -1
+    the compressor kernel skips them entirely (no reads, no write)."""
     closes = (positions + 1).remainder(rate) == 0
     entry = ((positions + 1) // rate - 1).clamp(min=0)
-    rows = entry_pool_rows(entry.unsqueeze(1), token_seq, block_table, entries_per_block, comp_base).squeeze(1)
+    rows = entry_pool_rows_ref(entry.unsqueeze(1), token_seq, block_table, entries_per_block, comp_base).squeeze(1)
     return torch.where(closes & (rows >= 0), rows, torch.full_like(rows, trash_row))
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels (one launch per list)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _floor_mod(a, b):
+    # Python/torch `remainder` for b > 0, whatever the backend's sign rule for `%` is.
+    r = a % b
+    return tl.where(r < 0, r + b, r)
+
+
+@triton.jit
+def _entry_row(ids, seq, bt_ptr, stride_bt, max_blocks, epb, comp_base):
+    """Pool row of entry ids (same rule as entry_pool_rows_ref; ids < 0 -> -1)."""
+    safe = tl.maximum(ids, 0)
+    col = tl.minimum(safe // epb, max_blocks - 1)
+    block = tl.load(bt_ptr + seq * stride_bt + col).to(tl.int64)
+    rows = comp_base + block * epb + safe % epb
+    return tl.where((ids >= 0) & (block >= 0), rows, -1)
+
+
+@triton.jit
+def _source_rows_kernel(
+    pos_ptr, seq_ptr, start_ptr, tok_off_ptr, slots_ptr, offs_ptr, out_ptr,
+    num_tokens, num_offs, ring_rows, staging_base, stride_out,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tmask = t < num_tokens
+    nmask = n < num_offs
+    pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)
+    seq = tl.load(seq_ptr + t, mask=tmask, other=0).to(tl.int64)
+    start = tl.load(start_ptr + seq, mask=tmask, other=0).to(tl.int64)
+    tok_off = tl.load(tok_off_ptr + seq, mask=tmask, other=0).to(tl.int64)
+    slot = tl.load(slots_ptr + seq, mask=tmask, other=0).to(tl.int64)
+    off = tl.load(offs_ptr + n, mask=nmask, other=0).to(tl.int64)
+    src = pos[:, None] + off[None, :]
+    staging = staging_base + tok_off[:, None] + (src - start[:, None])
+    ring = slot[:, None] * ring_rows + _floor_mod(src, ring_rows)
+    rows = tl.where(src >= start[:, None], staging, ring)
+    rows = tl.where(src >= 0, rows, -1)
+    tl.store(out_ptr + t[:, None].to(tl.int64) * stride_out + n[None, :], rows,
+             mask=tmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _ring_write_rows_kernel(
+    pos_ptr, seq_ptr, start_ptr, ntok_ptr, slots_ptr, out_ptr,
+    num_tokens, ring_rows, trash_row,
+    BLOCK_T: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < num_tokens
+    pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)
+    seq = tl.load(seq_ptr + t, mask=tmask, other=0).to(tl.int64)
+    last = (tl.load(start_ptr + seq, mask=tmask, other=0).to(tl.int64)
+            + tl.load(ntok_ptr + seq, mask=tmask, other=0).to(tl.int64) - 1)
+    slot = tl.load(slots_ptr + seq, mask=tmask, other=0).to(tl.int64)
+    rows = slot * ring_rows + _floor_mod(pos, ring_rows)
+    rows = tl.where(pos > last - ring_rows, rows, trash_row)
+    tl.store(out_ptr + t, rows, mask=tmask)
+
+
+@triton.jit
+def _entry_rows_kernel(
+    ids_ptr, pos_ptr, seq_ptr, bt_ptr, out_ptr,
+    num_tokens, num_cols, stride_ids, stride_bt, max_blocks, epb, comp_base, rate, stride_out,
+    VISIBLE: tl.constexpr,  # ids are the visible entries of each token's position (HCA)
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tmask = t < num_tokens
+    mask = tmask[:, None] & (n < num_cols)[None, :]
+    seq = tl.load(seq_ptr + t, mask=tmask, other=0).to(tl.int64)
+    if VISIBLE:
+        pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)
+        p1 = pos + 1
+        closed = (p1 - _floor_mod(p1, rate)) // rate  # floor((t + 1) / rate), exact division
+        ids = tl.where(n[None, :] < closed[:, None], n[None, :].to(tl.int64), -1)
+    else:
+        ids = tl.load(ids_ptr + t[:, None].to(tl.int64) * stride_ids + n[None, :], mask=mask, other=-1).to(tl.int64)
+    # Masked-off lanes have ids -1 and seq 0: their (clamped) block-table read stays in bounds.
+    rows = _entry_row(ids, seq[:, None], bt_ptr, stride_bt, max_blocks, epb, comp_base)
+    tl.store(out_ptr + t[:, None].to(tl.int64) * stride_out + n[None, :], rows, mask=mask)
+
+
+@triton.jit
+def _emit_pool_rows_kernel(
+    pos_ptr, seq_ptr, bt_ptr, out_ptr,
+    num_tokens, stride_bt, max_blocks, rate, epb, comp_base, trash_row,
+    BLOCK_T: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < num_tokens
+    pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)
+    seq = tl.load(seq_ptr + t, mask=tmask, other=0).to(tl.int64)
+    p1 = pos + 1
+    rem = _floor_mod(p1, rate)
+    entry = tl.maximum((p1 - rem) // rate - 1, 0)
+    rows = _entry_row(entry, seq, bt_ptr, stride_bt, max_blocks, epb, comp_base)
+    rows = tl.where((rem == 0) & (rows >= 0), rows, trash_row)
+    tl.store(out_ptr + t, rows, mask=tmask)
+
+
+_BLOCK_T = 16
+_BLOCK_N = 128
+_BLOCK_1D = 256
+
+
+def _tiles(num_tokens: int, num_cols: int) -> tuple[int, int, tuple[int, int]]:
+    block_n = min(_BLOCK_N, triton.next_power_of_2(max(num_cols, 1)))
+    block_t = max(_BLOCK_T, 1024 // block_n)  # ~1K rows per program
+    return block_t, block_n, (triton.cdiv(num_tokens, block_t), triton.cdiv(num_cols, block_n))
+
+
+def _c(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def source_rows_triton(positions, token_seq, seq_start, seq_token_offset, seq_slots, offsets,
+                       ring_rows: int, staging_base: int) -> torch.Tensor:
+    num_tokens, num_offs = positions.shape[0], offsets.shape[0]
+    out = torch.empty((num_tokens, num_offs), dtype=torch.int64, device=positions.device)
+    if out.numel() == 0:
+        return out
+    block_t, block_n, grid = _tiles(num_tokens, num_offs)
+    _source_rows_kernel[grid](
+        _c(positions), _c(token_seq), _c(seq_start), _c(seq_token_offset), _c(seq_slots), _c(offsets), out,
+        num_tokens, num_offs, int(ring_rows), int(staging_base), out.stride(0),
+        BLOCK_T=block_t, BLOCK_N=block_n,
+    )
+    return out
+
+
+def ring_write_rows_triton(positions, token_seq, seq_start, seq_num_tokens, seq_slots,
+                           ring_rows: int, trash_row: int) -> torch.Tensor:
+    num_tokens = positions.shape[0]
+    out = torch.empty((num_tokens,), dtype=torch.int64, device=positions.device)
+    if num_tokens == 0:
+        return out
+    _ring_write_rows_kernel[(triton.cdiv(num_tokens, _BLOCK_1D),)](
+        _c(positions), _c(token_seq), _c(seq_start), _c(seq_num_tokens), _c(seq_slots), out,
+        num_tokens, int(ring_rows), int(trash_row), BLOCK_T=_BLOCK_1D,
+    )
+    return out
+
+
+def _entry_rows_launch(ids, positions, token_seq, block_table, num_cols: int, entries_per_block: int,
+                       comp_base: int, rate: int, visible: bool) -> torch.Tensor:
+    num_tokens = token_seq.shape[0]
+    out = torch.empty((num_tokens, num_cols), dtype=torch.int64, device=token_seq.device)
+    if out.numel() == 0:
+        return out
+    if block_table.shape[1] == 0:  # the reference's gather cannot run either; nothing is paged
+        raise ValueError("block_table has no columns")
+    block_table = _c(block_table)
+    block_t, block_n, grid = _tiles(num_tokens, num_cols)
+    _entry_rows_kernel[grid](
+        ids, positions, _c(token_seq), block_table, out,
+        num_tokens, num_cols, ids.stride(0), block_table.stride(0), block_table.shape[1],
+        int(entries_per_block), int(comp_base), int(rate), out.stride(0),
+        VISIBLE=visible, BLOCK_T=block_t, BLOCK_N=block_n,
+    )
+    return out
+
+
+def entry_pool_rows_triton(entry_ids, token_seq, block_table, entries_per_block: int, comp_base: int) -> torch.Tensor:
+    ids = _c(entry_ids)
+    return _entry_rows_launch(ids, ids, token_seq, block_table, ids.shape[1], entries_per_block, comp_base, 1, False)
+
+
+def visible_pool_rows_triton(positions, token_seq, block_table, rate: int, num_entries: int,
+                             entries_per_block: int, comp_base: int) -> torch.Tensor:
+    pos = _c(positions)
+    return _entry_rows_launch(pos.unsqueeze(1), pos, token_seq, block_table, num_entries, entries_per_block,
+                              comp_base, rate, True)
+
+
+def emit_pool_rows_triton(positions, token_seq, block_table, rate: int, entries_per_block: int,
+                          comp_base: int, trash_row: int) -> torch.Tensor:
+    num_tokens = positions.shape[0]
+    out = torch.empty((num_tokens,), dtype=torch.int64, device=positions.device)
+    if num_tokens == 0:
+        return out
+    block_table = _c(block_table)
+    _emit_pool_rows_kernel[(triton.cdiv(num_tokens, _BLOCK_1D),)](
+        _c(positions), _c(token_seq), block_table, out,
+        num_tokens, block_table.stride(0), block_table.shape[1], int(rate), int(entries_per_block),
+        int(comp_base), int(trash_row), BLOCK_T=_BLOCK_1D,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch (the names the model calls): Triton on CUDA, the reference elsewhere
+# ---------------------------------------------------------------------------------------------
+
+
+def source_rows(
+    positions: torch.Tensor,
+    token_seq: torch.Tensor,
+    seq_start: torch.Tensor,
+    seq_token_offset: torch.Tensor,
+    seq_slots: torch.Tensor,
+    offsets: torch.Tensor,
+    ring_rows: int,
+    staging_base: int,
+) -> torch.Tensor:
+    """Rows [T, n] of positions `positions[t] + offsets` of each token's sequence (-1 before 0)."""
+    fn = source_rows_triton if positions.is_cuda else source_rows_ref
+    return fn(positions, token_seq, seq_start, seq_token_offset, seq_slots, offsets, ring_rows, staging_base)
+
+
+def ring_write_rows(
+    positions: torch.Tensor,
+    token_seq: torch.Tensor,
+    seq_start: torch.Tensor,
+    seq_num_tokens: torch.Tensor,
+    seq_slots: torch.Tensor,
+    ring_rows: int,
+    trash_row: int,
+) -> torch.Tensor:
+    """Ring row [T] each token's state is committed to after the step (see ring_write_rows_ref)."""
+    fn = ring_write_rows_triton if positions.is_cuda else ring_write_rows_ref
+    return fn(positions, token_seq, seq_start, seq_num_tokens, seq_slots, ring_rows, trash_row)
+
+
+def entry_pool_rows(
+    entry_ids: torch.Tensor,
+    token_seq: torch.Tensor,
+    block_table: torch.Tensor,
+    entries_per_block: int,
+    comp_base: int,
+) -> torch.Tensor:
+    """Pool rows of compressed entries `entry_ids [T, K]` (-1 stays -1)."""
+    fn = entry_pool_rows_triton if entry_ids.is_cuda else entry_pool_rows_ref
+    return fn(entry_ids, token_seq, block_table, entries_per_block, comp_base)
+
+
+def visible_pool_rows(
+    positions: torch.Tensor,
+    token_seq: torch.Tensor,
+    block_table: torch.Tensor,
+    rate: int,
+    num_entries: int,
+    entries_per_block: int,
+    comp_base: int,
+) -> torch.Tensor:
+    """entry_pool_rows(visible_entry_ids(positions, rate, num_entries), ...) in one launch."""
+    fn = visible_pool_rows_triton if positions.is_cuda else visible_pool_rows_ref
+    return fn(positions, token_seq, block_table, rate, num_entries, entries_per_block, comp_base)
+
+
+def emit_pool_rows(
+    positions: torch.Tensor,
+    token_seq: torch.Tensor,
+    block_table: torch.Tensor,
+    rate: int,
+    entries_per_block: int,
+    comp_base: int,
+    trash_row: int,
+) -> torch.Tensor:
+    """Pool row [M] each emitting token writes its entry to (trash_row if it closes no window)."""
+    fn = emit_pool_rows_triton if positions.is_cuda else emit_pool_rows_ref
+    return fn(positions, token_seq, block_table, rate, entries_per_block, comp_base, trash_row)

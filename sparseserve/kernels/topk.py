@@ -59,22 +59,9 @@ except ImportError:  # pragma: no cover - exercised only without triton
 
 BACKENDS = ("auto", "standard", "persistent", "torch")
 
-# Radix digits of the 32-bit key: 11 + 11 + 10 bits.
-_NB1 = 2048
-_NB2 = 2048
-_NB3 = 1024
-# Workspace layout per row (int32): three histograms, then the per-row state.
-_H1_OFF = 0
-_H2_OFF = _NB1
-_H3_OFF = _NB1 + _NB2
-_ST_OFF = _NB1 + _NB2 + _NB3
-_WS_STRIDE = _ST_OFF + 16
-assert _ST_OFF == 5120 and _H2_OFF == 2048 and _H3_OFF == 4096  # offsets hard-coded in the kernels
-# State slots (written by the chunk-0 item of a row, read by the next launch).
-_ST_P1, _ST_KR1, _ST_CNT1 = 0, 1, 2
-_ST_P2, _ST_KR2, _ST_CNT2 = 3, 4, 5
-_ST_T, _ST_NEQ, _ST_NGT = 6, 7, 8
-_ST_ERR = 9
+# Radix select over the 32-bit key, one byte (256 bins) per pass. The per-row workspace of
+# the persistent path holds the four level histograms (the counters that must be zero).
+_WS_STRIDE = 4 * 256
 
 # "auto" crossover, measured on one H200 (docs/perf_topk.md): the persistent path is
 # picked when a step has at most this many rows for its padded width.
@@ -108,16 +95,36 @@ if _HAVE_TRITON:
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
     @triton.jit
-    def _pick_digit(h, NB: tl.constexpr, kr):
-        """Largest bin d whose suffix count reaches kr; also the count above d and in d."""
-        bins = tl.arange(0, NB)
+    def _digit(key, LEVEL: tl.constexpr):
+        """The LEVEL-th byte of the key (0 = top, signed, shifted to 0..255)."""
+        if LEVEL == 0:
+            return (key >> 24) + 128
+        else:
+            return (key >> (24 - 8 * LEVEL)) & 255
+
+    @triton.jit
+    def _matches(key, prefix, LEVEL: tl.constexpr):
+        """Whether the key's top LEVEL bytes equal prefix (LEVEL >= 1; prefix is signed)."""
+        return (key >> (32 - 8 * LEVEL)) == prefix
+
+    @triton.jit
+    def _pick_digit(h, kr):
+        """Largest bin d whose suffix count reaches kr; also the count above d, in d, and the total."""
+        bins = tl.arange(0, 256)
         total = tl.sum(h, axis=0)
-        prefix = tl.cumsum(h, axis=0)
-        suffix = total - prefix + h  # entries in bins >= b
+        suffix = total - tl.cumsum(h, axis=0) + h  # entries in bins >= b
         d = tl.max(tl.where(suffix >= kr, bins, -1), axis=0)
         above = tl.sum(tl.where(bins > d, h, 0), axis=0)
         in_d = tl.sum(tl.where(bins == d, h, 0), axis=0)
         return d, above, in_d, total
+
+    @triton.jit
+    def _extend(prefix, d, LEVEL: tl.constexpr):
+        """Append digit d (chosen at LEVEL) to the signed prefix."""
+        if LEVEL == 0:
+            return d - 128
+        else:
+            return prefix * 256 + d
 
     @triton.jit
     def _fill(out_row, lo, hi, value, K: tl.constexpr, FB: tl.constexpr):
@@ -125,6 +132,24 @@ if _HAVE_TRITON:
         for s in range(0, K, FB):
             o = s + tl.arange(0, FB)
             tl.store(out_row + o, tl.full([FB], value, tl.int32), mask=(o >= lo) & (o < hi))
+
+    @triton.jit
+    def _row_hist(srow, n, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+        """Histogram of byte LEVEL over the row's valid entries whose higher bytes equal prefix."""
+        offs = tl.arange(0, BLOCK)
+        h = tl.zeros([256], dtype=tl.int32)
+        for s in range(0, n, BLOCK):
+            c = s + offs
+            m = c < n
+            key = _keys(tl.load(srow + c, mask=m, other=0.0))
+            if LEVEL == 0:
+                h += tl.histogram(_digit(key, 0), 256, mask=m)
+            else:
+                m = m & _matches(key, prefix, LEVEL)
+                # Later levels match few entries: skip the (costly) histogram on empty blocks.
+                if tl.sum(m.to(tl.int32), axis=0) > 0:
+                    h += tl.histogram(_digit(key, LEVEL), 256, mask=m)
+        return h
 
     @triton.jit
     def _topk_standard_kernel(
@@ -137,38 +162,24 @@ if _HAVE_TRITON:
         n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), W)
         offs = tl.arange(0, BLOCK)
         if n > K:
-            # Pass 1: top 11 bits.
-            h1 = tl.zeros([2048], dtype=tl.int32)
-            for s in range(0, n, BLOCK):
-                c = s + offs
-                m = c < n
-                key = _keys(tl.load(srow + c, mask=m, other=0.0))
-                h1 += tl.histogram((key >> 21) + 1024, 2048, mask=m)
-            d1, above1, _c1, _t1 = _pick_digit(h1, 2048, K)
-            p1 = d1 - 1024
-            kr = K - above1
-            # Pass 2: middle 11 bits of the entries whose top digit is p1.
-            h2 = tl.zeros([2048], dtype=tl.int32)
-            for s in range(0, n, BLOCK):
-                c = s + offs
-                m = c < n
-                key = _keys(tl.load(srow + c, mask=m, other=0.0))
-                m2 = m & ((key >> 21) == p1)
-                h2 += tl.histogram((key >> 10) & 0x7FF, 2048, mask=m2)
-            d2, above2, _c2, _t2 = _pick_digit(h2, 2048, kr)
-            p2 = p1 * 2048 + d2
-            kr = kr - above2
-            # Pass 3: low 10 bits.
-            h3 = tl.zeros([1024], dtype=tl.int32)
-            for s in range(0, n, BLOCK):
-                c = s + offs
-                m = c < n
-                key = _keys(tl.load(srow + c, mask=m, other=0.0))
-                m3 = m & ((key >> 10) == p2)
-                h3 += tl.histogram(key & 0x3FF, 1024, mask=m3)
-            d3, above3, _c3, _t3 = _pick_digit(h3, 1024, kr)
-            thr = p2 * 1024 + d3
-            need_eq = kr - above3  # >= 1 entries equal to thr to take, lowest index first
+            # Radix select, one byte per pass: prefix = the top bytes of the k-th key so far,
+            # kr = how many entries still to take from inside that prefix.
+            h = _row_hist(srow, n, 0, 0, BLOCK)
+            d, above, _c, _t = _pick_digit(h, K)
+            prefix = _extend(0, d, 0)
+            kr = K - above
+            h = _row_hist(srow, n, prefix, 1, BLOCK)
+            d, above, _c, _t = _pick_digit(h, kr)
+            prefix = _extend(prefix, d, 1)
+            kr = kr - above
+            h = _row_hist(srow, n, prefix, 2, BLOCK)
+            d, above, _c, _t = _pick_digit(h, kr)
+            prefix = _extend(prefix, d, 2)
+            kr = kr - above
+            h = _row_hist(srow, n, prefix, 3, BLOCK)
+            d, above, _c, _t = _pick_digit(h, kr)
+            thr = _extend(prefix, d, 3)  # the k-th largest key
+            need_eq = kr - above  # >= 1 entries equal to thr to take, lowest index first
             n_gt = K - need_eq
             # Write pass: deterministic slots from running counts.
             gt_run = 0
@@ -191,141 +202,72 @@ if _HAVE_TRITON:
                 o = s + tl.arange(0, FB)
                 tl.store(orow + o, tl.where(o < n, o, -1), mask=o < K)
 
-    # ---- persistent path: five launches over a resident grid of (row, chunk) items.
+    # ---- persistent path: a resident grid looping over (row, chunk) items, five launches.
 
     @triton.jit
-    def _p_hist1_kernel(
-        scores_ptr, stride_s, lengths_ptr, ws_ptr, W, n_items, CPR,
-        K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr,
+    def _derive(wrow, n, K: tl.constexpr, LEVELS: tl.constexpr):
+        """Prefix, remaining count and error flag after LEVELS finished histograms of the row.
+
+        The error flag is set when a histogram does not sum to the count the previous level
+        expects, i.e. the counters were not zero at launch.
+        """
+        bins = tl.arange(0, 256)
+        prefix = 0
+        kr = K
+        expected = n
+        bad = n < 0  # False, as a tensor
+        for lvl in tl.static_range(LEVELS):
+            h = tl.load(wrow + lvl * 256 + bins)
+            d, above, in_d, total = _pick_digit(h, kr)
+            bad = bad | (total != expected)
+            prefix = _extend(prefix, d, lvl)
+            kr = kr - above
+            expected = in_d
+        return prefix, kr, bad
+
+    @triton.jit
+    def _p_hist_kernel(
+        scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, chist_ptr, W, n_items, CPR,
+        LEVEL: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr,
     ):
+        """Level-LEVEL histogram of every long row, accumulated over its chunks with atomics.
+
+        Level 3 (the last byte) also keeps each chunk's own histogram and its count of entries
+        above the 24-bit prefix, so the write pass can place every chunk without a count pass.
+        """
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         offs = tl.arange(0, CHUNK)
-        bins = tl.arange(0, 2048)
+        bins = tl.arange(0, 256)
         for item in range(pid, n_items, nprog):
             row = item // CPR
-            start = (item % CPR) * CHUNK
+            chunk = item % CPR
+            slot = row.to(tl.int64) * CPR + chunk  # == item, as a 64-bit tensor
+            start = chunk * CHUNK
             n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), W)
-            if (n > K) & (start < n):
+            if n > K:
+                wrow = ws_ptr + row.to(tl.int64) * WS
+                prefix, _kr, _bad = _derive(wrow, n, K, LEVEL)
                 c = start + offs
                 m = c < n
                 key = _keys(tl.load(scores_ptr + row.to(tl.int64) * stride_s + c, mask=m, other=0.0))
-                h = tl.histogram((key >> 21) + 1024, 2048, mask=m)
-                wrow = ws_ptr + row.to(tl.int64) * WS
-                tl.atomic_add(wrow + 0 + bins, h, mask=h > 0, sem="relaxed")
-
-    @triton.jit
-    def _p_hist2_kernel(
-        scores_ptr, stride_s, lengths_ptr, ws_ptr, W, n_items, CPR,
-        K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        offs = tl.arange(0, CHUNK)
-        bins = tl.arange(0, 2048)
-        for item in range(pid, n_items, nprog):
-            row = item // CPR
-            chunk = item % CPR
-            start = chunk * CHUNK
-            n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), W)
-            if n > K:
-                wrow = ws_ptr + row.to(tl.int64) * WS
-                # Every item derives the pass-1 decision from the finished histogram.
-                h1 = tl.load(wrow + 0 + bins)
-                d1, above1, in_d1, total1 = _pick_digit(h1, 2048, K)
-                p1 = d1 - 1024
-                if chunk == 0:
-                    st = wrow + 5120
-                    tl.store(st + 0, p1)
-                    tl.store(st + 1, K - above1)
-                    tl.store(st + 2, in_d1)
-                    tl.store(st + 9, (total1 != n).to(tl.int32))
-                if start < n:
-                    c = start + offs
-                    m = c < n
-                    key = _keys(tl.load(scores_ptr + row.to(tl.int64) * stride_s + c, mask=m, other=0.0))
-                    m2 = m & ((key >> 21) == p1)
-                    h = tl.histogram((key >> 10) & 0x7FF, 2048, mask=m2)
-                    tl.atomic_add(wrow + 2048 + bins, h, mask=h > 0, sem="relaxed")
-
-    @triton.jit
-    def _p_hist3_kernel(
-        scores_ptr, stride_s, lengths_ptr, ws_ptr, W, n_items, CPR,
-        K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        offs = tl.arange(0, CHUNK)
-        bins2 = tl.arange(0, 2048)
-        bins3 = tl.arange(0, 1024)
-        for item in range(pid, n_items, nprog):
-            row = item // CPR
-            chunk = item % CPR
-            start = chunk * CHUNK
-            n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), W)
-            if n > K:
-                wrow = ws_ptr + row.to(tl.int64) * WS
-                st = wrow + 5120
-                p1 = tl.load(st + 0)
-                kr1 = tl.load(st + 1)
-                cnt1 = tl.load(st + 2)
-                h2 = tl.load(wrow + 2048 + bins2)
-                d2, above2, in_d2, total2 = _pick_digit(h2, 2048, kr1)
-                p2 = p1 * 2048 + d2
-                if chunk == 0:
-                    tl.store(st + 3, p2)
-                    tl.store(st + 4, kr1 - above2)
-                    tl.store(st + 5, in_d2)
-                    tl.store(st + 9, tl.load(st + 9) | (total2 != cnt1).to(tl.int32))
-                if start < n:
-                    c = start + offs
-                    m = c < n
-                    key = _keys(tl.load(scores_ptr + row.to(tl.int64) * stride_s + c, mask=m, other=0.0))
-                    m3 = m & ((key >> 10) == p2)
-                    h = tl.histogram(key & 0x3FF, 1024, mask=m3)
-                    tl.atomic_add(wrow + 4096 + bins3, h, mask=h > 0, sem="relaxed")
-
-    @triton.jit
-    def _p_count_kernel(
-        scores_ptr, stride_s, lengths_ptr, ws_ptr, cnt_ptr, W, n_items, CPR,
-        K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr, CPR_P2: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        offs = tl.arange(0, CHUNK)
-        bins3 = tl.arange(0, 1024)
-        for item in range(pid, n_items, nprog):
-            row = item // CPR
-            chunk = item % CPR
-            start = chunk * CHUNK
-            n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), W)
-            if n > K:
-                wrow = ws_ptr + row.to(tl.int64) * WS
-                st = wrow + 5120
-                p2 = tl.load(st + 3)
-                kr2 = tl.load(st + 4)
-                cnt2 = tl.load(st + 5)
-                h3 = tl.load(wrow + 4096 + bins3)
-                d3, above3, _in_d3, total3 = _pick_digit(h3, 1024, kr2)
-                thr = p2 * 1024 + d3
-                need_eq = kr2 - above3
-                if chunk == 0:
-                    tl.store(st + 6, thr)
-                    tl.store(st + 7, need_eq)
-                    tl.store(st + 8, K - need_eq)
-                    tl.store(st + 9, tl.load(st + 9) | (total3 != cnt2).to(tl.int32))
-                c = start + offs
-                m = c < n
-                key = _keys(tl.load(scores_ptr + row.to(tl.int64) * stride_s + c, mask=m, other=0.0))
-                n_gt = tl.sum((m & (key > thr)).to(tl.int32), axis=0)
-                n_eq = tl.sum((m & (key == thr)).to(tl.int32), axis=0)
-                crow = cnt_ptr + row.to(tl.int64) * (2 * CPR_P2)
-                tl.store(crow + chunk, n_gt)
-                tl.store(crow + CPR_P2 + chunk, n_eq)
+                if LEVEL > 0:
+                    m = m & _matches(key, prefix, LEVEL)
+                count = tl.sum(m.to(tl.int32), axis=0)
+                if count > 0:
+                    h = tl.histogram(_digit(key, LEVEL), 256, mask=m)
+                    tl.atomic_add(wrow + LEVEL * 256 + bins, h, mask=h > 0, sem="relaxed")
+                    if LEVEL == 3:
+                        suffix = count - tl.cumsum(h, axis=0) + h
+                        tl.store(chist_ptr + slot * 256 + bins, suffix)
+                if LEVEL == 3:
+                    above = tl.sum(((c < n) & ((key >> 8) > prefix)).to(tl.int32), axis=0)
+                    tl.store(cinfo_ptr + slot * 2, above)
+                    tl.store(cinfo_ptr + slot * 2 + 1, count)
 
     @triton.jit
     def _p_write_kernel(
-        scores_ptr, stride_s, lengths_ptr, ws_ptr, cnt_ptr, out_ptr, stride_o, W, n_items, CPR,
+        scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, chist_ptr, out_ptr, stride_o, W, n_items, CPR,
         K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr, CPR_P2: tl.constexpr, FB: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -340,20 +282,23 @@ if _HAVE_TRITON:
             orow = out_ptr + row.to(tl.int64) * stride_o
             c = start + offs
             if n > K:
-                st = ws_ptr + row.to(tl.int64) * WS + 5120
-                err = tl.load(st + 9)
-                if err != 0:
+                thr, need_eq, bad = _derive(ws_ptr + row.to(tl.int64) * WS, n, K, 4)
+                if bad:
                     # Counters were not zero at launch: poison the row (detectable, never a hang).
                     if chunk == 0:
                         _fill(orow, 0, K, -2, K, FB)
                 else:
-                    thr = tl.load(st + 6)
-                    need_eq = tl.load(st + 7)
-                    n_gt = tl.load(st + 8)
-                    crow = cnt_ptr + row.to(tl.int64) * (2 * CPR_P2)
+                    n_gt = K - need_eq
+                    d4 = thr & 255
+                    # Entries above / equal to thr in the earlier chunks of this row.
                     before = cidx < chunk
-                    gt_base = tl.sum(tl.load(crow + cidx, mask=before, other=0), axis=0)
-                    eq_base = tl.sum(tl.load(crow + CPR_P2 + cidx, mask=before, other=0), axis=0)
+                    first = row.to(tl.int64) * CPR
+                    above24 = tl.load(cinfo_ptr + (first + cidx) * 2, mask=before, other=0)
+                    has4 = before & (tl.load(cinfo_ptr + (first + cidx) * 2 + 1, mask=before, other=0) > 0)
+                    suf_d = tl.load(chist_ptr + (first + cidx) * 256 + d4, mask=has4, other=0)
+                    suf_next = tl.load(chist_ptr + (first + cidx) * 256 + d4 + 1, mask=has4 & ((cidx * 0 + d4) < 255), other=0)
+                    gt_base = tl.sum(above24 + suf_next, axis=0)
+                    eq_base = tl.sum(suf_d - suf_next, axis=0)
                     if start < n:
                         m = c < n
                         key = _keys(tl.load(scores_ptr + row.to(tl.int64) * stride_s + c, mask=m, other=0.0))
@@ -379,7 +324,7 @@ def _next_pow2(x: int) -> int:
 
 def _standard_config(width: int) -> tuple[int, int]:
     """(BLOCK, num_warps) for the standard kernel, from the static width."""
-    block = min(4096, max(1024, _next_pow2(width)))
+    block = min(8192, max(1024, _next_pow2(width)))
     return block, (8 if block >= 4096 else 4)
 
 
@@ -516,10 +461,18 @@ class IndexerTopK:
             self.num_programs = num_programs or _num_sms(self.device)
             max_cpr = -(-max_width // 1024)  # the smallest chunk gives the most chunks per row
             self._cpr_p2 = max(16, _next_pow2(max_cpr))
-            # Counters (histograms) must be zero at launch; the per-row state needs no zero but
-            # shares the buffer, so one fill covers both.
+            # Items of any call: chunks >= 1024 and about one item per program until chunks reach
+            # 8192, so at most num_programs + max_rows * (ceil(max_width / 8192) + 1); a _tile
+            # override may need more.
+            tile = _tile or 8192
+            self._items_cap = max(
+                self.num_programs + max_rows * (-(-max_width // 8192) + 1), max_rows * -(-max_width // tile)
+            )
+            # The level histograms are the counters that must be zero at launch (zeroed per call).
             self.workspace = torch.zeros((max_rows, _WS_STRIDE), dtype=torch.int32, device=self.device)
-            self.chunk_counts = torch.zeros((max_rows, 2 * self._cpr_p2), dtype=torch.int32, device=self.device)
+            # Per-chunk facts for the write pass; written before they are read, never zeroed.
+            self.chunk_info = torch.zeros((self._items_cap, 2), dtype=torch.int32, device=self.device)
+            self.chunk_hist = torch.zeros((self._items_cap, 256), dtype=torch.int32, device=self.device)
 
     def __call__(self, scores: torch.Tensor, lengths: torch.Tensor, max_seq_len: Optional[int] = None) -> torch.Tensor:
         """Top-k indices int32 [R, k] (a view of the preallocated output).
@@ -556,17 +509,16 @@ class IndexerTopK:
             chunk, warps = self._tile, (8 if self._tile >= 4096 else 4)
             cpr = -(-width // chunk)
         n_items = rows * cpr
+        if n_items > self._items_cap or cpr > self._cpr_p2:
+            raise ValueError(f"{rows} x {width} needs {n_items} chunks, more than the {self._items_cap} planned")
         grid = (min(self.num_programs, n_items),)
-        k = self.k
-        common = dict(K=k, CHUNK=chunk, WS=_WS_STRIDE, num_warps=warps)
-        args = (scores, scores.stride(0), lengths, ws)
-        _p_hist1_kernel[grid](*args, width, n_items, cpr, **common)
-        _p_hist2_kernel[grid](*args, width, n_items, cpr, **common)
-        _p_hist3_kernel[grid](*args, width, n_items, cpr, **common)
-        _p_count_kernel[grid](*args, self.chunk_counts, width, n_items, cpr, CPR_P2=self._cpr_p2, **common)
+        common = dict(K=self.k, CHUNK=chunk, WS=_WS_STRIDE, num_warps=warps)
+        args = (scores, scores.stride(0), lengths, ws, self.chunk_info, self.chunk_hist)
+        for level in range(4):
+            _p_hist_kernel[grid](*args, width, n_items, cpr, LEVEL=level, **common)
         _p_write_kernel[grid](
-            *args, self.chunk_counts, out, out.stride(0), width, n_items, cpr,
-            CPR_P2=self._cpr_p2, FB=min(1024, _next_pow2(k)), **common,
+            *args, out, out.stride(0), width, n_items, cpr,
+            CPR_P2=self._cpr_p2, FB=min(1024, _next_pow2(self.k)), **common,
         )
 
 

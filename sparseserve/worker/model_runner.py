@@ -71,6 +71,9 @@ class ModelRunner:
                                  if model_config.is_csa(i)})
         self.watchdog = StepWatchdog(self.options.step_timeout_s)
         self.use_graphs = device.type == "cuda" and not self.options.enforce_eager
+        if self.use_graphs and dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"CUDA graphs need the bf16/fp16 kernels, but dtype is {dtype}; "
+                             "use dtype='bfloat16' or enforce_eager=True")
         self.graph_sizes = sorted(self.options.cuda_graph_sizes or default_graph_sizes(max_num_seqs))
         if any(s < 1 or s > max_num_seqs for s in self.graph_sizes):
             raise ValueError(f"cuda_graph_sizes must lie in [1, max_num_seqs={max_num_seqs}], got {self.graph_sizes}")

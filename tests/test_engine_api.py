@@ -13,7 +13,7 @@ TINY = str(CONFIGS_DIR / "tiny")
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(TINY, dtype="float32", max_model_len=96, max_num_seqs=8)
+    return LLM(TINY, device="cpu", dtype="float32", max_model_len=96, max_num_seqs=8)
 
 
 def ids(n, start=5):
@@ -65,7 +65,7 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm):
 
 
 def test_request_that_can_never_fit_the_cache_is_rejected():
-    small = LLM(TINY, dtype="float32", max_model_len=96, num_gpu_blocks_override=2)
+    small = LLM(TINY, device="cpu", dtype="float32", max_model_len=96, num_gpu_blocks_override=2)
     with pytest.raises(RequestTooLargeError, match="cache blocks"):
         small.generate([ids(40)], SamplingParams(max_tokens=20), use_tqdm=False)
 

@@ -45,7 +45,7 @@ SETTINGS = {
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_outputs_and_logprobs_equal_oracle(setting, oracle_results):
-    llm = LLM(TINY, dtype="float32", max_model_len=128, **SETTINGS[setting])
+    llm = LLM(TINY, device="cpu", dtype="float32", max_model_len=128, **SETTINGS[setting])
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
     for out, (ref_tokens, ref_logprobs) in zip(outputs, oracle_results):

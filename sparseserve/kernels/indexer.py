@@ -129,15 +129,14 @@ class IndexerConfig:
 
 
 def indexer_config(num_tokens: int, num_heads: int, head_dim: int, num_entries: int, num_sms: int) -> IndexerConfig:
-    """Static-shape choice: 128-entry tiles, and enough tiles per program to amortise the q
-    load while keeping >= 4 programs per SM in flight."""
-    block_e = 128 if num_entries > 64 else 64
-    total_tiles = num_tokens * triton.cdiv(max(num_entries, 1), block_e)
-    tiles = 1
-    while tiles < 16 and total_tiles // (tiles * 2) >= 4 * num_sms:
-        tiles *= 2
-    tiles = min(tiles, triton.cdiv(max(num_entries, 1), block_e))
-    return IndexerConfig(block_e, tiles, 4, 3)
+    """Static-shape choice, from a config sweep on the H200 (docs/perf_kernels.md): small grids
+    take one 64-entry tile per program (most programs in flight); large ones (>= 8 x SMs
+    128-entry tiles: big decode batches, long contexts, prefill) 4 tiles of 128 per program,
+    double-buffered (2 stages measured faster than 3 there)."""
+    tiles128 = num_tokens * triton.cdiv(max(num_entries, 1), 128)
+    if tiles128 >= 8 * num_sms:
+        return IndexerConfig(128, 4, 4, 2)
+    return IndexerConfig(64, 1, 4, 3)
 
 
 def _num_sms(device: torch.device) -> int:

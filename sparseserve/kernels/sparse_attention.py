@@ -195,22 +195,27 @@ def _num_sms(device: torch.device) -> int:
 def attention_config(num_tokens: int, num_heads: int, num_rows: int, head_dim: int, num_sms: int) -> AttnConfig:
     """Pick block sizes and row splits from static shapes only (graph-safe).
 
-    Large batches (prefill, big decode): 64 heads per program so each KV tile feeds an
-    M=64 tensor-core product, 8 warps to hold the [64, D] fp32 accumulator. Small batches:
-    fewer heads per program and row splits, to put enough loads in flight on every SM.
+    Chosen from a config sweep on the H200 (docs/perf_kernels.md, benchmarks/results/kernels.json):
+    - many (token, 64-head) programs (big decode batches, prefill): 64 heads per program, so a KV
+      tile feeds an M=64 wgmma and is read once for all heads; 8 warps for the [64, D] fp32
+      accumulator; prefill-sized grids take 64-row tiles (rows shared through L2, the kernel
+      is compute/latency bound), big decode batches 32-row tiles with 3 stages.
+    - otherwise 16 heads per program (mma.sync, no spills) and the rows split in up to 8
+      pieces of >= 128 rows, until about 2 programs per SM are running.
     """
     big_d = head_dim > 128
-    if num_tokens * triton.cdiv(num_heads, 64) >= num_sms or num_heads < 64:
-        block_h = 64 if num_heads >= 64 else max(16, triton.next_power_of_2(num_heads))
-        warps = 8 if (big_d and block_h >= 64) else 4
-        return AttnConfig(block_h, 64 if not big_d else 32, warps, 3 if big_d else 2, 1)
+    wide = num_tokens * triton.cdiv(num_heads, 64)
+    if num_heads >= 64 and 4 * wide >= 3 * num_sms:
+        if not big_d:
+            return AttnConfig(64, 64, 4, 2)
+        return AttnConfig(64, 64, 8, 2) if wide >= 8 * num_sms else AttnConfig(64, 32, 8, 3)
     block_h = 16
     programs = num_tokens * triton.cdiv(num_heads, block_h)
-    max_splits = max(1, num_rows // 128)  # each split keeps >= 128 rows so partials stay small
+    max_splits = min(8, max(1, num_rows // 128))  # each split keeps >= 128 rows so partials stay small
     splits = 1
-    while splits * 2 <= max_splits and programs * splits < 2 * num_sms:  # powers of 2: few compiles
+    while splits * 2 <= max_splits and programs * splits * 2 <= 2 * num_sms:  # powers of 2: few compiles
         splits *= 2
-    return AttnConfig(block_h, 64 if not big_d else 32, 4, 3, splits)
+    return AttnConfig(block_h, 64, 4, 2, splits)
 
 
 def sparse_mqa_attention_triton(

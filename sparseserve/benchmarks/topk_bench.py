@@ -107,6 +107,37 @@ def run_grid(rows_list, widths, ks, warmup_ms, rep_ms, log) -> list[dict]:
     return entries
 
 
+MINI = [  # (rows, width, k, paths): few compiles, for a short device call
+    (1, 262144, 512, ("standard", "persistent")),
+    (8, 65536, 512, ("standard", "persistent")),
+    (256, 8192, 512, ("standard",)),
+    (256, 262144, 512, ("standard",)),
+]
+
+
+def run_mini(warmup_ms, rep_ms, log) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    entries = []
+    for rows, width, k, paths in MINI:
+        scores = torch.randn(rows, width, generator=gen, device="cuda")
+        lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
+        ops = {p: IndexerTopK(rows, width, k, backend=p) for p in paths}
+        e: dict = {"k": k, "rows": rows, "width": width, "auto_path": auto_path(rows, width)}
+        e["correct"] = _check(ops, rows, width, k, gen)
+        fns = {"torch_topk": lambda: torch.topk(scores, k, dim=1)}
+        fns.update({p: (lambda op=op: op(scores, lengths)) for p, op in ops.items()})
+        for name, fn in fns.items():
+            e[f"{name}_eager_us"] = _bench(fn, warmup_ms, rep_ms)
+            graph = _graph_of(fn)
+            e[f"{name}_graph_us"] = _bench(graph.replay, warmup_ms, rep_ms)
+            del graph
+        e["roofline_us"] = rows * width * 4 / HBM_BYTES_PER_S * 1e6
+        entries.append(e)
+        log("mini " + json.dumps({key: (round(v, 1) if isinstance(v, float) else v) for key, v in e.items()}))
+        del scores, lengths, ops
+    return entries
+
+
 def run_sweep(rows_list, widths, ks, warmup_ms, rep_ms, log) -> list[dict]:
     """Graph-replay times of both paths over more shapes, for the auto crossover."""
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -153,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results/topk.json")
     ap.add_argument("--quick", action="store_true", help="small grid, short timings (smoke run)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--mini", action="store_true", help="four shapes, k=512 only (a short device call)")
     ap.add_argument("--warmup-ms", type=int, default=10)
     ap.add_argument("--rep-ms", type=int, default=40)
     args = ap.parse_args(argv)
@@ -179,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
+    if args.mini:
+        result["mini"] = run_mini(args.warmup_ms, args.rep_ms, log)
+        save()
+        ok = all(all(e["correct"].values()) for e in result["mini"])
+        log(f"all correct: {ok}; wrote {args.out}")
+        return 0 if ok else 1
     if args.quick:
         rows_list, widths, ks = [1, 64], [8192, 262144], [512]
     else:

@@ -19,23 +19,30 @@ Both Triton paths compute the same function, in the same output order: the indic
 score above the k-th score T in increasing index order, then the indices with score == T
 in increasing index order (as many as fill k).
 
-Algorithm (both paths): scores become order-preserving int32 keys; an 11/11/10-bit radix
-select finds the key T of the k-th largest valid entry with three histogram passes
-(each pass only counts entries that match the digits chosen so far), then one pass
-writes the entries with key > T and the lowest-index entries with key == T.
+Algorithm (both paths): scores become order-preserving int32 keys; a radix select, one
+byte (256 bins) per pass, finds the key T of the k-th largest valid entry with four
+histogram passes (pass l counts only the entries whose higher bytes match the bytes chosen
+so far; blocks without such entries skip the histogram), then one pass writes the entries
+with key > T and the lowest-index entries with key == T. 256 bins, not 2048: on Triton 3.6
+`tl.histogram` lowers to warp ballots whose cost grows with the bin count (a 2048-bin
+version measured ~12 us per 4096-entry block on the H200; see docs/perf_topk.md).
 
 * standard: one program per row, all passes inside one launch. Good when there are
   enough rows to fill the GPU.
 * persistent: a resident grid (one program per SM) that cuts every row into chunks and
   loops over (row, chunk) items, so a few long rows use the whole GPU. The passes are
-  five launches (hist1, hist2, hist3, count, write); the kernel boundaries are the grid
-  barriers, so nothing ever spin-waits (no hang is possible, also under
-  TRITON_INTERPRET=1 where programs run one after another). The per-row histograms are
-  device counters accumulated with atomics and MUST be zero at launch: the path zeroes
-  its workspace itself, unconditionally, right before the first kernel (DESIGN.md
-  invariant 2), so any graph that captures the call records the zeroing. Each pass
-  checks that its histogram sums to the count the previous pass expects; on a mismatch
-  (counters that were not zero) the row is written as all -2, a detectable error value.
+  five launches (four level histograms, then the write); the kernel boundaries are the
+  grid barriers, so nothing ever spin-waits (no hang is possible, also under
+  TRITON_INTERPRET=1 where programs run one after another). Every item re-derives the
+  chosen bytes from the finished histograms (256 bins, cheap). The last histogram pass also
+  keeps each chunk's own last-byte histogram and its count above the 24-bit prefix, so the
+  write pass places each chunk's entries from prefix sums over the earlier chunks (no
+  count pass, deterministic order). The per-row histograms are device counters
+  accumulated with atomics and MUST be zero at launch: the path zeroes them itself,
+  unconditionally, right before the first kernel (DESIGN.md invariant 2), so any graph
+  that captures the call records the zeroing. Each pass checks that the histograms sum to
+  the counts the previous level expects; on a mismatch (counters that were not zero) the
+  row is written as all -2, a detectable error value.
 * torch: the plain-PyTorch reference below (stable sort), exact tie rule, slow.
 
 Roofline: the data is read once at best, R*W*4 bytes at ~4.2 TB/s (1 x 256K = 1 MiB,

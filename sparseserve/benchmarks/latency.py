@@ -1,0 +1,258 @@
+"""`sparseserve bench latency`: time per prefill step and per decode step, with percentiles.
+
+One iteration submits `batch_size` random-token prompts of `input_len` tokens, each asked for
+exactly `output_len` tokens (greedy, `ignore_eos`), and runs `LLMEngine.step()` until all are
+done, reading the clock around every step (after synchronising CUDA). A step that carries any
+prompt tokens is a *prefill* step (with chunked prefill a batch's prompts may take several; the
+last one also samples the first token); every other step is a *decode* step. `--num-iters-warmup`
+iterations run first and are not counted. `--backend hf` times `transformers` `generate` on the
+same prompts and weights: prefill = call to first token, decode step = token to token.
+
+The figures are printed with roofline floors from the model's shapes (weights read once per
+decode step at the HBM rate; prefill matmul FLOPs at the bf16 tensor-core rate); the default
+rates are the H200 anchors of DESIGN.md section 5.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from .throughput import (add_workload_args, check_workload, device_name, engine_kwargs, free_device_memory,
+                         jsonable, random_prompts, synchronize, write_json)
+
+HBM_BYTES_PER_S = 4.23e12  # H200 copy bandwidth (DESIGN.md section 5)
+BF16_FLOPS_PER_S = 790e12  # H200 dense bf16 GEMM rate (DESIGN.md section 5)
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
+def add_latency_args(parser: argparse.ArgumentParser) -> None:
+    add_workload_args(parser, input_len=32, output_len=128)
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per iteration, submitted together")
+    parser.add_argument("--num-iters-warmup", type=int, default=1, help="untimed iterations first")
+    parser.add_argument("--num-iters", type=int, default=3, help="timed iterations")
+
+
+def summarize(seconds: list[float]) -> dict:
+    """Milliseconds: mean, p50, p90, p99, min, max, and the count."""
+    if not seconds:
+        return {"count": 0}
+    ms = np.asarray(seconds, dtype=np.float64) * 1e3
+    return {"count": int(ms.size), "mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
+            "p90_ms": float(np.percentile(ms, 90)), "p99_ms": float(np.percentile(ms, 99)),
+            "min_ms": float(ms.min()), "max_ms": float(ms.max())}
+
+
+# ---- roofline facts from the model's shapes (no weights are made) ----
+def model_facts(model: str | None, hf_overrides: dict | None = None) -> dict:
+    """Parameter counts by role, counted on a meta-device model built from the config."""
+    from ..config import ModelConfig
+    from ..model.deepseek_v4 import DeepseekV4ForCausalLM
+    from ..model.loader import load_hf_config, resolve_model_dir
+
+    model_dir, overrides = resolve_model_dir(model)
+    overrides.update(hf_overrides or {})
+    config = ModelConfig(load_hf_config(model_dir, overrides))
+    with torch.device("meta"):
+        net = DeepseekV4ForCausalLM(config)
+    hf = config.hf_config
+    total = embed = lm_head = experts = 0
+    expert_layers = set()
+    for name, p in net.named_parameters():
+        n = p.numel()
+        total += n
+        if name.endswith("embed_tokens.weight"):
+            embed += n
+        elif name.startswith("lm_head"):
+            lm_head += n
+        elif ".mlp.experts." in name:
+            experts += n
+            expert_layers.add(name.split(".mlp.experts.")[0])
+    num_moe = len(expert_layers)
+    per_expert = experts // max(num_moe * hf.n_routed_experts, 1)
+    return {"params": total, "embedding_params": embed, "lm_head_params": lm_head,
+            "dense_params": total - embed - lm_head - experts,  # attention, shared experts, mixing, norms
+            "routed_expert_params": experts, "params_per_expert": per_expert, "moe_layers": num_moe,
+            "n_routed_experts": int(hf.n_routed_experts), "num_experts_per_tok": int(hf.num_experts_per_tok)}
+
+
+def expected_experts(facts: dict, num_tokens: int) -> float:
+    """Distinct experts a MoE layer reads for `num_tokens` tokens, each routed to k of E at random."""
+    e, k = facts["n_routed_experts"], facts["num_experts_per_tok"]
+    return e * (1 - (1 - k / e) ** num_tokens) if e else 0.0
+
+
+def decode_weight_bytes(facts: dict, batch: int, dtype_bytes: int = 2) -> float:
+    """Weight bytes one decode step must read at batch `batch` (the embedding is a gather, not read)."""
+    params = facts["dense_params"] + facts["lm_head_params"]
+    params += facts["moe_layers"] * expected_experts(facts, batch) * facts["params_per_expert"]
+    return params * dtype_bytes
+
+
+def prefill_flops(facts: dict, num_tokens: int, num_sequences: int) -> float:
+    """Matmul FLOPs of prefilling `num_tokens` prompt tokens (attention scores excluded; the LM head
+    only for each sequence's last token)."""
+    active = facts["dense_params"] + facts["moe_layers"] * facts["num_experts_per_tok"] * facts["params_per_expert"]
+    return 2.0 * (num_tokens * active + num_sequences * facts["lm_head_params"])
+
+
+def roofline(model: str | None, hf_overrides: dict | None, batch: int, input_len: int, dtype_bytes: int,
+             hbm_bytes_per_s: float = HBM_BYTES_PER_S, flops_per_s: float = BF16_FLOPS_PER_S) -> dict:
+    facts = model_facts(model, hf_overrides)
+    wbytes = decode_weight_bytes(facts, batch, dtype_bytes)
+    flops = prefill_flops(facts, batch * input_len, batch)
+    return {"model_facts": facts, "hbm_bytes_per_s": hbm_bytes_per_s, "flops_per_s": flops_per_s,
+            "decode_weight_bytes": wbytes, "decode_step_floor_ms": wbytes / hbm_bytes_per_s * 1e3,
+            "prefill_flops": flops, "prefill_floor_ms": flops / flops_per_s * 1e3}
+
+
+# ---- the two backends ----
+def _engine_iterations(args, llm, prompts_for) -> tuple[list, list, list, list, list]:
+    from ..sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                            detokenize=not args.disable_detokenize)
+    prefill, decode, iter_total, iter_prefill, tokens = [], [], [], [], []
+    for it in range(args.num_iters_warmup + args.num_iters):
+        timed = it >= args.num_iters_warmup
+        for i, prompt in enumerate(prompts_for(it)):
+            engine.add_request(f"latency-{it}-{i}", {"prompt_token_ids": prompt}, params)
+        total = pre = 0.0
+        outputs = []
+        while engine.has_unfinished_requests():
+            is_prefill = any(r.num_computed_tokens < len(r.prompt_token_ids)
+                             for r in engine.requests.values() if not r.is_finished)
+            synchronize(engine.device)
+            t0 = time.perf_counter()
+            outputs.extend(engine.step())
+            synchronize(engine.device)
+            dt = time.perf_counter() - t0
+            total += dt
+            if is_prefill:
+                pre += dt
+            if timed:
+                (prefill if is_prefill else decode).append(dt)
+        if timed:
+            iter_total.append(total)
+            iter_prefill.append(pre)
+            tokens.append(sum(len(c.token_ids) for o in outputs for c in o.outputs))
+    return prefill, decode, iter_total, iter_prefill, tokens
+
+
+def run_engine(args: argparse.Namespace) -> dict:
+    from ..llm import LLM
+
+    kwargs = engine_kwargs(args)
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    init_s = time.perf_counter() - t0
+    try:
+        engine = llm.llm_engine
+        vocab = engine.vocab_size
+        measured = _engine_iterations(
+            args, llm, lambda it: random_prompts(args.batch_size, args.input_len, vocab, args.seed + it))
+        extra = {"init_time_s": init_s, "device": device_name(engine.device), "dtype": str(engine.dtype),
+                 "dtype_bytes": torch.tensor([], dtype=engine.dtype).element_size(),
+                 "engine_args": jsonable(kwargs)}
+        return _result(args, *measured, **extra)
+    finally:
+        del llm
+        free_device_memory()
+
+
+def run_hf(args: argparse.Namespace) -> dict:
+    from ..config import EngineConfig
+    from .hf_baseline import hf_step_times, load_hf_model
+
+    config = EngineConfig(**engine_kwargs(args))
+    device = config.resolve_device()
+    dtype = config.resolve_dtype(device)
+    t0 = time.perf_counter()
+    model = load_hf_model(args.model, dtype, device, args.load_format, args.hf_overrides, args.seed)
+    init_s = time.perf_counter() - t0
+    try:
+        prefill, decode, iter_total, iter_prefill, tokens = [], [], [], [], []
+        for it in range(args.num_iters_warmup + args.num_iters):
+            prompts = random_prompts(args.batch_size, args.input_len, model.config.vocab_size, args.seed + it)
+            pre, steps, outputs = hf_step_times(model, prompts, args.output_len)
+            if it >= args.num_iters_warmup:
+                prefill.append(pre)
+                decode.extend(steps)
+                iter_prefill.append(pre)
+                iter_total.append(pre + sum(steps))
+                tokens.append(sum(len(o) for o in outputs))
+        extra = {"init_time_s": init_s, "device": device_name(device), "dtype": str(dtype),
+                 "dtype_bytes": torch.tensor([], dtype=dtype).element_size(),
+                 "engine_args": jsonable({"model": args.model, "load_format": args.load_format,
+                                          "hf_overrides": args.hf_overrides, "seed": args.seed,
+                                          "dtype": str(dtype), "device": str(device)})}
+        return _result(args, prefill, decode, iter_total, iter_prefill, tokens, **extra)
+    finally:
+        del model
+        free_device_memory()
+
+
+def _result(args, prefill, decode, iter_total, iter_prefill, tokens, **extra) -> dict:
+    decode_stats = summarize(decode)
+    out = {
+        "benchmark": "latency", "backend": args.backend, "model": args.model or "tiny (embedded)",
+        "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
+        "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
+        "prefill_step": summarize(prefill), "decode_step": decode_stats,
+        "prefill_per_iteration": summarize(iter_prefill), "iteration": summarize(iter_total),
+        "avg_latency": float(np.mean(iter_total)),
+        "percentiles": {str(p): float(np.percentile(iter_total, p)) for p in PERCENTILES},
+        "output_tokens_per_iteration": tokens,
+        "decode_tokens_per_s": (args.batch_size / (decode_stats["p50_ms"] / 1e3)) if decode else None,
+        "latencies": list(iter_total), "torch": torch.__version__,
+    }
+    out.update(extra)
+    try:
+        out["roofline"] = roofline(args.model, args.hf_overrides, args.batch_size, args.input_len,
+                                   extra.get("dtype_bytes", 2))
+    except Exception as exc:  # the floors are a guide; never fail a measurement over them
+        out["roofline"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def _stat_line(label: str, s: dict) -> str:
+    if not s.get("count"):
+        return f"{label}: none"
+    return (f"{label}: mean {s['mean_ms']:.3f}, p50 {s['p50_ms']:.3f}, p90 {s['p90_ms']:.3f}, "
+            f"p99 {s['p99_ms']:.3f} ({s['count']} steps)")
+
+
+def report_lines(r: dict) -> list[str]:
+    lines = [
+        f"Latency ({r['backend']}, batch {r['batch_size']}, input {r['input_len']}, output {r['output_len']}, "
+        f"{r['num_iters']} iterations):",
+        _stat_line("Prefill step latency (ms)", r["prefill_step"]),
+        _stat_line("Decode step latency (ms)", r["decode_step"]),
+        _stat_line("Prefill per iteration (ms)", r["prefill_per_iteration"]).replace(" steps)", " iterations)"),
+    ]
+    if r.get("decode_tokens_per_s"):
+        lines.append(f"Decode throughput: {r['decode_tokens_per_s']:.2f} output tokens/s "
+                     f"(batch {r['batch_size']} / p50 decode step)")
+    roof = r.get("roofline", {})
+    if "decode_step_floor_ms" in roof:
+        lines.append(f"Floors at {roof['hbm_bytes_per_s'] / 1e12:.2f} TB/s and {roof['flops_per_s'] / 1e12:.0f} "
+                     f"TFLOP/s: decode step {roof['decode_step_floor_ms']:.3f} ms "
+                     f"({roof['decode_weight_bytes'] / 1e9:.3f} GB of weights), "
+                     f"prefill of the batch {roof['prefill_floor_ms']:.3f} ms")
+    lines.append(f"Avg latency: {r['avg_latency']:.4f} seconds")
+    for p, value in r["percentiles"].items():
+        lines.append(f"{p}% percentile latency: {value:.4f} seconds")
+    return lines
+
+
+def run(args: argparse.Namespace) -> dict:
+    check_workload(args)
+    result = run_hf(args) if args.backend == "hf" else run_engine(args)
+    for line in report_lines(result):
+        print(line)
+    if args.output_json:
+        write_json(args.output_json, result)
+    return result

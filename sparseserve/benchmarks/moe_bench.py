@@ -208,6 +208,9 @@ def main() -> None:
             for name in sweep_for(num_tokens, top_k, num_experts):
                 c = SWEEP[name]
                 try:
+                    if ref is not None:  # every timed config is also checked against the reference
+                        got = moe.fused_moe_triton(*call_args, config=c).float()
+                        row.setdefault("sweep_rel_err", {})[name] = ((got - ref.float()).norm() / ref.float().norm()).item()
                     row["sweep_ms"][name] = timer(lambda c=c: moe.fused_moe_triton(*call_args, config=c))
                 except Exception as exc:  # a config that does not compile or fit is reported, not fatal
                     row["sweep_ms"][name] = f"failed: {type(exc).__name__}: {str(exc)[:120]}"

@@ -557,6 +557,8 @@ def _use_triton(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
         and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and w_gate_up.dtype == x.dtype
+        and x.shape[1] % 16 == 0  # tiles of at least 16 must divide D and I
+        and w_gate_up.shape[1] % 32 == 0
         and os.environ.get("SPARSESERVE_MOE_BACKEND", "") != "ref"
     )
 

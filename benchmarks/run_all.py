@@ -5,14 +5,15 @@
 
 On `v4-flash-2l16e` with dummy weights (real V4-Flash layer shapes, 2 layers, 16 experts) it runs
 `sparseserve bench throughput` for: this engine with CUDA graphs (the default, top-k `auto`), with
-`--enforce-eager`, with each other top-k backend (`standard`, `persistent`, `torch`), and the
-`transformers` baseline (`--backend hf`, batches of 50); then `sparseserve bench latency` at
-batch 1, 8 and 64 (and the `transformers` baseline at batch 1 and 8 when time is left).
+`--enforce-eager`, the `transformers` baseline (`--backend hf`, batches of 50), and each other
+top-k backend (`standard`, `persistent`, `torch`); then `sparseserve bench latency` at batch 1, 8
+and 64, and `transformers` latency at batch 1 and 8 if time is left.
 
-Everything runs in this one process by default, sharing one copy of the dummy weights (making
-them at these shapes costs tens of seconds of CPU time per load); `--isolate` runs every
-configuration as its own `python -m sparseserve.entrypoints.cli` process instead (slower, but a
-crash cannot take the others down). Each run has a time limit cut from `--budget-s`; a run that
+Everything runs in this one process by default, sharing one copy of the dummy weights, and one
+engine between consecutive runs with the same engine options (the latency runs share one;
+`reused_engine` marks the runs that did not build their own); `--isolate` runs every configuration as its
+own `python -m sparseserve.entrypoints.cli` process instead (slower: each builds its engine and
+weights, but a crash cannot take the others down). Each run has a time limit cut from `--budget-s`; a run that
 no longer fits is recorded as skipped. `benchmarks/results/seed_workload.json` is rewritten
 after every run, so a cut-off call still leaves its partial results; plots (PNG, matplotlib if
 installed) and a short table come last. Every result records the equivalent command line.
@@ -60,24 +61,24 @@ def plan(args) -> list[dict]:
     common = ["--model", args.model, "--load-format", "dummy", *args.engine_flag]
     workload = ["--input-len", str(args.input_len), "--output-len", str(output_len),
                 "--num-prompts", str(num_prompts), "--num-warmup-prompts", str(args.warmup_prompts)]
-    runs = [
-        ("graphs", "throughput", []),
-        ("eager", "throughput", ["--enforce-eager"]),
-        ("hf", "throughput", ["--backend", "hf", "--hf-batch-size", str(args.hf_batch_size)]),
-        ("topk-standard", "throughput", ["--topk-backend", "standard"]),
-        ("topk-persistent", "throughput", ["--topk-backend", "persistent"]),
-        ("topk-torch", "throughput", ["--topk-backend", "torch"]),
-    ]
-    out = [{"name": n, "kind": k, "argv": ["bench", k, *common, *workload, *extra]} for n, k, extra in runs]
     lat = ["--input-len", str(args.input_len), "--output-len", str(lat_out), "--num-iters", str(lat_iters),
            "--num-iters-warmup", "1"]
-    for b in args.latency_batches:
-        out.append({"name": f"latency-b{b}", "kind": "latency",
-                    "argv": ["bench", "latency", *common, *lat, "--batch-size", str(b)]})
+    tput = lambda *extra: ["bench", "throughput", *common, *workload, *extra]  # noqa: E731
+    latency = lambda b, *extra: ["bench", "latency", *common, *lat, "--batch-size", str(b), *extra]  # noqa: E731
+    # The acceptance comparisons first; the latency runs (same engine options, so one process shares
+    # one engine between them) after them.
+    out = [
+        {"name": "graphs", "kind": "throughput", "argv": tput()},
+        {"name": "eager", "kind": "throughput", "argv": tput("--enforce-eager")},
+        {"name": "hf", "kind": "throughput", "argv": tput("--backend", "hf", "--hf-batch-size", str(args.hf_batch_size))},
+        {"name": "topk-standard", "kind": "throughput", "argv": tput("--topk-backend", "standard")},
+        {"name": "topk-persistent", "kind": "throughput", "argv": tput("--topk-backend", "persistent")},
+        {"name": "topk-torch", "kind": "throughput", "argv": tput("--topk-backend", "torch")},
+    ]
+    out += [{"name": f"latency-b{b}", "kind": "latency", "argv": latency(b)} for b in args.latency_batches]
     if not args.skip_hf_latency:
-        for b in (1, 8):
-            out.append({"name": f"hf-latency-b{b}", "kind": "latency", "optional": True,
-                        "argv": ["bench", "latency", *common, *lat, "--batch-size", str(b), "--backend", "hf"]})
+        out += [{"name": f"hf-latency-b{b}", "kind": "latency", "argv": latency(b, "--backend", "hf")}
+                for b in (1, 8)]
     if args.only:
         wanted = set(args.only.split(","))
         out = [r for r in out if r["name"] in wanted]
@@ -392,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
                 result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                           "traceback": tb.getvalue()[-4000:]}
                 print(f"[run_all] {run['name']} failed: {type(exc).__name__}: {exc}", flush=True)
+                del exc
+            if result["status"] != "ok":
+                from sparseserve.benchmarks.throughput import free_device_memory
+
+                free_device_memory()
             result["command"] = command
             result["wall_s"] = time.perf_counter() - t0
             section[run["name"]] = result

@@ -1,6 +1,7 @@
 """`LLM`: the offline entry point, with vLLM's names and semantics."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -28,8 +29,10 @@ class LLM:
                  enforce_eager: bool = False, tensor_parallel_size: int = 1, load_format: str = "auto",
                  hf_overrides: dict | None = None, speculative_config: dict | None = None,
                  topk_backend: str = "auto", num_gpu_blocks_override: int | None = None, **kwargs) -> None:
-        if kwargs:
-            raise TypeError(f"LLM() got unsupported arguments: {', '.join(sorted(kwargs))}")
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unsupported arguments: {', '.join(unknown)}")
         init_logger()
         self.engine_config = EngineConfig(
             model=model, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init, dtype=dtype, device=device,
@@ -38,7 +41,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
             block_size=block_size, enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             load_format=load_format, hf_overrides=hf_overrides, speculative_config=speculative_config,
-            topk_backend=topk_backend, num_gpu_blocks_override=num_gpu_blocks_override)
+            topk_backend=topk_backend, num_gpu_blocks_override=num_gpu_blocks_override, **kwargs)
         self.llm_engine = LLMEngine(self.engine_config)
         self._next_id = 0
 

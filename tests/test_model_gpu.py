@@ -1,6 +1,10 @@
 """On the GPU (bf16): parity with the oracle at V4-Flash layer shapes (2 layers: CSA + HCA,
-16 experts, shared dummy weights). bf16 rounding differs between the implementations (and can
-flip near-tied indexer picks), so the check is a relative logit error and top-1 agreement."""
+16 experts, shared dummy weights).
+
+Tolerance: bf16 rounding differs between the implementations (the oracle even takes its
+attention softmax in bf16) and can flip near-tied expert or indexer picks, so both bf16
+runs are measured against the oracle in float32 on the same weights: ours must be at least
+about as close to that truth as the oracle's own bf16 run."""
 import pytest
 import torch
 from transformers import DeepseekV4ForCausalLM as HFDeepseekV4
@@ -45,12 +49,22 @@ def test_flash_shapes_bf16_parity(length):
     ours.to(torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
-        ref = oracle(torch.tensor([ids], device="cuda")).logits[0].float()
+        ref_bf16 = oracle(torch.tensor([ids], device="cuda")).logits[0].float()
+        oracle.float()
+        truth = oracle(torch.tensor([ids], device="cuda")).logits[0].float()
+    del oracle
     driver = Driver(ours, num_slots=2, num_blocks=length // 128 + 2, block_size=128, max_step_tokens=length,
                     device="cuda", dtype=torch.bfloat16)
     got = driver.step([(0, 0, ids)])[0]
-    rel = float((got - ref).norm() / ref.norm())
-    agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
-    print(f"length {length}: relative logit error {rel:.4f}, top-1 agreement {agree:.4f}")
-    assert rel < 0.03
-    assert agree > 0.95
+
+    def rel(x):
+        return float((x - truth).norm() / truth.norm())
+
+    def agree(x):
+        return float((x.argmax(-1) == truth.argmax(-1)).float().mean())
+
+    print(f"length {length}: vs fp32 oracle: ours bf16 rel {rel(got):.4f} top-1 {agree(got):.4f}; "
+          f"oracle bf16 rel {rel(ref_bf16):.4f} top-1 {agree(ref_bf16):.4f}; "
+          f"ours vs oracle bf16 rel {float((got - ref_bf16).norm() / ref_bf16.norm()):.4f}")
+    assert rel(got) <= 1.25 * rel(ref_bf16) + 0.005
+    assert agree(got) >= agree(ref_bf16) - 0.02

@@ -57,6 +57,8 @@ CPU_CASES = [
     (2, 32, 32, 48, AttnConfig(16, 16, 4, 2, 2)),  # two head blocks
     (4, 16, 64, 50, AttnConfig(16, 16, 4, 2, 1, 2)),  # output columns split in two programs
     (3, 4, 32, 70, AttnConfig(16, 32, 4, 2, 2, 2)),  # column split with row splits
+    (4, 16, 64, 50, AttnConfig(16, 16, 4, 1, 1, 1, True)),  # register-prefetch loop
+    (3, 16, 32, 70, AttnConfig(16, 16, 4, 1, 3, 2, True)),  # prefetch + row and column splits
 ]
 
 
@@ -163,7 +165,7 @@ def test_attention_real_shapes_gpu(name, T, H, L):
     assert _rel(out, ref) < 1e-2, name
     # every config path (direct, split) computes the same function
     for cfg in (AttnConfig(64, 32, 8, 3, 1), AttnConfig(16, 32, 4, 3, 4), AttnConfig(32, 32, 4, 3, 2),
-                AttnConfig(64, 32, 8, 2, 1, 2), AttnConfig(64, 16, 4, 3, 2, 2)):
+                AttnConfig(64, 32, 8, 2, 1, 2), AttnConfig(64, 16, 4, 3, 2, 2), AttnConfig(16, 16, 4, 1, 4, 1, True)):
         out2 = sparse_mqa_attention_triton(q, kv, rows, sinks, scale, cfg)
         assert _rel(out2, ref) < 1e-2, (name, cfg)
 

@@ -226,7 +226,8 @@ def warm(part: int, nparts: int) -> None:
         cfgs = set(attn_sweep_configs(True) + attn_sweep_configs(False))
         for T in (1, 8, 64, 256, 4096):  # heuristic choices
             for L in (160, 384, 640, 1152):
-                cfgs.add(attention_config(T, heads, L, D, torch.cuda.get_device_properties(0).multi_processor_count))
+                for pf in (False, True):
+                    cfgs.add(attention_config(T, heads, L, D, torch.cuda.get_device_properties(0).multi_processor_count, pf))
         jobs += [("attn", heads, c) for c in sorted(cfgs, key=repr)]
     icfgs = set(indexer_sweep_configs())
     for T, E in [(b, c // 4) for b in BATCHES for c in CONTEXTS] + [(p, p // 4) for p in PREFILLS]:
@@ -345,6 +346,15 @@ def run(args) -> dict:
         ref_fn = lambda: sparse_mqa_attention_ref(*case["args"])  # noqa: E731
         meta["rel_err_vs_bf16_ref"] = _check_close(launch(case["args"]), ref_fn(), 2e-2, repr(meta))
         t = timed(case, launch)
+        # Both policies of the small-batch path (pipelined cp.async vs register prefetch) on
+        # every case, so the default can be set per regime from one run.
+        for pf in (False, True):
+            alt = attention_config(q.shape[0], q.shape[1], rows.shape[1], D, num_sms, pf)
+            if alt != cfg:
+                out_alt = sparse_mqa_attention_triton(*case["args"], alt)
+                _check_close(out_alt, ref_fn(), 2e-2, repr(meta) + repr(alt))
+                meta["alt_config"] = repr(alt)
+                meta["alt_time_us"] = round(timed(case, lambda a, c=alt: sparse_mqa_attention_triton(*a, c)), 2)
         ref_t = _time_ref(ref_fn) if with_ref else None
         _record(results, "attn", phase, meta, case, t, ref_t, cfg)
         if args.sweep and meta.get("sweep"):
@@ -420,7 +430,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         global DEV, DTYPE, BATCHES, CONTEXTS, PREFILLS
-        DEV, DTYPE, BATCHES, CONTEXTS, PREFILLS = "cpu", torch.float32, (1, 2), (1024,), (256,)
+        DEV, DTYPE, BATCHES, CONTEXTS, PREFILLS = "cpu", torch.float32, (1, 2), (1024,), (128,)
         args.sweep = False
     if args.warm:
         i, n = (int(x) for x in args.warm.split("/"))

@@ -20,8 +20,9 @@ import time
 import numpy as np
 import torch
 
-from .throughput import (add_workload_args, check_workload, device_name, engine_kwargs, free_device_memory,
-                         jsonable, random_prompts, synchronize, write_json)
+from .throughput import (acquire_llm, add_workload_args, check_workload, device_name, engine_kwargs,
+                         free_device_memory, jsonable, keep_llm, random_prompts, release_shared_engine,
+                         synchronize, write_json)
 
 HBM_BYTES_PER_S = 4.23e12  # H200 copy bandwidth (DESIGN.md section 5)
 BF16_FLOPS_PER_S = 790e12  # H200 dense bf16 GEMM rate (DESIGN.md section 5)
@@ -143,24 +144,30 @@ def _engine_iterations(args, llm, prompts_for) -> tuple[list, list, list, list, 
 
 
 def run_engine(args: argparse.Namespace) -> dict:
-    from ..llm import LLM
-
     kwargs = engine_kwargs(args)
     t0 = time.perf_counter()
-    llm = LLM(**kwargs)
+    llm, reused = acquire_llm(kwargs)
     init_s = time.perf_counter() - t0
+    failed = True
     try:
-        engine = llm.llm_engine
-        vocab = engine.vocab_size
-        measured = _engine_iterations(
-            args, llm, lambda it: random_prompts(args.batch_size, args.input_len, vocab, args.seed + it))
-        extra = {"init_time_s": init_s, "device": device_name(engine.device), "dtype": str(engine.dtype),
-                 "dtype_bytes": torch.tensor([], dtype=engine.dtype).element_size(),
-                 "engine_args": jsonable(kwargs)}
-        return _result(args, *measured, **extra)
+        result = _measure_engine(args, llm, kwargs, init_s=init_s, reused_engine=reused)
+        failed = False
+        return result
     finally:
+        kept = keep_llm(llm, failed)
         del llm
-        free_device_memory()
+        if not kept:
+            free_device_memory()
+
+
+def _measure_engine(args: argparse.Namespace, llm, kwargs: dict, **extra) -> dict:
+    engine = llm.llm_engine
+    vocab = engine.vocab_size
+    measured = _engine_iterations(
+        args, llm, lambda it: random_prompts(args.batch_size, args.input_len, vocab, args.seed + it))
+    extra.update(device=device_name(engine.device), dtype=str(engine.dtype),
+                 dtype_bytes=torch.tensor([], dtype=engine.dtype).element_size(), engine_args=jsonable(kwargs))
+    return _result(args, *measured, **extra)
 
 
 def run_hf(args: argparse.Namespace) -> dict:
@@ -170,6 +177,7 @@ def run_hf(args: argparse.Namespace) -> dict:
     config = EngineConfig(**engine_kwargs(args))
     device = config.resolve_device()
     dtype = config.resolve_dtype(device)
+    release_shared_engine()  # a kept engine's cache would leave no memory for transformers
     t0 = time.perf_counter()
     model = load_hf_model(args.model, dtype, device, args.load_format, args.hf_overrides, args.seed)
     init_s = time.perf_counter() - t0

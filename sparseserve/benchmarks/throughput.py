@@ -150,45 +150,52 @@ def _result(args, elapsed: float, num_requests: int, prompt_tokens: int, output_
 
 
 def run_engine(args: argparse.Namespace) -> dict:
-    from ..llm import LLM
-    from ..sampling_params import SamplingParams
-
     kwargs = engine_kwargs(args)
     t0 = time.perf_counter()
-    llm = LLM(**kwargs)
+    llm, reused = acquire_llm(kwargs)
     init_s = time.perf_counter() - t0
+    failed = True
     try:
-        engine = llm.llm_engine
-        prompts = random_prompts(args.num_prompts, args.input_len, engine.vocab_size, args.seed)
-        inputs = [{"prompt_token_ids": p} for p in prompts]
-        detok = not args.disable_detokenize
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=detok)
-        warmup_s = 0.0
-        if args.num_warmup_prompts:
-            warm = random_prompts(args.num_warmup_prompts, args.input_len, engine.vocab_size, args.seed + 1)
-            t0 = time.perf_counter()
-            llm.generate([{"prompt_token_ids": p} for p in warm],
-                         SamplingParams(temperature=0.0, max_tokens=min(4, args.output_len), ignore_eos=True,
-                                        detokenize=detok), use_tqdm=False)
-            warmup_s = time.perf_counter() - t0
-        synchronize(engine.device)
-        start = time.perf_counter()
-        outputs = llm.generate(inputs, params, use_tqdm=False)
-        synchronize(engine.device)
-        elapsed = time.perf_counter() - start
-        prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-        output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        num_preemptions = sum(o.metrics.get("num_preemptions", 0) for o in outputs if o.metrics)
-        cache = engine.cache_config
-        return _result(args, elapsed, len(outputs), prompt_tokens, output_tokens,
-                       init_time_s=init_s, warmup_time_s=warmup_s, device=device_name(engine.device),
-                       dtype=str(engine.dtype), detokenize=detok and engine.tokenizer is not None,
-                       num_preemptions=num_preemptions,
-                       num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size,
-                       engine_args=jsonable(kwargs))
+        result = _measure_engine(args, llm, kwargs, init_s=init_s, reused_engine=reused)
+        failed = False
+        return result
     finally:
+        kept = keep_llm(llm, failed)
         del llm
-        free_device_memory()
+        if not kept:
+            free_device_memory()
+
+
+def _measure_engine(args: argparse.Namespace, llm, kwargs: dict, **extra) -> dict:
+    from ..sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    prompts = random_prompts(args.num_prompts, args.input_len, engine.vocab_size, args.seed)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    detok = not args.disable_detokenize
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=detok)
+    warmup_s = 0.0
+    if args.num_warmup_prompts:
+        warm = random_prompts(args.num_warmup_prompts, args.input_len, engine.vocab_size, args.seed + 1)
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in warm],
+                     SamplingParams(temperature=0.0, max_tokens=min(4, args.output_len), ignore_eos=True,
+                                    detokenize=detok), use_tqdm=False)
+        warmup_s = time.perf_counter() - t0
+    synchronize(engine.device)
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    synchronize(engine.device)
+    elapsed = time.perf_counter() - start
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    num_preemptions = sum(o.metrics.get("num_preemptions", 0) for o in outputs if o.metrics)
+    cache = engine.cache_config
+    return _result(args, elapsed, len(outputs), prompt_tokens, output_tokens, **extra, warmup_time_s=warmup_s,
+                   device=device_name(engine.device), dtype=str(engine.dtype),
+                   detokenize=detok and engine.tokenizer is not None, num_preemptions=num_preemptions,
+                   num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size,
+                   engine_args=jsonable(kwargs))
 
 
 def run_hf(args: argparse.Namespace) -> dict:
@@ -197,6 +204,7 @@ def run_hf(args: argparse.Namespace) -> dict:
     config = EngineConfig(**engine_kwargs(args))
     device = config.resolve_device()
     dtype = config.resolve_dtype(device)
+    release_shared_engine()  # a kept engine's cache would leave no memory for transformers
     t0 = time.perf_counter()
     model = load_hf_model(args.model, dtype, device, args.load_format, args.hf_overrides, args.seed)
     init_s = time.perf_counter() - t0
@@ -247,15 +255,55 @@ def write_json(path: str, data) -> None:
     tmp.replace(path)
 
 
+# ---- sharing across the configurations of a suite (benchmarks/run_all.py) ----
+_SHARED: dict | None = None  # {"key": ..., "llm": LLM} while shared_weights() is active
+
+
+def acquire_llm(kwargs: dict):
+    """(LLM, reused): a new engine, or inside `shared_weights()` the last one when the options match."""
+    from ..llm import LLM
+
+    if _SHARED is None:
+        return LLM(**kwargs), False
+    key = json.dumps(jsonable(kwargs), sort_keys=True)
+    if _SHARED.get("key") == key and not _SHARED["llm"].llm_engine.has_unfinished_requests():
+        return _SHARED["llm"], True
+    release_shared_engine()
+    free_device_memory()  # size the new engine's cache against memory the old one no longer holds
+    llm = LLM(**kwargs)
+    _SHARED.update(key=key, llm=llm)
+    return llm, False
+
+
+def keep_llm(llm, failed: bool = False) -> bool:
+    """After a run: whether the engine stays for the next run (shared, and its run went well).
+    The caller drops its own reference and, when this says False, calls `free_device_memory()`."""
+    if _SHARED is not None and _SHARED.get("llm") is llm:
+        if not failed:
+            return True
+        _SHARED.clear()
+    return False
+
+
+def release_shared_engine() -> None:
+    """Frees the kept engine (its KV cache holds most of the GPU's memory)."""
+    if _SHARED:
+        _SHARED.clear()
+        free_device_memory()
+
+
 @contextlib.contextmanager
 def shared_weights():
     """Within this block, engines (and the hf baseline) built with the same model, dtype, device,
-    load format, overrides and seed share one loaded model instead of loading it again.
+    load format, overrides and seed share one loaded model instead of loading it again, and a run
+    whose engine options equal the previous run's reuses that engine (its init, cache sizing and
+    graph capture are then not repeated; `reused_engine` says so in the result).
 
-    For benchmark suites only: loading dummy weights at V4 layer shapes takes tens of seconds of
-    CPU random-number generation, which would otherwise be paid per configuration. The model is
-    only read by the engine, so sharing it does not change what a step computes.
+    For benchmark suites only: loading weights at V4 layer shapes and building an engine take
+    seconds to tens of seconds per configuration. The model is only read by the engine, so sharing
+    it does not change what a step computes; an engine is reused only when it has no request left.
     """
+    global _SHARED
     from ..engine import llm_engine
 
     original = llm_engine.load_model
@@ -271,9 +319,12 @@ def shared_weights():
         return cache[key]
 
     llm_engine.load_model = cached
+    _SHARED = {}
     try:
         yield
     finally:
+        release_shared_engine()
+        _SHARED = None
         llm_engine.load_model = original
         cache.clear()
         free_device_memory()

@@ -60,12 +60,41 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _gather_tile(kv_ptr, stride_kv, r, offs_own, own_mask, offs_oth, oth_mask, DV_SPLIT: tl.constexpr):
+    """Rows r of the pool (own column half, and the other half when the columns are split).
+    Holes (-1) are masked out of the gather, so they cost no memory traffic."""
+    valid = r >= 0
+    row_ptr = kv_ptr + r.to(tl.int64)[:, None] * stride_kv
+    k_own = tl.load(row_ptr + offs_own[None, :], mask=valid[:, None] & own_mask[None, :], other=0.0)
+    if DV_SPLIT == 2:
+        k_oth = tl.load(row_ptr + offs_oth[None, :], mask=valid[:, None] & oth_mask[None, :], other=0.0)
+    else:
+        k_oth = k_own
+    return k_own, k_oth
+
+
+@triton.jit
+def _attend_tile(q_own, q_oth, k_own, k_oth, valid, m_i, l_i, acc, qk_scale, DV_SPLIT: tl.constexpr):
+    """One online-softmax step over a tile of rows (logits in base 2)."""
+    s = tl.dot(q_own, tl.trans(k_own))  # [BLOCK_H, BLOCK_N]
+    if DV_SPLIT == 2:
+        s = tl.dot(q_oth, tl.trans(k_oth), s)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k_own.dtype), k_own)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _sparse_mqa_fwd_kernel(
     q_ptr, kv_ptr, rows_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     num_heads, num_rows, head_dim, rows_per_split, head_blocks,
     stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
     qk_scale,  # scale * log2(e): logits are kept in base 2
-    NUM_SPLITS: tl.constexpr, DV_SPLIT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DV_SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One flat grid axis (the y/z axes cap at 65535); head blocks, value halves and splits of
@@ -91,6 +120,10 @@ def _sparse_mqa_fwd_kernel(
         offs_oth = (1 - dv) * DV + tl.arange(0, DV)
         oth_mask = offs_oth < head_dim
         q_oth = tl.load(q_base + offs_oth[None, :], mask=h_mask[:, None] & oth_mask[None, :], other=0.0)
+    else:
+        offs_oth = offs_own
+        oth_mask = own_mask
+        q_oth = q_own
     # The running max starts at the sink logit and the sum at exp(sink - max) = 1, so the sink
     # sits in the denominator; only split 0 adds it, the merge then counts it once.
     m_i = tl.load(sinks_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -100,24 +133,30 @@ def _sparse_mqa_fwd_kernel(
     row_start = split * rows_per_split
     row_end = tl.minimum(row_start + rows_per_split, num_rows)
     rows_base = rows_ptr + tok * stride_rt
-    for n0 in range(row_start, row_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        r = tl.load(rows_base + offs_n, mask=offs_n < row_end, other=-1)
-        valid = r >= 0
-        row_ptr = kv_ptr + r.to(tl.int64)[:, None] * stride_kv
-        # Holes are masked out of the gather, so they cost no memory traffic.
-        k_own = tl.load(row_ptr + offs_own[None, :], mask=valid[:, None] & own_mask[None, :], other=0.0)
-        s = tl.dot(q_own, tl.trans(k_own))  # [BLOCK_H, BLOCK_N]
-        if DV_SPLIT == 2:
-            k_oth = tl.load(row_ptr + offs_oth[None, :], mask=valid[:, None] & oth_mask[None, :], other=0.0)
-            s = tl.dot(q_oth, tl.trans(k_oth), s)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_own.dtype), k_own)
-        m_i = m_new
+    if PREFETCH:
+        # Register double-buffering: the gather of tile i+1 and the index load of tile i+2 are
+        # issued before tile i is computed, so their latency overlaps the math. (Triton's own
+        # pipeliner waits for every copy at the top of each iteration here, exposing it.)
+        offs_n = row_start + tl.arange(0, BLOCK_N)
+        r_cur = tl.load(rows_base + offs_n, mask=offs_n < row_end, other=-1)
+        k_own, k_oth = _gather_tile(kv_ptr, stride_kv, r_cur, offs_own, own_mask, offs_oth, oth_mask, DV_SPLIT)
+        r_nxt = tl.load(rows_base + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < row_end, other=-1)
+        for n0 in range(row_start, row_end, BLOCK_N):
+            k_own_nxt, k_oth_nxt = _gather_tile(
+                kv_ptr, stride_kv, r_nxt, offs_own, own_mask, offs_oth, oth_mask, DV_SPLIT)
+            offs_nn = n0 + 2 * BLOCK_N + tl.arange(0, BLOCK_N)
+            r_nn = tl.load(rows_base + offs_nn, mask=offs_nn < row_end, other=-1)
+            m_i, l_i, acc = _attend_tile(q_own, q_oth, k_own, k_oth, r_cur >= 0, m_i, l_i, acc, qk_scale, DV_SPLIT)
+            r_cur = r_nxt
+            r_nxt = r_nn
+            k_own = k_own_nxt
+            k_oth = k_oth_nxt
+    else:
+        for n0 in range(row_start, row_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            r = tl.load(rows_base + offs_n, mask=offs_n < row_end, other=-1)
+            k_own, k_oth = _gather_tile(kv_ptr, stride_kv, r, offs_own, own_mask, offs_oth, oth_mask, DV_SPLIT)
+            m_i, l_i, acc = _attend_tile(q_own, q_oth, k_own, k_oth, r >= 0, m_i, l_i, acc, qk_scale, DV_SPLIT)
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -178,6 +217,7 @@ class AttnConfig:
     num_stages: int
     num_splits: int = 1
     dv_split: int = 1  # 2: each program owns half of the output columns
+    prefetch: bool = False  # register double-buffering of the row gather (use with num_stages=1)
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -192,7 +232,9 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-def attention_config(num_tokens: int, num_heads: int, num_rows: int, head_dim: int, num_sms: int) -> AttnConfig:
+def attention_config(
+    num_tokens: int, num_heads: int, num_rows: int, head_dim: int, num_sms: int, prefetch: bool | None = None
+) -> AttnConfig:
     """Pick block sizes and row splits from static shapes only (graph-safe).
 
     Chosen from a config sweep on the H200 (docs/perf_kernels.md, benchmarks/results/kernels.json):
@@ -201,8 +243,12 @@ def attention_config(num_tokens: int, num_heads: int, num_rows: int, head_dim: i
       accumulator; prefill-sized grids take 64-row tiles (rows shared through L2, the kernel
       is compute/latency bound), big decode batches 32-row tiles with 3 stages.
     - otherwise 16 heads per program (mma.sync, no spills) and the rows split in up to 8
-      pieces of >= 128 rows, until about 2 programs per SM are running.
+      pieces of >= 128 rows, until about 2 programs per SM are running. `prefetch` picks the
+      register double-buffered variant there (16-row tiles, the largest that does not spill);
+      None = the measured default.
     """
+    if prefetch is None:
+        prefetch = _PREFETCH_DEFAULT
     big_d = head_dim > 128
     wide = num_tokens * triton.cdiv(num_heads, 64)
     if num_heads >= 64 and 4 * wide >= 3 * num_sms:
@@ -215,7 +261,12 @@ def attention_config(num_tokens: int, num_heads: int, num_rows: int, head_dim: i
     splits = 1
     while splits * 2 <= max_splits and programs * splits * 2 <= 2 * num_sms:  # powers of 2: few compiles
         splits *= 2
+    if prefetch:
+        return AttnConfig(block_h, 16, 4, 1, splits, 1, True)
     return AttnConfig(block_h, 64, 4, 2, splits)
+
+
+_PREFETCH_DEFAULT = False
 
 
 def sparse_mqa_attention_triton(
@@ -257,7 +308,7 @@ def sparse_mqa_attention_triton(
         num_heads, num_rows, head_dim, rows_per_split, head_blocks,
         q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1),
         float(scale) * _LOG2E,
-        NUM_SPLITS=splits, DV_SPLIT=dv_split,
+        NUM_SPLITS=splits, DV_SPLIT=dv_split, PREFETCH=cfg.prefetch,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

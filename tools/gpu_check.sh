@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 what=${1:-all}; kexpr=${2:-}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python -m pytest -q -x -m gpu -s ${kexpr:+-k "$kexpr"} tests/test_model_gpu.py tests/test_cuda_graphs_gpu.py 2>&1 \
+  timeout 420 python -m pytest -q -m gpu -s ${kexpr:+-k "$kexpr"} tests/test_cuda_graphs_gpu.py tests/test_model_gpu.py 2>&1 \
     | grep -v "Warning\|warn(" | tee "$OUT/gpu_tests.log" | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -150,7 +150,7 @@ def run_engine(args: argparse.Namespace) -> dict:
     init_s = time.perf_counter() - t0
     failed = True
     try:
-        result = _measure_engine(args, llm, kwargs, init_s=init_s, reused_engine=reused)
+        result = _measure_engine(args, llm, kwargs, init_time_s=init_s, reused_engine=reused)
         failed = False
         return result
     finally:

@@ -19,6 +19,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedTokenizerFast
 
+from sparseserve.config import ModelConfig
+from sparseserve.model.mtp import MTPModule, module_to_checkpoint_name
+
 TINY_CONFIG = dict(
     vocab_size=512, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=4,
     num_attention_heads=4, head_dim=64, q_lora_rank=64, qk_rope_head_dim=16,
@@ -81,8 +84,12 @@ def main() -> None:
     model = DeepseekV4ForCausalLM(config)
     randomize(model, config, gen)
     # Stored in bf16 like a real checkpoint (integer tables as they are).
-    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-               for k, v in model.state_dict().items()}
+    state = dict(model.state_dict())
+    # The MTP layer (speculative decoding), named as released checkpoints name it (mtp.0.*).
+    mtp = MTPModule(ModelConfig(config, dtype=torch.float32))
+    randomize(mtp, config, gen)
+    state.update({module_to_checkpoint_name(k): v for k, v in mtp.state_dict().items()})
+    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads(config.to_json_string())
     raw["architectures"] = ["DeepseekV4ForCausalLM"]

@@ -1,0 +1,112 @@
+"""The MTP (multi-token prediction) layer of DeepSeek-V4, used as the speculative drafter.
+
+For position t:  e = enorm(embed(token[t+1]));  x = e_proj(e) (broadcast over the hc streams)
++ h_proj(hnorm(h[t])) per stream, where h[t] are the main model's residual streams before
+its hc_head; x = block(x); logits = lm_head(norm(hc_head_mtp(x))) predict token t+2.
+The block is a full V4 decoder layer whose attention is sliding-window only (plain
+rope_theta, sinks) and whose MoE is top-k routed. Embedding and lm_head are the main
+model's. Drafting k > 1 tokens feeds the block's output streams back in as h.
+
+Checkpoint names (`mtp.0.` + left) and the module names they load into (right):
+    e_proj.weight, h_proj.weight, enorm.weight, hnorm.weight, norm.weight  -> same
+    hc_head_fn, hc_head_base, hc_head_scale      -> hc_head.hc_fn, hc_head.hc_base, hc_head.hc_scale
+    attn.<name>                                   -> block.self_attn.<name>  (DeepseekV4Attention names)
+    ffn.<name>                                    -> block.mlp.<name>        (DeepseekV4SparseMoeBlock names)
+    attn_norm.weight, ffn_norm.weight             -> block.input_layernorm.weight, block.post_attention_layernorm.weight
+    hc_attn_fn/_base/_scale, hc_ffn_fn/_base/_scale -> block.attn_hc.fn/base/scale, block.ffn_hc.fn/base/scale
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..config import LAYER_SLIDING, ModelConfig
+from .batch import BatchMetadata
+from .deepseek_v4 import DecoderLayer, DeepseekV4ForCausalLM
+from .layers.hyper_connection import HyperHead
+from .layers.norm import RMSNorm
+from .state import ModelState
+from .step_context import build_step_context
+
+_RENAMES = [
+    ("hc_head_fn", "hc_head.hc_fn"), ("hc_head_base", "hc_head.hc_base"), ("hc_head_scale", "hc_head.hc_scale"),
+    ("attn_norm.", "block.input_layernorm."), ("ffn_norm.", "block.post_attention_layernorm."),
+    ("hc_attn_fn", "block.attn_hc.fn"), ("hc_attn_base", "block.attn_hc.base"), ("hc_attn_scale", "block.attn_hc.scale"),
+    ("hc_ffn_fn", "block.ffn_hc.fn"), ("hc_ffn_base", "block.ffn_hc.base"), ("hc_ffn_scale", "block.ffn_hc.scale"),
+    ("attn.", "block.self_attn."), ("ffn.", "block.mlp."),
+]
+PREFIX = "mtp.0."
+
+
+def checkpoint_to_module_name(name: str) -> str:
+    """`mtp.0.attn.q_a_proj.weight` -> `block.self_attn.q_a_proj.weight` (see the module docstring)."""
+    rest = name[len(PREFIX):]
+    for src, dst in _RENAMES:
+        if rest.startswith(src):
+            return dst + rest[len(src):]
+    return rest
+
+
+def module_to_checkpoint_name(name: str) -> str:
+    for src, dst in _RENAMES:
+        if name.startswith(dst):
+            return PREFIX + src + name[len(dst):]
+    return PREFIX + name
+
+
+def mtp_model_config(model_config: ModelConfig) -> ModelConfig:
+    """The MTP block as a one-layer model: sliding-window attention, top-k routed MoE."""
+    hf = copy.deepcopy(model_config.hf_config)
+    hf.num_hidden_layers = 1
+    hf.layer_types = [LAYER_SLIDING]
+    hf.mlp_layer_types = ["moe"]
+    return ModelConfig(hf, dtype=model_config.dtype, path=model_config.path)
+
+
+class MTPModule(nn.Module):
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__()
+        self.config = mtp_model_config(model_config)
+        hf = self.config.hf_config
+        dim = hf.hidden_size
+        self.e_proj = nn.Linear(dim, dim, bias=False)
+        self.h_proj = nn.Linear(dim, dim, bias=False)
+        self.enorm = RMSNorm(dim, hf.rms_norm_eps)
+        self.hnorm = RMSNorm(dim, hf.rms_norm_eps)
+        self.norm = RMSNorm(dim, hf.rms_norm_eps)
+        self.hc_head = HyperHead(hf.hc_mult, dim, hf.hc_eps, hf.rms_norm_eps)
+        self.block = DecoderLayer(self.config, 0)
+
+    def forward(self, batch: BatchMetadata, hidden_streams: torch.Tensor, state: ModelState,
+                target: DeepseekV4ForCausalLM) -> torch.Tensor:
+        """batch.input_ids are the *next* tokens (token[t+1]) at positions t; hidden_streams [T, hc, D]
+        the target's (or the previous draft's) streams at t. Returns the block's streams [T, hc, D]."""
+        e = self.enorm(target.model.embed_tokens(batch.input_ids))
+        x = self.e_proj(e).unsqueeze(1) + self.h_proj(self.hnorm(hidden_streams.to(e.dtype)))
+        ctx = build_step_context(batch, state.layout, self.config, target.inv_freq(), {}, None)
+        return self.block(x.contiguous(), ctx, state.layers[0])
+
+    def compute_logits(self, streams: torch.Tensor, target: DeepseekV4ForCausalLM) -> torch.Tensor:
+        return target.lm_head(self.norm(self.hc_head(streams))).float()
+
+
+def load_mtp_weights(module: MTPModule, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `mtp.0.*` checkpoint tensors into the module; names every problem it finds."""
+    from .loader import CheckpointError
+
+    expected = module.state_dict()
+    given = {checkpoint_to_module_name(k): (k, v) for k, v in tensors.items() if k.startswith(PREFIX)}
+    missing = sorted(module_to_checkpoint_name(k) for k in set(expected) - set(given))
+    unexpected = sorted(given[k][0] for k in set(given) - set(expected))
+    if missing:
+        raise CheckpointError(f"MTP weights are missing {len(missing)} tensor(s), first: {', '.join(missing[:5])}")
+    if unexpected:
+        raise CheckpointError(f"unexpected MTP tensor(s): {', '.join(unexpected[:5])}")
+    with torch.no_grad():
+        for name, (ckpt_name, value) in given.items():
+            if tuple(value.shape) != tuple(expected[name].shape):
+                raise CheckpointError(f"tensor {ckpt_name} has shape {tuple(value.shape)}, "
+                                      f"the config implies {tuple(expected[name].shape)}")
+            expected[name].copy_(value)

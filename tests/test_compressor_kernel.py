@@ -68,10 +68,12 @@ def _case(head_dim: int, rope_dim: int, rate: int, overlap: bool, chunks: list[i
     norm_weight = 1.0 + 0.5 * torch.randn(head_dim, generator=gen)
     inv_freq = rope_inv_freq({"rope_theta": 160000.0}, rope_dim)
     cos, sin = rope_cos_sin(pos + 1 - rate, inv_freq)
-    pool = torch.randn(pool_rows, head_dim, generator=gen)
+    # The pool (large at real shapes: every sequence's entries) is drawn on the device.
+    dev_gen = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    pool = torch.randn(pool_rows, head_dim, generator=dev_gen, device=device).to(dtype)
     t = lambda x: x.to(device)  # noqa: E731
     d = lambda x: x.to(device, dtype)  # noqa: E731
-    return (d(state), t(src_rows), d(bias), overlap, d(norm_weight), EPS, t(cos), t(sin), d(pool), t(out_rows))
+    return (d(state), t(src_rows), d(bias), overlap, d(norm_weight), EPS, t(cos), t(sin), pool, t(out_rows))
 
 
 def _pair_mag(x: torch.Tensor) -> torch.Tensor:

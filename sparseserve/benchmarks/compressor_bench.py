@@ -17,7 +17,7 @@ The plain-PyTorch reference is timed in the same process.
 
 Row builders (int64 out): window rows (T x 128), HCA visible rows (T x ctx/128), top-512 entry
 rows, at decode batch 1/64/256 and prefill 4K / 32K; bytes = the int64 rows written + the ids read.
---sweep also times the compressor kernel's BLOCK_S alternatives (tuning data).
+--sweep also times the compressor kernel's (BLOCK_S, num_warps) alternatives (tuning data).
 """
 from __future__ import annotations
 
@@ -159,11 +159,14 @@ def run(args) -> dict:
             print(json.dumps(r), flush=True)
             if args.sweep and mode == "skip":
                 for bs in (2, 4, 8, 16, 32):
-                    if bs > a[1].shape[1]:
-                        continue
-                    tb = _bench(lambda: compress_windows_triton(*a, block_s=bs))
-                    print(json.dumps(dict(kernel="compressor-sweep", case=name, phase=phase, n=n, block_s=bs,
-                                          us=round(tb, 2))), flush=True)
+                    for nw in (2, 4, 8):
+                        if bs > a[1].shape[1]:
+                            continue
+                        tb = _bench(lambda: compress_windows_triton(*a, block_s=bs, num_warps=nw))
+                        r = dict(kernel="compressor-sweep", case=name, phase=phase, n=n, block_s=bs, num_warps=nw,
+                                 us=round(tb, 2), frac_roofline=round(roof / tb, 3))
+                        results.append(r)
+                        print(json.dumps(r), flush=True)
     row_plan = [("decode", b, c) for b in ((1, 64, 256) if not args.smoke else (1, 8)) for c in (32768, 131072)]
     row_plan += [("prefill", p, p) for p in (PREFILLS if not args.smoke else (256,))]
     for phase, n, ctx in row_plan:
@@ -192,7 +195,7 @@ def main() -> None:
     global DEV, DTYPE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    ap.add_argument("--sweep", action="store_true", help="also time BLOCK_S alternatives")
+    ap.add_argument("--sweep", action="store_true", help="also time (BLOCK_S, num_warps) alternatives")
     ap.add_argument("--no-ref", action="store_true", help="skip timing the PyTorch reference")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1 (script check)")
     args = ap.parse_args()

@@ -69,32 +69,27 @@ def _compress_windows_kernel(
     state_ptr, src_ptr, bias_ptr, normw_ptr, cos_ptr, sin_ptr, out_ptr, out_rows_ptr,
     stride_state, stride_src, stride_bias, stride_cos, stride_sin, stride_out,
     eps,
-    HEAD_DIM: tl.constexpr,  # output channels (the RMSNorm width)
+    HEAD_DIM: tl.constexpr,  # output channels (the RMSNorm width); even
     WIDTH: tl.constexpr,  # kv (and gate) features per state row: 2*HEAD_DIM with overlap
     RATE: tl.constexpr,
     OVERLAP: tl.constexpr,
     NUM_SLOTS: tl.constexpr,  # 2*RATE with overlap, else RATE
     HALF_ROPE: tl.constexpr,  # rope_dim // 2 (pairs rotated at the tail of the row)
     BLOCK_S: tl.constexpr,
-    BLOCK_P: tl.constexpr,  # >= HEAD_DIM // 2
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
 ):
     # One program per emitting token, holding its whole row so the RMSNorm needs no second
-    # pass. Channels are split into even and odd halves (pairs (2i, 2i+1)) so the interleaved
-    # rope is a plain elementwise op; both halves hit the same cache lines, so DRAM traffic is
-    # that of a contiguous row.
+    # pass; rows are read contiguously and only the final row is split into (even, odd)
+    # pairs for the interleaved rope.
     m = tl.program_id(0).to(tl.int64)
     out_row = tl.load(out_rows_ptr + m).to(tl.int64)
     if out_row >= 0:  # device-side: a token that closes no window reads and writes nothing
-        pair = tl.arange(0, BLOCK_P)
-        pmask = pair < HEAD_DIM // 2
-        ch = 2 * pair
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
         # Running max starts finite so an all-hole tile gives alpha = 1, p = 0 (not NaN).
-        m_e = tl.full([BLOCK_P], -1.0e30, tl.float32)
-        m_o = tl.full([BLOCK_P], -1.0e30, tl.float32)
-        l_e = tl.zeros([BLOCK_P], tl.float32)
-        l_o = tl.zeros([BLOCK_P], tl.float32)
-        a_e = tl.zeros([BLOCK_P], tl.float32)
-        a_o = tl.zeros([BLOCK_P], tl.float32)
+        m_i = tl.full([BLOCK_D], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
         for s0 in range(0, NUM_SLOTS, BLOCK_S):
             j = s0 + tl.arange(0, BLOCK_S)
             jmask = j < NUM_SLOTS
@@ -103,64 +98,52 @@ def _compress_windows_kernel(
             if OVERLAP:
                 # Slots of window w-1 read features [:HEAD_DIM], those of window w [HEAD_DIM:]
                 # (the reference concatenates; here it is only an offset).
-                second = j >= RATE
-                feat = tl.where(second, HEAD_DIM, 0)
-                brow = tl.where(second, j - RATE, j)
+                # (A product, not a select: keeps the offset's divisibility visible, so the
+                # loads stay vectorised.)
+                feat = (j // RATE) * HEAD_DIM
+                brow = j % RATE
             else:
                 feat = j * 0
                 brow = j
-            lmask = valid[:, None] & pmask[None, :]
-            bmask = jmask[:, None] & pmask[None, :]
-            src = state_ptr + rows[:, None] * stride_state + feat[:, None] + ch[None, :]
-            bias = bias_ptr + brow[:, None] * stride_bias + feat[:, None] + ch[None, :]
-            kv_e = tl.load(src, mask=lmask, other=0.0).to(tl.float32)
-            kv_o = tl.load(src + 1, mask=lmask, other=0.0).to(tl.float32)
-            g_e = tl.load(src + WIDTH, mask=lmask, other=0.0).to(tl.float32)
-            g_o = tl.load(src + WIDTH + 1, mask=lmask, other=0.0).to(tl.float32)
-            g_e = g_e + tl.load(bias, mask=bmask, other=0.0).to(tl.float32)
-            g_o = g_o + tl.load(bias + 1, mask=bmask, other=0.0).to(tl.float32)
-            g_e = tl.where(lmask, g_e, float("-inf"))
-            g_o = tl.where(lmask, g_o, float("-inf"))
+            lmask = valid[:, None] & dmask[None, :]
+            src = state_ptr + rows[:, None] * stride_state + feat[:, None] + d[None, :]
+            kv = tl.load(src, mask=lmask, other=0.0).to(tl.float32)
+            g = tl.load(src + WIDTH, mask=lmask, other=0.0).to(tl.float32)
+            g += tl.load(bias_ptr + brow[:, None] * stride_bias + feat[:, None] + d[None, :],
+                         mask=jmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+            g = tl.where(lmask, g, float("-inf"))
             # Online softmax over slots, per channel.
-            mn_e = tl.maximum(m_e, tl.max(g_e, 0))
-            mn_o = tl.maximum(m_o, tl.max(g_o, 0))
-            al_e = tl.exp(m_e - mn_e)
-            al_o = tl.exp(m_o - mn_o)
-            p_e = tl.exp(g_e - mn_e[None, :])
-            p_o = tl.exp(g_o - mn_o[None, :])
-            l_e = l_e * al_e + tl.sum(p_e, 0)
-            l_o = l_o * al_o + tl.sum(p_o, 0)
-            a_e = a_e * al_e + tl.sum(p_e * kv_e, 0)
-            a_o = a_o * al_o + tl.sum(p_o * kv_o, 0)
-            m_e = mn_e
-            m_o = mn_o
-        # Padding channels (pmask off) hold 0/0: divide them by 1 instead.
-        pe = tl.where(pmask, a_e / tl.where(pmask, l_e, 1.0), 0.0)
-        po = tl.where(pmask, a_o / tl.where(pmask, l_o, 1.0), 0.0)
-        ms = (tl.sum(pe * pe, 0) + tl.sum(po * po, 0)) / HEAD_DIM
-        r = 1.0 / tl.sqrt(ms + eps)
-        w_e = tl.load(normw_ptr + ch, mask=pmask, other=0.0).to(tl.float32)
-        w_o = tl.load(normw_ptr + ch + 1, mask=pmask, other=0.0).to(tl.float32)
+            m_new = tl.maximum(m_i, tl.max(g, 0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(g - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha + tl.sum(p * kv, 0)
+            m_i = m_new
+        # Padding channels (dmask off) hold 0/0: divide them by 1 instead.
+        pooled = tl.where(dmask, acc / tl.where(dmask, l_i, 1.0), 0.0)
+        r = 1.0 / tl.sqrt(tl.sum(pooled * pooled, 0) / HEAD_DIM + eps)
+        w = tl.load(normw_ptr + d, mask=dmask, other=0.0).to(tl.float32)
         # The reference rounds the normed entry to the pool dtype before rope: so do we.
         odt = out_ptr.dtype.element_ty
-        y_e = (w_e * (pe * r)).to(odt).to(tl.float32)
-        y_o = (w_o * (po * r)).to(odt).to(tl.float32)
+        y = (w * (pooled * r)).to(odt).to(tl.float32)
+        # Interleaved rope on the trailing pairs: (2i, 2i+1) -> (e*c - o*s, o*c + e*s).
+        y_e, y_o = tl.split(tl.reshape(y, [BLOCK_D // 2, 2]))
+        pair = tl.arange(0, BLOCK_D // 2)
         k = pair - (HEAD_DIM // 2 - HALF_ROPE)
-        rmask = pmask & (k >= 0)
+        rmask = (k >= 0) & (pair < HEAD_DIM // 2)
         c = tl.load(cos_ptr + m * stride_cos + k, mask=rmask, other=1.0).to(tl.float32)
         s = tl.load(sin_ptr + m * stride_sin + k, mask=rmask, other=0.0).to(tl.float32)
         o_e = tl.where(rmask, y_e * c - y_o * s, y_e)
         o_o = tl.where(rmask, y_o * c + y_e * s, y_o)
-        dst = out_ptr + out_row * stride_out + ch
-        tl.store(dst, o_e.to(odt), mask=pmask)
-        tl.store(dst + 1, o_o.to(odt), mask=pmask)
+        out = tl.reshape(tl.join(o_e, o_o), [BLOCK_D])
+        tl.store(out_ptr + out_row * stride_out + d, out.to(odt), mask=dmask)
 
 
 def compress_config(head_dim: int, num_slots: int) -> tuple[int, int]:
-    """(BLOCK_S, num_warps): about 2K elements per [BLOCK_S, BLOCK_P] tile (six live tiles)."""
-    block_p = triton.next_power_of_2(max(head_dim // 2, 1))
-    block_s = min(triton.next_power_of_2(num_slots), max(1, 2048 // block_p))
-    return block_s, (8 if block_p >= 256 else 4)
+    """(BLOCK_S, num_warps): about 4K elements per [BLOCK_S, BLOCK_D] tile."""
+    block_d = triton.next_power_of_2(max(head_dim, 2))
+    block_s = min(triton.next_power_of_2(num_slots), max(1, 4096 // block_d))
+    return block_s, (8 if block_d >= 512 else 4)
 
 
 def compress_windows_triton(
@@ -175,6 +158,7 @@ def compress_windows_triton(
     out_pool: torch.Tensor,
     out_rows: torch.Tensor,
     block_s: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Triton kernel, one launch for all M emitting tokens; same contract as
     compress_windows_ref. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
@@ -203,7 +187,7 @@ def compress_windows_triton(
     out_rows = out_rows.contiguous()
     if out_pool.stride(1) != 1:
         raise ValueError("out_pool needs unit stride on its last dim (it is written in place)")
-    cfg_s, num_warps = compress_config(head_dim, num_slots)
+    cfg_s, cfg_warps = compress_config(head_dim, num_slots)
     _compress_windows_kernel[(num_emit,)](
         state, src_rows, position_bias, norm_weight, cos, sin, out_pool, out_rows,
         state.stride(0), src_rows.stride(0), position_bias.stride(0), cos.stride(0), sin.stride(0),
@@ -211,8 +195,8 @@ def compress_windows_triton(
         float(norm_eps),
         HEAD_DIM=head_dim, WIDTH=width, RATE=rate, OVERLAP=bool(overlap), NUM_SLOTS=num_slots,
         HALF_ROPE=cos.shape[-1], BLOCK_S=block_s or cfg_s,
-        BLOCK_P=triton.next_power_of_2(max(head_dim // 2, 1)),
-        num_warps=num_warps,
+        BLOCK_D=triton.next_power_of_2(max(head_dim, 2)),
+        num_warps=num_warps or cfg_warps,
     )
 
 

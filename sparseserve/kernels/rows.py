@@ -224,7 +224,7 @@ def _emit_pool_rows_kernel(
     tl.store(out_ptr + t, rows, mask=tmask)
 
 
-_BLOCK_T = 16
+_BLOCK_T = 8
 _BLOCK_N = 128
 _BLOCK_1D = 256
 

@@ -70,9 +70,13 @@ BACKENDS = ("auto", "standard", "persistent", "torch")
 # the persistent path holds the four level histograms (the counters that must be zero).
 _WS_STRIDE = 4 * 256
 
-# "auto" crossover, measured on one H200 (docs/perf_topk.md): the persistent path is
-# picked when a step has at most this many rows for its padded width.
-_AUTO_MAX_ROWS_PERSISTENT = ((16384, 0), (65536, 8), (1 << 62, 64))
+# "auto" crossover (docs/perf_topk.md): the persistent path is picked when a step has at most
+# this many rows for its padded width. Measured on one H200: the v1 kernels' sweep had the
+# persistent path >= 2x the standard one up to 64 rows and ~1.15x at 128-256 rows; the v2
+# kernels sped the standard path up 3.4-3.8x and the persistent one 1.6-1.8x at the shapes
+# measured, which moves the 2x point to about 32 rows. Up to 4096 columns a row is at most
+# a few chunks, so the persistent path has nothing to split.
+_AUTO_MAX_ROWS_PERSISTENT = ((4096, 0), (16384, 8), (1 << 62, 32))
 
 
 def topk_indices_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
@@ -420,6 +424,10 @@ class IndexerTopK:
         device: where the output and workspace live.
         num_programs: persistent grid size (default: the SM count; tests shrink it).
         _tile: benchmark-only override of the standard BLOCK / persistent CHUNK.
+
+    Memory: the output (max_rows x k int32); for the persistent path also 4 KiB of counters
+    per row and 1 KiB per chunk (at most num_programs + max_rows * (ceil(max_width / 8192) + 1)
+    chunks, e.g. ~9 MiB for 256 rows x 256K columns).
         _debug_skip_reset_when_short: TEST ONLY. Restores the historical vLLM bug: the
             workspace zeroing is guarded by a host ``if`` on the caller's ``max_seq_len``
             (skipped when it is <= k), so a graph captured at a short length records no

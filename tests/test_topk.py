@@ -237,3 +237,8 @@ def test_bad_call_arguments():
         op(torch.randn(100, 2).t(), good_l)  # non-contiguous rows
     with pytest.raises(ValueError):
         topk_indices(torch.randn(2, 10), good_l, 0)
+
+
+def test_auto_on_cpu_is_the_reference_even_under_the_interpreter():
+    op = IndexerTopK(2, 5000, 16, device="cpu")
+    assert op.path == "torch"

@@ -456,11 +456,13 @@ class IndexerTopK:
         self.device = _normalize_device(device)
         self.max_rows, self.max_width, self.k = max_rows, max_width, k
         self.backend = backend
-        self.path = auto_path(max_rows, max_width) if backend == "auto" else backend
-        if self.path == "persistent" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            self.path = "torch" if backend == "auto" else self.path
-        if self.path == "standard" and backend == "auto" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            self.path = "torch"
+        if backend == "auto":
+            # Static facts only; on the CPU auto means the reference (the CPU path), while
+            # "standard"/"persistent" run Triton there only under TRITON_INTERPRET=1 (tests).
+            on_gpu = _HAVE_TRITON and self.device.type == "cuda"
+            self.path = auto_path(max_rows, max_width) if on_gpu else "torch"
+        else:
+            self.path = backend
         if self.path in ("standard", "persistent"):
             _check_triton_device(self.device)
         self._debug_skip_reset_when_short = bool(_debug_skip_reset_when_short)

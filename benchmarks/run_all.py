@@ -410,8 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         results["plots"] = [f"plotting failed: {type(exc).__name__}: {exc}"]
     save()
-    print("\n" + table(results))
-    print(f"\n[run_all] wrote {json_path} in {time.perf_counter() - t_start:.0f} s")
+    print(f"\n[run_all] wrote {json_path}" + (f" and {len(results['plots'])} plot(s)" if results["plots"] else "")
+          + f" in {time.perf_counter() - t_start:.0f} s\n")
+    print(table(results))
     return 0
 
 

@@ -40,19 +40,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         hint = str(hints[f.name])
         default = _field_default(f)
+        doc = f"LLM({f.name}=...), default {default!r}"
         if f.type in (bool, "bool") or hint == "<class 'bool'>":
-            group.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=default)
+            group.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=default, help=doc)
         elif "dict" in hint:
-            group.add_argument(flag, type=json.loads, default=default, help="JSON object")
+            group.add_argument(flag, type=json.loads, default=default, help=doc + " (JSON object)")
         elif hint.startswith("list[") or hint.startswith("typing.List") or "list[" in hint:
             item = int if "int" in hint else float if "float" in hint else str
-            group.add_argument(flag, type=item, nargs="+", default=default, help="space-separated values")
+            group.add_argument(flag, type=item, nargs="+", default=default, help=doc + " (space-separated)")
         elif "int" in hint and "str" not in hint:
-            group.add_argument(flag, type=int, default=default)
+            group.add_argument(flag, type=int, default=default, help=doc)
         elif "float" in hint and "str" not in hint:
-            group.add_argument(flag, type=float, default=default)
+            group.add_argument(flag, type=float, default=default, help=doc)
         else:
-            group.add_argument(flag, type=str, default=default)
+            group.add_argument(flag, type=str, default=default, help=doc)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -424,15 +424,20 @@ class IndexerTopK:
         device: where the output and workspace live.
         num_programs: persistent grid size (default: the SM count; tests shrink it).
         _tile: benchmark-only override of the standard BLOCK / persistent CHUNK.
+        _debug_skip_reset_when_short: TEST ONLY. Restores the historical vLLM bug: the
+            workspace zeroing is guarded by a host ``if`` on the caller's ``max_seq_len``
+            (skipped when it is <= k), so a graph captured at a short length records no
+            zeroing and its replays at long lengths run on stale counters (the rows then
+            come out as -2). Never set it outside the regression test.
 
     Memory: the output (max_rows x k int32); for the persistent path also 4 KiB of counters
     per row and 1 KiB per chunk (at most num_programs + max_rows * (ceil(max_width / 8192) + 1)
     chunks, e.g. ~9 MiB for 256 rows x 256K columns).
-        _debug_skip_reset_when_short: TEST ONLY. Restores the historical vLLM bug: the
-            workspace zeroing is guarded by a host ``if`` on the caller's ``max_seq_len``
-            (skipped when it is <= k), so a graph captured at a short length records no
-            zeroing and its replays at long lengths run on stale counters. Never set it
-            outside the regression test.
+
+    Use::
+
+        topk = IndexerTopK(max_rows=bucket, max_width=padded_width, k=512)  # once
+        idx = topk(scores[:rows, :width], lengths[:rows])  # per step; capturable
     """
 
     def __init__(

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU runs)
-
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # as in conftest.py: the interpreter only where there is no GPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU runs)
 
 from sparseserve.kernels.indexer import (
     IndexerConfig,
@@ -23,6 +24,8 @@ from sparseserve.kernels.indexer import (
 )
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# CPU tests feed CPU tensors to the kernels: they need the interpreter.
+cpu_interp = pytest.mark.skipif(not _INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1")
 RATE = 4
 
 
@@ -66,6 +69,7 @@ CPU_CASES = [
 ]
 
 
+@cpu_interp
 @pytest.mark.parametrize("T,Hi,Di,B,epb,max_blocks,E,cfg", CPU_CASES)
 def test_indexer_matches_reference_cpu(T, Hi, Di, B, epb, max_blocks, E, cfg):
     gen = torch.Generator().manual_seed(17 + T * Hi + Di + E)
@@ -77,6 +81,7 @@ def test_indexer_matches_reference_cpu(T, Hi, Di, B, epb, max_blocks, E, cfg):
     _check(out, ref, 1e-5)
 
 
+@cpu_interp
 def test_indexer_zero_width_and_config_cpu():
     gen = torch.Generator().manual_seed(1)
     args = _make_case(3, 4, 32, 2, 8, 2, 16, gen)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU runs)
-
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # as in conftest.py: the interpreter only where there is no GPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU runs)
 
 from sparseserve.kernels.sparse_attention import (
     AttnConfig,
@@ -24,6 +25,8 @@ from sparseserve.kernels.sparse_attention import (
 )
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# CPU tests feed CPU tensors to the kernels: they need the interpreter.
+cpu_interp = pytest.mark.skipif(not _INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1")
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -62,6 +65,7 @@ CPU_CASES = [
 ]
 
 
+@cpu_interp
 @pytest.mark.parametrize("T,H,D,L,cfg", CPU_CASES)
 def test_attention_matches_reference_cpu(T, H, D, L, cfg):
     gen = torch.Generator().manual_seed(1000 + T * H + D + L)
@@ -78,6 +82,7 @@ def test_attention_matches_reference_cpu(T, H, D, L, cfg):
     assert out[0].abs().max().item() == 0.0  # no rows: sink only, output 0
 
 
+@cpu_interp
 def test_attention_extreme_logits_and_sinks_cpu():
     """Logits far above and far below the sink: the online max must not overflow or NaN."""
     gen = torch.Generator().manual_seed(7)
@@ -93,6 +98,7 @@ def test_attention_extreme_logits_and_sinks_cpu():
         assert _rel(out, ref) < 1e-5
 
 
+@cpu_interp
 def test_attention_strided_inputs_cpu():
     """q as a slice of a wider tensor and a pool view with a row stride > D."""
     gen = torch.Generator().manual_seed(11)

@@ -11,12 +11,16 @@ and 64, and `transformers` latency at batch 1 and 8 if time is left.
 
 Everything runs in this one process by default, sharing one copy of the dummy weights, and one
 engine between consecutive runs with the same engine options (the latency runs share one;
-`reused_engine` marks the runs that did not build their own); `--isolate` runs every configuration as its
-own `python -m sparseserve.entrypoints.cli` process instead (slower: each builds its engine and
-weights, but a crash cannot take the others down). Each run has a time limit cut from `--budget-s`; a run that
-no longer fits is recorded as skipped. `benchmarks/results/seed_workload.json` is rewritten
-after every run, so a cut-off call still leaves its partial results; plots (PNG, matplotlib if
-installed) and a short table come last. Every result records the equivalent command line.
+`reused_engine` marks the runs that did not build their own). `--isolate` runs every
+configuration as its own `python -m sparseserve.entrypoints.cli` process instead (slower: each
+builds its engine and weights, but a crash cannot take the others down).
+
+Each run has a time limit cut from `--budget-s`; a run that no longer fits is recorded as
+skipped. `benchmarks/results/seed_workload.json` is rewritten after every run, so a cut-off call
+still leaves its partial results. Last come the plots (matplotlib, if installed):
+`seed_workload_throughput.png` (output tokens/s per configuration against the workload's floor)
+and `seed_workload_latency_vs_batch.png` (decode tokens/s vs batch, decode step time and prefill
+time vs their rooflines), then a short table. Every result records its equivalent command line.
 """
 from __future__ import annotations
 
@@ -163,7 +167,7 @@ def summarize(results: dict) -> dict:
     return out
 
 
-def make_plots(results: dict, out_dir: Path) -> list[str]:
+def make_plots(results: dict, out_dir: Path, stem: str = "seed_workload") -> list[str]:
     try:
         import matplotlib
 
@@ -196,7 +200,7 @@ def make_plots(results: dict, out_dir: Path) -> list[str]:
         ax.set_title(f"{results['meta']['model']}: {w['num_prompts']} prompts, in {w['input_len']}, "
                      f"out {w['output_len']}", fontsize=10)
         fig.tight_layout()
-        path = out_dir / "throughput.png"
+        path = out_dir / f"{stem}_throughput.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(str(path))
@@ -236,7 +240,7 @@ def make_plots(results: dict, out_dir: Path) -> list[str]:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
         fig.tight_layout()
-        path = out_dir / "throughput_vs_batch.png"
+        path = out_dir / f"{stem}_latency_vs_batch.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(str(path))
@@ -406,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "command": command}
             save()
     try:
-        results["plots"] = make_plots(results, args.out_dir)
+        results["plots"] = make_plots(results, args.out_dir, args.name)
     except Exception as exc:
         results["plots"] = [f"plotting failed: {type(exc).__name__}: {exc}"]
     save()

@@ -97,12 +97,30 @@ def test_kv_plan_default_model(capsys):
     assert out.startswith("model: tiny (embedded) (4 layers)") and "compressed state" in out
 
 
-def test_speculative_tokens_is_a_clean_error(capsys):
-    rc = main(["bench", "throughput", *SMALL, "--num-prompts", "2", "--num-speculative-tokens", "2"])
+def test_speculative_tokens_run_or_fail_cleanly(capsys, tmp_path):
+    """--num-speculative-tokens N is MTP speculation: it runs, or (where the engine lacks it) is an
+    `error: ...` exit, never a traceback."""
+    out_json = tmp_path / "s.json"
+    rc = main(["bench", "throughput", *SMALL, "--num-prompts", "2", "--num-speculative-tokens", "2",
+               "--output-json", str(out_json)])
+    captured = capsys.readouterr()
+    if rc == 0:
+        check_throughput_output(captured.out, 2, 16, 4)
+        assert json.loads(out_json.read_text())["engine_args"]["speculative_config"] == {
+            "method": "mtp", "num_speculative_tokens": 2}
+    else:
+        assert rc == 2 and captured.err.startswith("error: ") and "speculative" in captured.err
+
+
+@pytest.mark.parametrize("extra", [
+    ["--backend", "hf", "--num-speculative-tokens", "1"],
+    ["--num-speculative-tokens", "1", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+    ["--tensor-parallel-size", "2"],  # NotImplementedError
+])
+def test_unsupported_options_are_clean_errors(extra, capsys):
+    rc = main(["bench", "latency", *SMALL, *extra])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: ") and "speculative" in err and "Traceback" not in err
-    rc = main(["bench", "latency", *SMALL, "--backend", "hf", "--num-speculative-tokens", "1"])
-    assert rc == 2 and capsys.readouterr().err.startswith("error: ")
+    assert rc == 2 and err.startswith("error: ") and "Traceback" not in err
 
 
 def test_engine_value_errors_are_clean(capsys):

@@ -25,6 +25,15 @@ THROUGHPUT_RE = re.compile(r"^Throughput: ([\d.]+) requests/s, ([\d.]+) total to
 STEP_RE = r"^{}: mean ([\d.]+), p50 ([\d.]+), p90 ([\d.]+), p99 ([\d.]+) \((\d+) steps\)$"
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model gains nothing from intra-op threads, and they slow down badly on a busy machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def check_throughput_output(out: str, prompts: int, input_len: int, output_len: int) -> tuple[float, float, float]:
     m = THROUGHPUT_RE.search(out)
     assert m, out
@@ -215,7 +224,7 @@ def test_console_script_subprocess(tmp_path):
     """The installed `sparseserve` script when it is on PATH, else the same entry point via -m."""
     exe = shutil.which("sparseserve")
     cmd = [exe] if exe else [sys.executable, "-m", "sparseserve.entrypoints.cli"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     proc = subprocess.run([*cmd, "bench", "throughput", *SMALL, "--num-prompts", "2"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

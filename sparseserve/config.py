@@ -104,7 +104,15 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; sparseserve runs on one GPU"
             )
         if self.speculative_config is not None:
-            raise NotImplementedError("speculative_config is not supported yet (MTP speculative decoding is planned)")
+            spec = self.speculative_config
+            if not isinstance(spec, dict) or spec.get("method") != "mtp":
+                raise ValueError(f"speculative_config must be {{'method': 'mtp', 'num_speculative_tokens': k}}, got {spec!r}")
+            k = spec.get("num_speculative_tokens")
+            if not isinstance(k, int) or k < 1:
+                raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+            unknown = set(spec) - {"method", "num_speculative_tokens"}
+            if unknown:
+                raise ValueError(f"unsupported speculative_config keys: {sorted(unknown)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1:
@@ -119,6 +127,10 @@ class EngineConfig:
             raise ValueError(
                 f"topk_backend must be 'auto', 'standard', 'persistent' or 'torch', got {self.topk_backend!r}"
             )
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return int(self.speculative_config["num_speculative_tokens"]) if self.speculative_config else 0
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -156,8 +156,10 @@ def test_n_completions_and_prompt_logprobs(llm):
 def test_unsupported_options_are_loud():
     with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
         LLM(TINY, tensor_parallel_size=2)
-    with pytest.raises(NotImplementedError, match="speculative_config"):
-        LLM(TINY, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(TINY, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="speculative_config must be"):
+        LLM(TINY, device="cpu", speculative_config={"method": "eagle", "num_speculative_tokens": 1})
     with pytest.raises(TypeError, match="unsupported arguments: bogus"):
         LLM(TINY, bogus=1)
     with pytest.raises(ValueError, match="block_size"):

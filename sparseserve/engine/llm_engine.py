@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 
 from ..config import CacheConfig, EngineConfig
-from ..model.loader import load_model, resolve_model_dir
+from ..model.loader import KEEP_FP32, CheckpointError, init_dummy_weights, load_model, resolve_model_dir
+from ..model.mtp import MTPModule, load_mtp_weights
+from ..spec_decode.metrics import SpecDecodeMetrics
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import SamplingParams
 from ..worker.graph_audit import audit_graph_replays
@@ -65,14 +67,23 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}); enable chunked prefill or raise the budget")
         self.block_size = config.block_size or max(self.model_config.lcm_rate, 16)
         dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
-        self.kv_plan: KVPlan = plan_kv(self.model_config, dtype_bytes, self.block_size, self.max_num_batched_tokens)
+        spec_k = config.num_speculative_tokens
+        self.kv_plan: KVPlan = plan_kv(self.model_config, dtype_bytes, self.block_size, self.max_num_batched_tokens,
+                                       spec_k)
         self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, config.max_num_seqs,
                                   self.max_num_batched_tokens, self.max_model_len, self.block_size,
                                   RunnerOptions(enforce_eager=config.enforce_eager,
                                                 cuda_graph_sizes=config.cuda_graph_sizes,
                                                 topk_backend=config.topk_backend,
                                                 step_timeout_s=config.step_timeout_s,
-                                                debug_topk_skip_reset_when_short=config.debug_topk_skip_reset_when_short))
+                                                debug_topk_skip_reset_when_short=config.debug_topk_skip_reset_when_short,
+                                                num_speculative_tokens=spec_k))
+        self.spec_metrics = SpecDecodeMetrics()
+        if spec_k:
+            if self.device.type == "cuda" and not config.enforce_eager:
+                raise NotImplementedError("speculative decoding runs eagerly for now (captured verify steps are "
+                                          "not built yet); pass enforce_eager=True")
+            self.runner.mtp = self._load_mtp(config)
         num_blocks, cache_bytes = self._size_cache()
         self.runner.allocate_state(num_blocks)
         self.cache_config = CacheConfig(
@@ -82,7 +93,7 @@ class LLMEngine:
             bytes_per_slot_by_kind=dict(self.kv_plan.bytes_per_slot_by_kind))
         self.kv = KVCacheManager(num_blocks, self.block_size, config.max_num_seqs)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, self.max_model_len)
         logger.info("%s", self.kv_plan.report(self.max_model_len, cache_bytes))
         logger.info("cache: %d blocks of %d tokens, %d slots (%.2f GiB)", num_blocks, self.block_size,
                     config.max_num_seqs, cache_bytes / 1024**3)
@@ -101,6 +112,20 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
         self.prompts: dict[str, tuple[str | None, list[int]]] = {}
+
+    def _load_mtp(self, config: EngineConfig):
+        mtp = MTPModule(self.model_config).to(self.device)
+        if config.load_format == "dummy":
+            init_dummy_weights(mtp, config.seed + 1, self.model_config.hf_config)
+        elif not self.mtp_tensors:
+            raise CheckpointError("speculative decoding needs the MTP layer, but the checkpoint has no mtp.0.* "
+                                  "tensors")
+        else:
+            load_mtp_weights(mtp, {k: v.to(self.device) for k, v in self.mtp_tensors.items()})
+        for name, p in mtp.named_parameters():
+            if not any(part in name for part in KEEP_FP32):
+                p.data = p.data.to(self.dtype)
+        return mtp.eval()
 
     # ---- sizing ----
     def _size_cache(self) -> tuple[int, int]:
@@ -213,19 +238,32 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could schedule nothing while requests wait; this is a bug")
             return []
+        for req in sched.preempted:
+            self.runner.draft_probs.pop(req.request_id, None)
         result = self.runner.execute(sched)
         finished_groups: set[str] = set()
         for chunk in sched.chunks:
             req = chunk.request
-            req.num_computed_tokens += chunk.num_tokens
+            accepted = result.num_accepted.get(req.request_id, 0)
+            # Verified drafts that were rejected leave positions to be re-run (position-addressed).
+            req.num_computed_tokens += chunk.num_tokens - chunk.num_draft + accepted
+            req.draft_token_ids = []
+            if chunk.num_draft:
+                self.spec_metrics.record(chunk.num_draft, accepted)
             self._record_prompt_logprobs(req, result)
-            sampled = result.sampled.get(req.request_id)
-            if sampled is None:
-                continue
-            new_text = self._append_token(req, sampled)
-            if self._check_stop(req, len(new_text)):
+            finished = False
+            for sampled in result.sampled.get(req.request_id, []):
+                new_text = self._append_token(req, sampled)
+                if self._check_stop(req, len(new_text)):
+                    finished = True
+                    break
+            if finished:
                 self.scheduler.finish(req)
+                self.runner.draft_probs.pop(req.request_id, None)
                 finished_groups.add(self._group_of(req))
+            else:
+                req.draft_token_ids = result.drafts.get(req.request_id, [])
+        self.spec_metrics.maybe_log()
         outputs = []
         for group_id in finished_groups:
             if all(r.is_finished for r in self.groups[group_id]):

@@ -28,6 +28,7 @@ class Request:
     slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative drafts to verify next step
     # Output state
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

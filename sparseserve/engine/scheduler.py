@@ -17,12 +17,13 @@ from .request import Request, RequestStatus
 @dataclass
 class ScheduledChunk:
     request: Request
-    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens (drafts included)
+    num_draft: int = 0  # trailing speculative drafts among them, verified this step
 
     @property
     def completes(self) -> bool:
         """True when this chunk reaches the request's last token, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_tokens - self.num_draft == self.request.num_tokens
 
 
 @dataclass
@@ -37,11 +38,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool) -> None:
+                 enable_chunked_prefill: bool, max_model_len: int | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -57,6 +59,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.WAITING
         victim.num_computed_tokens = 0
+        victim.draft_token_ids = []
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -74,6 +77,12 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            num_draft = 0
+            if n == request.num_tokens - request.num_computed_tokens == 1 and request.draft_token_ids:
+                # Verify the drafts too, within the budget and without passing max_model_len.
+                room = (self.max_model_len - request.num_tokens - 1) if self.max_model_len else len(request.draft_token_ids)
+                num_draft = max(0, min(len(request.draft_token_ids), budget - 1, room))
+                n += num_draft
             while not self.kv.can_allocate(request, request.num_computed_tokens + n):
                 victim = self.running[-1]
                 if victim.request_id in scheduled:
@@ -85,7 +94,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             self.kv.allocate(request, request.num_computed_tokens + n)
-            out.chunks.append(ScheduledChunk(request, n))
+            out.chunks.append(ScheduledChunk(request, n, num_draft))
             scheduled.add(request.request_id)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -148,12 +148,12 @@ def apply_weights(model: DeepseekV4ForCausalLM, tensors: dict[str, torch.Tensor]
 
 
 @torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, hf_config=None) -> None:
     """Random weights of the right shapes (for benchmarks at real shapes; never zeros).
     Drawn on the parameters' device, so billions of values take seconds on a GPU."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    hf = model.model_config.hf_config
+    hf = hf_config if hf_config is not None else model.model_config.hf_config
     for name, p in model.named_parameters():
         if "norm" in name and name.endswith("weight"):
             p.fill_(1.0)

@@ -36,7 +36,10 @@ class SampledToken:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, SampledToken] = field(default_factory=dict)  # request_id -> token
+    # request_id -> the tokens this step emits (one, or accepted drafts plus the next token)
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
+    num_accepted: dict[str, int] = field(default_factory=dict)  # request_id -> accepted drafts
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request_id -> drafts for the next step
     # request_id -> [(position of the predicted prompt token, logprob, rank, top)]
     prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
 
@@ -48,6 +51,7 @@ class RunnerOptions:
     topk_backend: str = "auto"
     step_timeout_s: float = 60.0
     debug_topk_skip_reset_when_short: bool = False  # TEST ONLY: the historical top-k bug
+    num_speculative_tokens: int = 0
 
 
 class ModelRunner:
@@ -79,6 +83,10 @@ class ModelRunner:
             raise ValueError(f"cuda_graph_sizes must lie in [1, max_num_seqs={max_num_seqs}], got {self.graph_sizes}")
         self._topk: dict[int, IndexerTopK] = {}
         self.graphs: CudaGraphRunner | None = None
+        self.mtp = None  # MTPModule when speculative decoding is on (set by the engine)
+        self.proposer = None
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request_id -> [k, V] q of its pending drafts
+        self._last_streams: torch.Tensor | None = None
 
     # ---- top-k paths: fixed per row bucket from static facts (DESIGN.md invariant 3) ----
     def topk_for(self, max_rows: int) -> tuple[TopKFn, str]:
@@ -101,7 +109,8 @@ class ModelRunner:
         # One slot more than max_num_seqs: the dummy slot that padded graph rows write to.
         return StateLayout(num_blocks=num_blocks, block_size=self.block_size, num_slots=self.max_num_seqs + 1,
                            max_step_tokens=self.max_num_batched_tokens,
-                           sliding_window=self.model_config.hf_config.sliding_window)
+                           sliding_window=self.model_config.hf_config.sliding_window,
+                           num_speculative_tokens=self.options.num_speculative_tokens)
 
     @torch.no_grad()
     def profile_peak_activation_bytes(self) -> int:
@@ -128,6 +137,11 @@ class ModelRunner:
 
     def allocate_state(self, num_blocks: int) -> None:
         self.state = ModelState(self.model_config, self._layout(num_blocks), self.device, self.dtype)
+        if self.mtp is not None:
+            from ..spec_decode.mtp_proposer import MTPProposer
+
+            mtp_state = ModelState(self.mtp.config, self._layout(0), self.device, self.dtype)
+            self.proposer = MTPProposer(self.mtp, self.model, mtp_state, self.options.num_speculative_tokens)
 
     def _new_graph_runner(self) -> CudaGraphRunner:
         return CudaGraphRunner(self.model, self.state, self.graph_sizes, query_len=1,
@@ -160,9 +174,9 @@ class ModelRunner:
             start = req.num_computed_tokens
             want_prompt = (req.params.prompt_logprobs is not None and req.num_preemptions == 0
                            and start < len(req.prompt_token_ids) - 1)
-            want = "all" if want_prompt else ("last" if sc.completes else "none")
-            chunks.append(SequenceChunk(slot=req.slot, start_pos=start,
-                                        token_ids=req.all_token_ids[start:start + sc.num_tokens],
+            want = "all" if (want_prompt or sc.num_draft) else ("last" if sc.completes else "none")
+            tokens = (req.all_token_ids + req.draft_token_ids[:sc.num_draft])[start:start + sc.num_tokens]
+            chunks.append(SequenceChunk(slot=req.slot, start_pos=start, token_ids=tokens,
                                         block_ids=req.block_ids, want_logits=want))
         logits, describe = self.forward(chunks)
         self.wait(describe)
@@ -170,16 +184,25 @@ class ModelRunner:
         row = 0
         sample_rows: list[int] = []
         sample_reqs = []
-        for sc, chunk in zip(sched.chunks, chunks):
+        verify: list[tuple[int, int]] = []  # (chunk index, first logits row)
+        for i, (sc, chunk) in enumerate(zip(sched.chunks, chunks)):
             n = {"all": len(chunk.token_ids), "last": 1, "none": 0}[chunk.want_logits]
-            if chunk.want_logits == "all":
+            if chunk.want_logits == "all" and not sc.num_draft:
                 self._prompt_logprobs(sc.request, logits[row:row + n], chunk.start_pos, out)
-            if sc.completes:
+            if sc.num_draft:
+                verify.append((i, row))
+            elif sc.completes:
                 sample_rows.append(row + n - 1)
                 sample_reqs.append(sc.request)
             row += n
         if sample_reqs:
             self._sample(logits[torch.tensor(sample_rows, device=logits.device)], sample_reqs, out, describe)
+        if self.proposer is not None:
+            from ..spec_decode.spec_step import draft_next, verify_drafts
+
+            if verify:
+                verify_drafts(self, sched, verify, logits, out)
+            draft_next(self, sched, chunks, out)
         return out
 
     def is_decode_step(self, chunks: list[SequenceChunk]) -> bool:
@@ -190,7 +213,8 @@ class ModelRunner:
         step; otherwise eagerly. On CUDA an eager decode step is padded to the same bucket and
         built the same way as the graph's, so both modes compute the same function."""
         lengths = [c.start_pos + len(c.token_ids) for c in chunks]
-        bucket = pick_bucket(self.graph_sizes, len(chunks)) if self.is_decode_step(chunks) else None
+        decode = self.is_decode_step(chunks) and self.proposer is None  # the drafter needs every stream
+        bucket = pick_bucket(self.graph_sizes, len(chunks)) if decode else None
         if bucket is not None and self.device.type == "cuda" and self.graphs is not None:
             logits, graph = self.graphs.run(chunks)
             mode = f"graph {graph.key}, topk_path={graph.topk_path}"
@@ -207,6 +231,7 @@ class ModelRunner:
             batch = build_batch(chunks, self.model_config.rates, self.device, max_blocks=self.max_blocks_per_seq)
             streams = self.model(batch, self.state, topk=topk_fn)
             logits = self.model.compute_logits(streams[batch.logits_indices])
+            self._last_streams = streams if self.proposer is not None else None
             mode = f"eager step, topk_path={path}"
 
         def describe() -> str:
@@ -242,19 +267,25 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, reqs, out: RunnerOutput, describe: Callable[[], str]) -> None:
         tokens = sample(logits, self._sampling_tensors(reqs))
+        for req, st in zip(reqs, self.sampled_tokens(logits, tokens, reqs)):
+            out.sampled[req.request_id] = [st]
+
+    def sampled_tokens(self, logits: torch.Tensor, tokens: torch.Tensor, reqs) -> list[SampledToken]:
+        """Host records (with raw-model logprobs when asked) of `tokens` drawn from `logits` rows."""
         num_top = max((r.params.logprobs or 0) for r in reqs)
         want_lp = any(r.params.logprobs is not None for r in reqs)
         if want_lp:
             chosen, rank, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
             chosen, rank, top_ids, top_lp = chosen.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist()
-        token_list = tokens.tolist()
-        for i, req in enumerate(reqs):
-            st = SampledToken(token_list[i])
+        result = []
+        for i, (req, token) in enumerate(zip(reqs, tokens.tolist())):
+            st = SampledToken(token)
             if want_lp and req.params.logprobs is not None:
                 k = req.params.logprobs
                 st.logprob, st.rank = chosen[i], rank[i]
                 st.top = list(zip(top_ids[i][:k], top_lp[i][:k]))
-            out.sampled[req.request_id] = st
+            result.append(st)
+        return result
 
     def _prompt_logprobs(self, req, logits: torch.Tensor, start: int, out: RunnerOutput) -> None:
         prompt = req.prompt_token_ids

@@ -1,0 +1,87 @@
+"""The MTP drafter: keeps the MTP layer's own window state in step with the target and
+proposes k draft tokens per request.
+
+Every target step also runs the MTP layer over the same positions, with the target's
+residual streams h[t] and the sequence's next token t+1 (so its window state covers every
+position). Positions past what the step accepted get placeholder tokens; they are re-run,
+and so overwritten, once their real tokens are known (DESIGN.md invariant 4). From the last
+accepted position the layer then drafts d_1, and feeds its own streams back for d_2..d_k.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.batch import SequenceChunk, build_batch
+from ..model.deepseek_v4 import DeepseekV4ForCausalLM
+from ..model.mtp import MTPModule
+from ..model.state import ModelState
+from ..worker.sampler import SamplingTensors, filtered_probs, uniform_noise
+
+DRAFT_SALT = 0x5BD1E995
+
+
+@dataclass
+class DraftRequest:
+    """One sequence of this step, as the drafter needs it."""
+
+    request_id: str
+    chunk: SequenceChunk  # the target chunk (positions start_pos .. start_pos + n - 1)
+    next_tokens: list[int]  # token at position p + 1 for each chunk position (placeholders past the known ones)
+    draft_from: int | None  # index in the chunk of the last accepted position, or None: no draft
+
+
+class MTPProposer:
+    def __init__(self, mtp: MTPModule, target: DeepseekV4ForCausalLM, state: ModelState, num_tokens: int) -> None:
+        self.mtp = mtp
+        self.target = target
+        self.state = state
+        self.k = num_tokens
+
+    @torch.no_grad()
+    def propose(self, requests: list[DraftRequest], target_streams: torch.Tensor,
+                sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """Returns (drafts [D, k] int64, draft probs [D, k, V] or None when all greedy, indices of the
+        requests that drafted). `sampling` holds one row per drafting request."""
+        device = target_streams.device
+        chunks = [SequenceChunk(r.chunk.slot, r.chunk.start_pos, r.next_tokens, r.chunk.block_ids, "none")
+                  for r in requests]
+        batch = build_batch(chunks, self.mtp.config.rates, device)
+        streams = self.mtp(batch, target_streams, self.state, self.target)
+        drafting = [i for i, r in enumerate(requests) if r.draft_from is not None]
+        if not drafting:
+            return torch.empty(0, self.k, dtype=torch.long, device=device), None, []
+        offsets = batch.seq_token_offset.tolist()
+        rows = torch.tensor([offsets[i] + requests[i].draft_from for i in drafting], device=device)
+        h = streams[rows]
+        positions = [requests[i].chunk.start_pos + requests[i].draft_from for i in drafting]
+        drafts, probs = [], []
+        for j in range(self.k):
+            logits = self.mtp.compute_logits(h, self.target)
+            token, p = self._sample(logits, sampling, j)
+            drafts.append(token)
+            probs.append(p)
+            if j + 1 == self.k:
+                break
+            # Feed the draft back: position + j + 1 sees the block's own streams as h.
+            step = [SequenceChunk(requests[i].chunk.slot, positions[n] + j + 1, [0], requests[i].chunk.block_ids, "last")
+                    for n, i in enumerate(drafting)]
+            step_batch = build_batch(step, self.mtp.config.rates, device)
+            step_batch.input_ids = token
+            h = self.mtp(step_batch, h, self.state, self.target)
+        all_greedy = sampling is None or sampling.all_greedy
+        stacked_probs = None if all_greedy else torch.stack(probs, dim=1)
+        return torch.stack(drafts, dim=1), stacked_probs, drafting
+
+    def _sample(self, logits: torch.Tensor, st: SamplingTensors | None, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        greedy = logits.argmax(dim=-1)
+        if st is None or st.all_greedy:
+            return greedy, None
+        probs = filtered_probs(logits, st)
+        noise = -torch.log(uniform_noise(st.seeds ^ DRAFT_SALT, st.counters * 8 + j, logits.shape[1]))
+        sampled = (probs / noise).argmax(dim=-1)
+        token = torch.where(st.temperature > 0, sampled, greedy)
+        # Greedy rows draft deterministically: their q is one-hot on the draft.
+        one_hot = torch.nn.functional.one_hot(token, logits.shape[1]).float()
+        return token, torch.where((st.temperature > 0).unsqueeze(1), probs, one_hot)

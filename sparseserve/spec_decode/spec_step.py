@@ -1,0 +1,101 @@
+"""The speculative parts of a runner step: verify the drafts that were fed to the target,
+then let the MTP drafter catch up on the step's positions and propose the next drafts."""
+from __future__ import annotations
+
+import torch
+
+from ..engine.scheduler import SchedulerOutput
+from ..model.batch import SequenceChunk
+from ..worker.sampler import filtered_probs, uniform_noise
+from .mtp_proposer import DraftRequest
+from .rejection_sampler import verify
+
+ACCEPT_SALT = 0x68E31DA4
+
+
+def verify_drafts(runner, sched: SchedulerOutput, verify_rows: list[tuple[int, int]], logits: torch.Tensor,
+                  out) -> None:
+    """Accept a prefix of each request's drafts and draw its next token (lossless)."""
+    device = logits.device
+    k = max(sched.chunks[i].num_draft for i, _ in verify_rows)
+    vocab = logits.shape[1]
+    reqs = [sched.chunks[i].request for i, _ in verify_rows]
+    rows = []
+    drafts = torch.full((len(reqs), k), -1, dtype=torch.long)
+    for n, (i, first) in enumerate(verify_rows):
+        nd = sched.chunks[i].num_draft
+        # Pad requests with fewer drafts by repeating their last row (their extra drafts are -1).
+        rows.append([first + min(j, nd) for j in range(k + 1)])
+        drafts[n, :nd] = torch.tensor(reqs[n].draft_token_ids[:nd])
+    rows_t = torch.tensor(rows, device=device)
+    target_logits = logits[rows_t]  # [B, k+1, V]
+    st = runner._sampling_tensors(reqs)
+    flat_st = _repeat_rows(st, k + 1)
+    target_probs = filtered_probs(target_logits.view(-1, vocab), flat_st).view(len(reqs), k + 1, vocab)
+    draft_probs = None
+    if not st.all_greedy:
+        draft_probs = torch.stack([_draft_q(runner, r, k, vocab, device) for r in reqs])
+    counters = st.counters.unsqueeze(1) + torch.arange(k + 1, device=device).unsqueeze(0)
+    accept_u = uniform_noise((st.seeds ^ ACCEPT_SALT).repeat_interleave(k), counters[:, :k].reshape(-1), 1)
+    accept_u = accept_u.view(len(reqs), k)
+    next_noise = -torch.log(uniform_noise(st.seeds.repeat_interleave(k + 1), counters.reshape(-1), vocab))
+    result = verify(target_probs, target_logits.argmax(-1), drafts.to(device), draft_probs,
+                    st.temperature == 0, accept_u, next_noise.view(len(reqs), k + 1, vocab))
+    accepted = result.num_accepted.tolist()
+    tokens = result.tokens
+    for n, req in enumerate(reqs):
+        a = accepted[n]
+        emitted = tokens[n, :a + 1]
+        records = runner.sampled_tokens(target_logits[n, :a + 1], emitted, [req] * (a + 1))
+        out.sampled[req.request_id] = records
+        out.num_accepted[req.request_id] = a
+        runner.draft_probs.pop(req.request_id, None)
+
+
+def _repeat_rows(st, times: int):
+    from dataclasses import replace
+
+    def rep(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(times)
+
+    counters = st.counters.unsqueeze(1) + torch.arange(times, device=st.counters.device).unsqueeze(0)
+    return replace(st, temperature=rep(st.temperature), top_k=rep(st.top_k), top_p=rep(st.top_p),
+                   min_p=rep(st.min_p), seeds=rep(st.seeds), counters=counters.reshape(-1))
+
+
+def _draft_q(runner, req, k: int, vocab: int, device) -> torch.Tensor:
+    q = runner.draft_probs.get(req.request_id)
+    if q is None:  # greedy drafts: q is one-hot on each draft
+        q = torch.zeros(k, vocab, device=device)
+        for j, d in enumerate(req.draft_token_ids[:k]):
+            q[j, d] = 1.0
+    if q.shape[0] < k:
+        q = torch.cat([q, torch.full((k - q.shape[0], vocab), 1.0 / vocab, device=device)])
+    return q[:k]
+
+
+def draft_next(runner, sched: SchedulerOutput, chunks: list[SequenceChunk], out) -> None:
+    """Run the MTP layer over the step's positions and propose drafts from the last accepted one."""
+    streams = runner._last_streams
+    requests = []
+    for sc, chunk in zip(sched.chunks, chunks):
+        req = sc.request
+        emitted = [t.token_id for t in out.sampled.get(req.request_id, [])]
+        known = req.all_token_ids + emitted  # the sequence after this step
+        start = chunk.start_pos
+        next_tokens = [known[p + 1] if p + 1 < len(known) else known[-1] for p in range(start, start + len(chunk.token_ids))]
+        draft_from = (len(known) - 2 - start) if emitted else None
+        requests.append(DraftRequest(req.request_id, chunk, next_tokens, draft_from))
+    drafting_reqs = [sc.request for sc, r in zip(sched.chunks, requests) if r.draft_from is not None]
+    st = runner._sampling_tensors(drafting_reqs) if drafting_reqs else None
+    if st is not None:
+        # Drafts are the tokens after the ones just emitted.
+        st.counters = st.counters + torch.tensor([len(out.sampled[r.request_id]) for r in drafting_reqs],
+                                                 device=st.counters.device)
+    drafts, probs, drafting = runner.proposer.propose(requests, streams, st)
+    draft_list = drafts.tolist()
+    for n, i in enumerate(drafting):
+        req = sched.chunks[i].request
+        out.drafts[req.request_id] = draft_list[n]
+        if probs is not None:
+            runner.draft_probs[req.request_id] = probs[n]

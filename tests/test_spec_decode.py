@@ -1,0 +1,106 @@
+"""MTP speculative decoding (CPU, float32): lossless greedy outputs, acceptance accounting
+with drafters whose proposals are known to be right or wrong, MTP weight loading."""
+import pytest
+import torch
+
+from sparseserve import LLM, SamplingParams
+from sparseserve.model.loader import CONFIGS_DIR, CheckpointError
+from sparseserve.model.mtp import MTPModule, checkpoint_to_module_name, load_mtp_weights, module_to_checkpoint_name
+
+TINY = str(CONFIGS_DIR / "tiny")
+BASE = dict(device="cpu", dtype="float32", max_model_len=160)
+GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+
+
+def prompts():
+    gen = torch.Generator().manual_seed(3)
+    return [{"prompt_token_ids": torch.randint(2, 512, (n,), generator=gen).tolist()} for n in (4, 31, 66, 12, 19)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(TINY, **BASE)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+
+
+def spec(k, **kw):
+    return LLM(TINY, **BASE, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
+
+
+@pytest.mark.parametrize("k, extra", [
+    (1, {}),
+    (2, {"max_num_batched_tokens": 24}),                       # chunked prefill
+    (3, {"num_gpu_blocks_override": 8, "max_num_seqs": 3}),   # preemption, fewer slots than prompts
+])
+def test_greedy_with_speculation_equals_without(k, extra, reference):
+    llm = spec(k, **extra)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+    assert got == reference
+    m = llm.llm_engine.spec_metrics
+    assert m.num_draft_tokens > 0 and m.num_verify_steps > 0
+    assert llm.llm_engine.all_cache_free()
+    if "num_gpu_blocks_override" in extra:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+class KnownDrafter:
+    """Proposes the target's own greedy continuation (known in advance), or always a wrong token."""
+
+    def __init__(self, inner, continuations, k, wrong=False):
+        self.inner, self.continuations, self.k, self.wrong = inner, continuations, k, wrong
+
+    def propose(self, requests, streams, sampling):
+        drafting = [i for i, r in enumerate(requests) if r.draft_from is not None]
+        drafts = []
+        for i in drafting:
+            r = requests[i]
+            seq = self.continuations[r.request_id]
+            pos = r.chunk.start_pos + r.draft_from  # its next token sits at pos + 1
+            d = seq[pos + 2:pos + 2 + self.k]
+            d = [(t + 1) % 512 if self.wrong else t for t in d]
+            d += [0] * (self.k - len(d))  # past the known continuation: never needed (the request stops)
+            drafts.append(d)
+        return torch.tensor(drafts, dtype=torch.long).view(len(drafting), self.k), None, drafting
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_acceptance_accounting_with_known_drafters(wrong, reference):
+    k = 3
+    long_ref = LLM(TINY, **BASE).generate(prompts(), SamplingParams(temperature=0, max_tokens=14 + k + 1,
+                                                                     ignore_eos=True), use_tqdm=False)
+    llm = spec(k)
+    engine = llm.llm_engine
+    continuations = {}
+    for i, (p, out) in enumerate(zip(prompts(), long_ref)):
+        continuations[str(i + llm._next_id)] = p["prompt_token_ids"] + out.outputs[0].token_ids
+    engine.runner.proposer = KnownDrafter(engine.runner.proposer, continuations, k, wrong)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+    assert got == reference
+    m = engine.spec_metrics
+    if wrong:
+        assert m.num_accepted_tokens == 0 and m.mean_accepted_length == 1.0
+    else:
+        assert m.num_accepted_tokens == m.num_draft_tokens == k * m.num_verify_steps
+        assert m.mean_accepted_length == k + 1
+        # 14 tokens: 1 from the prefill, then 4 per verify step.
+        assert m.num_verify_steps == len(prompts()) * 4
+    assert engine.all_cache_free()
+
+
+def test_sampled_speculation_is_seeded_and_runs():
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=12, ignore_eos=True)
+    a = [o.outputs[0].token_ids for o in spec(2).generate(prompts(), params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in spec(2).generate(prompts(), params, use_tqdm=False)]
+    assert a == b and all(len(t) == 12 for t in a)
+
+
+def test_mtp_name_map_round_trips_and_errors_name_tensors():
+    llm = LLM(TINY, **BASE)
+    module = MTPModule(llm.llm_engine.model_config)
+    for name in module.state_dict():
+        assert checkpoint_to_module_name(module_to_checkpoint_name(name)) == name
+    tensors = dict(llm.llm_engine.mtp_tensors)
+    load_mtp_weights(module, tensors)
+    del tensors["mtp.0.attn.sinks"]
+    with pytest.raises(CheckpointError, match="mtp.0.attn.sinks"):
+        load_mtp_weights(module, tensors)

@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                    "topk-persistent, topk-torch, latency-b1, ..., hf-latency-b1, hf-latency-b8)")
     p.add_argument("--skip-hf", action="store_true", help="no transformers runs")
     p.add_argument("--skip-hf-latency", action="store_true", help="no transformers latency runs")
-    p.add_argument("--budget-s", type=float, default=560.0, help="wall-clock budget for the whole call")
+    p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget for the whole call")
     p.add_argument("--max-run-s", type=float, default=150.0, help="limit for any one run")
     p.add_argument("--isolate", action="store_true", help="one process per run (each loads the weights)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)

@@ -73,11 +73,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         return {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
 
     def prepare(self, batch: BatchMetadata, state: ModelState, topk: TopKFn | None = None) -> StepContext:
-        index_trash = {}
-        for layer_idx, layer_state in enumerate(state.layers):
-            if layer_state.index_pool is not None:
-                index_trash[self.model_config.compress_rate(layer_idx)] = layer_state.index_pool.shape[0] - 1
-        return build_step_context(batch, state.layout, self.model_config, self.inv_freq(), index_trash, topk)
+        return build_step_context(batch, state.layout, self.model_config, self.inv_freq(), topk)
 
     def forward(self, batch: BatchMetadata, state: ModelState, topk: TopKFn | None = None) -> torch.Tensor:
         """Residual streams [T, hc, D] after the last layer. `topk` selects the indexer's

@@ -6,7 +6,8 @@ Per layer, one KV pool of rows [head_dim]:
 - staging: the current step's fresh rows (read by attention before they are committed to the ring);
 - trash: a write target for tokens whose write must go nowhere (keeps shapes static);
 - entries: the paged compressed entries (CSA / HCA layers only).
-CSA layers also have an indexer-key pool (entries only, [index_head_dim]). Every compressor
+CSA layers also have an indexer-key pool (entries only, [index_head_dim]). A token that
+closes no compress window is given the emission row -1, and the compressor skips it. Every compressor
 has a state buffer of projected (kv || gate) rows laid out as [ring][staging][trash].
 The engine decides num_blocks and num_slots; this module only lays out and addresses.
 """
@@ -83,8 +84,7 @@ class ModelState:
                 width = (2 if overlap else 1) * hf.head_dim
                 compressor_state = torch.zeros(state_rows, 2 * width, device=device, dtype=dtype)
                 if overlap:
-                    # Entries only, plus a trash row at the end for tokens that close no window.
-                    index_pool = torch.zeros(entry_rows + 1, hf.index_head_dim, device=device, dtype=dtype)
+                    index_pool = torch.zeros(entry_rows, hf.index_head_dim, device=device, dtype=dtype)
                     indexer_state = torch.zeros(state_rows, 4 * hf.index_head_dim, device=device, dtype=dtype)
             self.layers.append(LayerState(kv_pool, index_pool, compressor_state, indexer_state))
 

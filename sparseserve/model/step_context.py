@@ -37,8 +37,8 @@ class RateAddresses:
     """Addresses shared by all layers of one compress rate."""
 
     emit_tokens: torch.Tensor  # [M] token indices that may close a window
-    emit_kv_rows: torch.Tensor  # [M] KV-pool rows of the emitted entries (trash if none)
-    emit_index_rows: torch.Tensor  # [M] indexer-pool rows (CSA only; trash if none)
+    emit_kv_rows: torch.Tensor  # [M] KV-pool rows of the emitted entries (-1 if none)
+    emit_index_rows: torch.Tensor  # [M] indexer-pool rows (CSA only; -1 if none)
     emit_cos: torch.Tensor
     emit_sin: torch.Tensor
     visible_rows: torch.Tensor | None  # [T, E] KV-pool rows of visible entries (HCA)
@@ -63,7 +63,6 @@ def build_step_context(
     layout: StateLayout,
     model_config: ModelConfig,
     inv_freq: dict[str, torch.Tensor],
-    index_trash_rows: dict[int, int],
     topk: TopKFn | None = None,
 ) -> StepContext:
     if batch.num_tokens > layout.max_step_tokens:
@@ -107,14 +106,13 @@ def build_step_context(
             cos, sin = rope_cos_sin(emit_pos + 1 - rate, inv_freq["compress"])
             visible = None
             if rate in hca_rates:
-                ids = R.visible_entry_ids(pos, rate, num_entries)
-                visible = R.entry_pool_rows(ids, seq, batch.block_table, epb, comp_base)
-            index_trash = index_trash_rows.get(rate, 0)
+                visible = R.visible_pool_rows(pos, seq, batch.block_table, rate, num_entries, epb, comp_base)
+            # Tokens that close no window get out row -1: the compressor reads and writes nothing
+            # for them, decided on the device (no host branch).
             ctx.rates[rate] = RateAddresses(
                 emit_tokens=emit_tokens,
-                emit_kv_rows=R.emit_pool_rows(emit_pos, emit_seq, batch.block_table, rate, epb, comp_base,
-                                              layout.trash_row(ring)),
-                emit_index_rows=R.emit_pool_rows(emit_pos, emit_seq, batch.block_table, rate, epb, 0, index_trash),
+                emit_kv_rows=R.emit_pool_rows(emit_pos, emit_seq, batch.block_table, rate, epb, comp_base, -1),
+                emit_index_rows=R.emit_pool_rows(emit_pos, emit_seq, batch.block_table, rate, epb, 0, -1),
                 emit_cos=cos,
                 emit_sin=sin,
                 visible_rows=visible,

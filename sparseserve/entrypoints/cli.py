@@ -93,7 +93,8 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
     model_config = ModelConfig(load_hf_config(model_dir, overrides))
     dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}[args.dtype]
     block_size = args.block_size or max(model_config.lcm_rate, 16)
-    plan = plan_kv(model_config, dtype_bytes, block_size, args.max_num_batched_tokens or 8192)
+    plan = plan_kv(model_config, dtype_bytes, block_size, args.max_num_batched_tokens or 8192,
+                   args.num_speculative_tokens)
     cache_bytes = int(args.gpu_memory_gb * 1024**3) if args.gpu_memory_gb else None
     print(f"model: {args.model or 'tiny (embedded)'} ({model_config.num_layers} layers)")
     print(plan.report(args.max_model_len, cache_bytes))
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--block-size", type=int, default=None)
     kv.add_argument("--max-num-batched-tokens", type=int, default=None)
     kv.add_argument("--hf-overrides", type=json.loads, default=None)
+    kv.add_argument("--num-speculative-tokens", type=int, default=0, help="window rings hold this many rows more")
     kv.set_defaults(func=cmd_kv_plan)
     return parser
 

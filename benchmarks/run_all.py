@@ -333,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--isolate", action="store_true", help="one process per run (each loads the weights)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     p.add_argument("--name", default="seed_workload", help="results file stem")
+    p.add_argument("--fresh", action="store_true",
+                   help="with --only: do not keep the other runs' results already in the results file")
     args = p.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -360,6 +362,19 @@ def main(argv: list[str] | None = None) -> int:
             results["workload_floor"] = workload_floor(args.model, **workload)
         except Exception as exc:
             results["workload_floor"] = {"error": f"{type(exc).__name__}: {exc}"}
+    if args.only and json_path.is_file() and not args.fresh:
+        # A follow-up call for some runs: keep the other runs' results of the earlier call.
+        try:
+            earlier = json.loads(json_path.read_text())
+        except (OSError, ValueError):
+            earlier = None
+        if earlier:
+            for section in ("throughput", "latency"):
+                for name, value in earlier.get(section, {}).items():
+                    results[section].setdefault(name, value)
+            results["meta"]["merged_with"] = {k: earlier.get("meta", {}).get(k) for k in ("date", "command")}
+            if earlier.get("meta", {}).get("workload") != workload and workload:
+                results["meta"]["warning"] = "the earlier call's workload differs; compare with care"
 
     from sparseserve.benchmarks.throughput import shared_weights, write_json
 

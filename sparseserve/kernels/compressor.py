@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.layers.norm import rms_normalize
-from ..model.layers.rope import apply_rope
+from .dispatch import use_triton
+from .rmsnorm import rms_norm_ref
+from .rope import apply_rope_ref
 
 
 def compress_windows_ref(
@@ -58,8 +59,8 @@ def compress_windows_ref(
     gate = gate.masked_fill(~valid.unsqueeze(-1), float("-inf"))
     kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
     pooled = (kv * torch.softmax(gate, dim=1)).sum(dim=1)
-    entry = (norm_weight.float() * rms_normalize(pooled, norm_eps)).to(out_pool.dtype)
-    entry = apply_rope(entry, cos, sin)
+    entry = (norm_weight.float() * rms_norm_ref(pooled, None, norm_eps)).to(out_pool.dtype)
+    entry = apply_rope_ref(entry, cos, sin)
     keep = out_rows >= 0  # a mask index syncs on CUDA; this is the CPU path
     out_pool.index_copy_(0, out_rows[keep].long(), entry[keep])
 
@@ -213,7 +214,7 @@ def compress_windows(
     out_rows: torch.Tensor,
 ) -> None:
     """Dispatch on the device (a static fact): the Triton kernel on CUDA, the reference elsewhere."""
-    if state.is_cuda:
+    if use_triton("compressor", state):
         compress_windows_triton(state, src_rows, position_bias, overlap, norm_weight, norm_eps, cos, sin,
                                 out_pool, out_rows)
     else:

@@ -21,8 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 import triton
 import triton.language as tl
+
+from .dispatch import use_triton
 
 
 def entry_rows(
@@ -198,7 +201,7 @@ def indexer_scores(
     num_entries: int,
 ) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA (bf16/fp16), the reference elsewhere."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    if use_triton("indexer", q) and q.dtype in (torch.bfloat16, torch.float16):
         return indexer_scores_triton(
             q, weights, index_pool, block_table, token_seq, positions, rate, entries_per_block, scale, num_entries
         )

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import use_triton
+
 try:
     import triton
     import triton.language as tl
@@ -93,6 +95,6 @@ def hc_coefficients_triton(mixes: torch.Tensor, base: torch.Tensor, scale: torch
 def hc_coefficients(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
-    if HAS_TRITON and mixes.is_cuda:
+    if HAS_TRITON and use_triton("mhc", mixes):
         return hc_coefficients_triton(mixes, base, scale, hc, iters, eps)
     return hc_coefficients_ref(mixes, base, scale, hc, iters, eps)

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import use_triton
+
 
 # ---------------------------------------------------------------------------------------------
 # References (CPU path, test oracle)
@@ -329,7 +331,7 @@ def source_rows(
     staging_base: int,
 ) -> torch.Tensor:
     """Rows [T, n] of positions `positions[t] + offsets` of each token's sequence (-1 before 0)."""
-    fn = source_rows_triton if positions.is_cuda else source_rows_ref
+    fn = source_rows_triton if use_triton("rows", positions) else source_rows_ref
     return fn(positions, token_seq, seq_start, seq_token_offset, seq_slots, offsets, ring_rows, staging_base)
 
 
@@ -343,7 +345,7 @@ def ring_write_rows(
     trash_row: int,
 ) -> torch.Tensor:
     """Ring row [T] each token's state is committed to after the step (see ring_write_rows_ref)."""
-    fn = ring_write_rows_triton if positions.is_cuda else ring_write_rows_ref
+    fn = ring_write_rows_triton if use_triton("rows", positions) else ring_write_rows_ref
     return fn(positions, token_seq, seq_start, seq_num_tokens, seq_slots, ring_rows, trash_row)
 
 
@@ -355,7 +357,7 @@ def entry_pool_rows(
     comp_base: int,
 ) -> torch.Tensor:
     """Pool rows of compressed entries `entry_ids [T, K]` (-1 stays -1)."""
-    fn = entry_pool_rows_triton if entry_ids.is_cuda else entry_pool_rows_ref
+    fn = entry_pool_rows_triton if use_triton("rows", entry_ids) else entry_pool_rows_ref
     return fn(entry_ids, token_seq, block_table, entries_per_block, comp_base)
 
 
@@ -369,7 +371,7 @@ def visible_pool_rows(
     comp_base: int,
 ) -> torch.Tensor:
     """entry_pool_rows(visible_entry_ids(positions, rate, num_entries), ...) in one launch."""
-    fn = visible_pool_rows_triton if positions.is_cuda else visible_pool_rows_ref
+    fn = visible_pool_rows_triton if use_triton("rows", positions) else visible_pool_rows_ref
     return fn(positions, token_seq, block_table, rate, num_entries, entries_per_block, comp_base)
 
 
@@ -383,5 +385,5 @@ def emit_pool_rows(
     trash_row: int,
 ) -> torch.Tensor:
     """Pool row [M] each emitting token writes its entry to (trash_row if it closes no window)."""
-    fn = emit_pool_rows_triton if positions.is_cuda else emit_pool_rows_ref
+    fn = emit_pool_rows_triton if use_triton("rows", positions) else emit_pool_rows_ref
     return fn(positions, token_seq, block_table, rate, entries_per_block, comp_base, trash_row)

@@ -22,8 +22,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 import triton
 import triton.language as tl
+
+from .dispatch import use_triton
 
 
 def sparse_mqa_attention_ref(
@@ -325,6 +328,6 @@ def sparse_mqa_attention(
     q: torch.Tensor, kv_pool: torch.Tensor, rows: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA (bf16/fp16), the reference elsewhere."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    if use_triton("attention", q) and q.dtype in (torch.bfloat16, torch.float16):
         return sparse_mqa_attention_triton(q, kv_pool, rows, sinks, scale)
     return sparse_mqa_attention_ref(q, kv_pool, rows, sinks, scale)

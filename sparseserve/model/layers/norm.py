@@ -4,11 +4,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...kernels.rmsnorm import rms_norm
+
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim, in fp32, returned in x's dtype."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return rms_norm(x, None, eps)
 
 
 class RMSNorm(nn.Module):
@@ -18,4 +19,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.weight * rms_normalize(x, self.eps)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

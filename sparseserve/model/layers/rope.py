@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from ...kernels import rope as rope_kernel
+
 
 def rope_inv_freq(rope_params: dict, rope_dim: int) -> torch.Tensor:
     """Inverse frequencies [rope_dim // 2] for one rope type ("default" or "yarn")."""
@@ -42,16 +44,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing 2*cos.shape[-1] channels of x ([T, D] or [T, H, D]) pairwise.
-
-    inverse=True rotates by the negative angle (used to undo rope on the attention output).
-    """
-    rope_dim = 2 * cos.shape[-1]
-    if x.dim() == 3:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    if inverse:
-        sin = -sin
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+    """Rotate the trailing 2*cos.shape[-1] channels of x ([T, D] or [T, H, D]) pairwise
+    (inverse=True: by the negative angle, to undo rope on the attention output). On CUDA the
+    rotation happens in place on x."""
+    return rope_kernel.apply_rope(x, cos, sin, inverse)

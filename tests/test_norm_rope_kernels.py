@@ -1,0 +1,36 @@
+"""Fused RMSNorm and in-place rope kernels equal their references (interpreter on CPU; GPU too)."""
+import pytest
+import torch
+
+from sparseserve.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
+from sparseserve.kernels.rope import apply_rope_, apply_rope_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("shape, weighted, dtype", [((7, 48), True, torch.float32), ((3, 5, 64), False, torch.float32),
+                                                    ((9, 100), True, torch.bfloat16)])
+def test_rms_norm(shape, weighted, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = (3 * torch.randn(shape, generator=gen)).to(dtype).to(DEVICE)
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=gen)).to(DEVICE) if weighted else None
+    ref = rms_norm_ref(x, w, 1e-6)
+    got = rms_norm_triton(x, w, 1e-6)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # bf16: within one rounding step
+    assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("shape, rope_half, inverse", [((6, 32), 8, False), ((5, 3, 64), 16, True),
+                                                       ((4, 2, 16), 8, False)])
+def test_rope_in_place(shape, rope_half, inverse):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=gen).to(DEVICE)
+    pos = torch.randint(0, 5000, (shape[0],), generator=gen).float()
+    freqs = pos.unsqueeze(1) * (1.0 / 10000 ** (torch.arange(rope_half) / rope_half)).unsqueeze(0)
+    cos, sin = freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
+    ref = apply_rope_ref(x, cos, sin, inverse)
+    got = apply_rope_(x.clone(), cos, sin, inverse)
+    assert torch.allclose(got, ref, atol=1e-5)
+    back = apply_rope_(got.clone(), cos, sin, not inverse)
+    assert torch.allclose(back, x, atol=1e-4)

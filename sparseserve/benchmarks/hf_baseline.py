@@ -3,9 +3,9 @@
 The weights are made exactly as the engine makes them (`sparseserve.model.loader.load_model`:
 `init_dummy_weights` for `load_format="dummy"`, or the checkpoint directory's tensors) and then
 copied into a `transformers` model built from the same config, so both backends compute the
-same function. The parameters `transformers` keeps in float32 when it loads a checkpoint
-(`_keep_in_fp32_modules_strict`: mHC mixing, sinks, norms, ...) are kept in float32 here too;
-everything else is in the benchmark dtype (bf16 on CUDA by default, float32 on the CPU).
+same function. The whole model is in the benchmark dtype (bf16 on CUDA by default, float32 on
+the CPU): built with `_from_config`, it cannot keep `from_pretrained`'s float32 islands (a
+float32 norm output would meet a bf16 projection).
 
 Generation is greedy with `max_new_tokens = min_new_tokens = output_len`, in batches of
 `batch_size` prompts, left-padded with an attention mask (the random-token workloads have
@@ -30,11 +30,8 @@ def load_hf_model(model: str | None, dtype: torch.dtype, device: torch.device, l
     hf_config = copy.deepcopy(model_config.hf_config)
     with torch.device(device):
         hf = HFDeepseekV4._from_config(hf_config, dtype=dtype)
-    keep = set(getattr(HFDeepseekV4, "_keep_in_fp32_modules_strict", None) or [])
-    with torch.no_grad():
-        for name, tensor in list(hf.named_parameters()) + list(hf.named_buffers()):
-            if tensor.is_floating_point() and keep & set(name.split(".")):
-                tensor.data = tensor.data.float()
+    # One dtype throughout: a model built with _from_config does not get from_pretrained's fp32
+    # islands wired up, and mixing them fails at the first projection (fp32 input, bf16 weight).
     missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
     if missing or unexpected:
         raise RuntimeError(f"the transformers model and the engine's differ: missing {missing[:5]}, "

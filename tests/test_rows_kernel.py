@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU runs)
 
 import pytest
 import torch

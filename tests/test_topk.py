@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
 import pytest
 import torch

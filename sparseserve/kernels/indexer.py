@@ -132,7 +132,7 @@ class IndexerConfig:
 
 
 def indexer_config(num_tokens: int, num_heads: int, head_dim: int, num_entries: int, num_sms: int) -> IndexerConfig:
-    """Static-shape choice, from a config sweep on the H200 (docs/perf_kernels.md): small grids
+    """Static-shape choice, from a config sweep on the H200 (docs/performance.md): small grids
     take one 64-entry tile per program (most programs in flight); large ones (>= 8 x SMs
     128-entry tiles: big decode batches, long contexts, prefill) 4 tiles of 128 per program,
     double-buffered (2 stages measured faster than 3 there)."""

@@ -21,7 +21,7 @@ static shapes only (mean tokens per expert), never from the routing.
 `select_experts` is one fused Triton launch on CUDA (scores, correction bias, top-k by
 repeated max with the tie rule "lower expert id first", hash ids, normalisation).
 `torch._grouped_mm` (CUTLASS, where torch has it) is the alternative `fused_moe_grouped`;
-the benchmark times both. It was slower at every measured size on the H200 (docs/perf_moe.md),
+the benchmark times both. It was slower at every measured size on the H200 (docs/performance.md),
 so `fused_moe` uses it only when GROUPED_MM_MIN_TOKENS is set.
 """
 from __future__ import annotations
@@ -251,7 +251,7 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
     experts' weights (weight-read bound); many, 64/128-row tiles with wide N (gate 128 + up 128,
     down 256) for the tensor cores. N tiles run fastest so that the programs of one M tile share
     its activation rows in L2 (M-fastest re-read them from HBM: 4.70 vs 3.97 ms at T=4096).
-    From the H200 sweeps in docs/perf_moe.md (V4-Flash shapes).
+    From the H200 sweeps in docs/performance.md (V4-Flash shapes).
     """
     avg = num_tokens * top_k / num_experts
     if avg <= 4:  # T <= 170 on V4-Flash (T=1: 85 us, T=64: 2.22 ms)
@@ -546,7 +546,7 @@ def fused_moe_grouped(
 # Dispatch
 # ----------------------------------------------------------------------------------------
 
-# Set by measurement (docs/perf_moe.md): the token counts from which _grouped_mm is used
+# Set by measurement (docs/performance.md): the token counts from which _grouped_mm is used
 # instead of the Triton kernels; None = never. Static per shape, so a graph keeps it.
 GROUPED_MM_MIN_TOKENS: int | None = None
 

@@ -240,7 +240,7 @@ def attention_config(
 ) -> AttnConfig:
     """Pick block sizes and row splits from static shapes only (graph-safe).
 
-    Chosen from a config sweep on the H200 (docs/perf_kernels.md, benchmarks/results/kernels.json):
+    Chosen from a config sweep on the H200 (docs/performance.md, benchmarks/results/kernels.json):
     - many (token, 64-head) programs (big decode batches, prefill): 64 heads per program, so a KV
       tile feeds an M=64 wgmma and is read once for all heads; 8 warps for the [64, D] fp32
       accumulator; prefill-sized grids take 64-row tiles (rows shared through L2, the kernel

@@ -25,7 +25,7 @@ histogram passes (pass l counts only the entries whose higher bytes match the by
 so far; blocks without such entries skip the histogram), then one pass writes the entries
 with key > T and the lowest-index entries with key == T. 256 bins, not 2048: on Triton 3.6
 `tl.histogram` lowers to warp ballots whose cost grows with the bin count (a 2048-bin
-version measured ~12 us per 4096-entry block on the H200; see docs/perf_topk.md).
+version measured ~12 us per 4096-entry block on the H200; see docs/performance.md).
 
 * standard: one program per row, all passes inside one launch. Good when there are
   enough rows to fill the GPU.
@@ -70,7 +70,7 @@ BACKENDS = ("auto", "standard", "persistent", "torch")
 # the persistent path holds the four level histograms (the counters that must be zero).
 _WS_STRIDE = 4 * 256
 
-# "auto" crossover (docs/perf_topk.md): the persistent path is picked when a step has at most
+# "auto" crossover (docs/performance.md): the persistent path is picked when a step has at most
 # this many rows for its padded width. Measured on one H200: the v1 kernels' sweep had the
 # persistent path >= 2x the standard one up to 64 rows and ~1.15x at 128-256 rows; the v2
 # kernels sped the standard path up 3.4-3.8x and the persistent one 1.6-1.8x at the shapes

@@ -18,7 +18,6 @@ launch is safe to capture in a CUDA graph.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

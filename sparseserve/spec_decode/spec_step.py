@@ -29,7 +29,7 @@ def verify_drafts(runner, sched: SchedulerOutput, verify_rows: list[tuple[int, i
         drafts[n, :nd] = torch.tensor(reqs[n].draft_token_ids[:nd])
     rows_t = torch.tensor(rows, device=device)
     target_logits = logits[rows_t]  # [B, k+1, V]
-    st = runner._sampling_tensors(reqs)
+    st = runner.sampling_tensors(reqs)
     flat_st = _repeat_rows(st, k + 1)
     target_probs = filtered_probs(target_logits.view(-1, vocab), flat_st).view(len(reqs), k + 1, vocab)
     draft_probs = None
@@ -76,7 +76,7 @@ def _draft_q(runner, req, k: int, vocab: int, device) -> torch.Tensor:
 
 def draft_next(runner, sched: SchedulerOutput, chunks: list[SequenceChunk], out) -> None:
     """Run the MTP layer over the step's positions and propose drafts from the last accepted one."""
-    streams = runner._last_streams
+    streams = runner.last_streams
     requests = []
     for sc, chunk in zip(sched.chunks, chunks):
         req = sc.request
@@ -87,7 +87,7 @@ def draft_next(runner, sched: SchedulerOutput, chunks: list[SequenceChunk], out)
         draft_from = (len(known) - 2 - start) if emitted else None
         requests.append(DraftRequest(req.request_id, chunk, next_tokens, draft_from))
     drafting_reqs = [sc.request for sc, r in zip(sched.chunks, requests) if r.draft_from is not None]
-    st = runner._sampling_tensors(drafting_reqs) if drafting_reqs else None
+    st = runner.sampling_tensors(drafting_reqs) if drafting_reqs else None
     if st is not None:
         # Drafts are the tokens after the ones just emitted.
         st.counters = st.counters + torch.tensor([len(out.sampled[r.request_id]) for r in drafting_reqs],

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
-from ..engine.kv_cache import KVPlan
 from ..engine.scheduler import SchedulerOutput
 from ..kernels.topk import IndexerTopK
 from ..model.batch import SequenceChunk, build_batch
@@ -86,7 +85,7 @@ class ModelRunner:
         self.mtp = None  # MTPModule when speculative decoding is on (set by the engine)
         self.proposer = None
         self.draft_probs: dict[str, torch.Tensor] = {}  # request_id -> [k, V] q of its pending drafts
-        self._last_streams: torch.Tensor | None = None
+        self.last_streams: torch.Tensor | None = None
 
     # ---- top-k paths: fixed per row bucket from static facts (DESIGN.md invariant 3) ----
     def topk_for(self, max_rows: int) -> tuple[TopKFn, str]:
@@ -231,7 +230,7 @@ class ModelRunner:
             batch = build_batch(chunks, self.model_config.rates, self.device, max_blocks=self.max_blocks_per_seq)
             streams = self.model(batch, self.state, topk=topk_fn)
             logits = self.model.compute_logits(streams[batch.logits_indices])
-            self._last_streams = streams if self.proposer is not None else None
+            self.last_streams = streams if self.proposer is not None else None
             mode = f"eager step, topk_path={path}"
 
         def describe() -> str:
@@ -240,7 +239,7 @@ class ModelRunner:
 
         return logits, describe
 
-    def _sampling_tensors(self, reqs) -> SamplingTensors:
+    def sampling_tensors(self, reqs) -> SamplingTensors:
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self.device)
 
@@ -266,7 +265,7 @@ class ModelRunner:
             self.watchdog.wait(done, describe)
 
     def _sample(self, logits: torch.Tensor, reqs, out: RunnerOutput, describe: Callable[[], str]) -> None:
-        tokens = sample(logits, self._sampling_tensors(reqs))
+        tokens = sample(logits, self.sampling_tensors(reqs))
         for req, st in zip(reqs, self.sampled_tokens(logits, tokens, reqs)):
             out.sampled[req.request_id] = [st]
 

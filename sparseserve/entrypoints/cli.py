@@ -13,7 +13,7 @@ import typing
 
 from ..config import EngineConfig, ModelConfig
 
-DEFAULT_PROMPTS = ["Beautiful is better than", "Errors should never", "Now is better than"]
+DEFAULT_PROMPTS = ["A class definition", "The for statement is used to", "The import statement"]
 
 
 def _parse_bool(text: str) -> bool:

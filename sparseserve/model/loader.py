@@ -21,7 +21,7 @@ from ..config import ModelConfig
 from .deepseek_v4 import DeepseekV4ForCausalLM
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_MODEL = "tiny"
+DEFAULT_MODEL = "demo"
 
 # Presets with real V4 layer shapes but fewer layers/experts, for one GPU with dummy weights.
 PRESETS: dict[str, tuple[str, dict]] = {

@@ -1,0 +1,85 @@
+"""Evaluate the embedded demo model: held-out perplexity by this engine and by the
+`transformers` oracle (they must agree), MTP acceptance at k = 1 and 2 (greedy), and a few
+sample continuations.
+
+    python tools/eval_demo.py [--model sparseserve/configs/demo] [--out demo_eval.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_tiny import corpus, encode  # noqa: E402  (the same held-out split as training)
+
+from sparseserve import LLM, SamplingParams  # noqa: E402
+
+SAMPLE_PROMPTS = ["The return statement", "A class definition", "Exceptions are", "The for statement is used to"]
+
+
+def nll_engine(llm: LLM, chunks: list[list[int]]) -> float:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    total = 0.0
+    for out in llm.generate([{"prompt_token_ids": c} for c in chunks], params, use_tqdm=False):
+        total -= sum(entry[tok].logprob for tok, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))
+    return total
+
+
+@torch.no_grad()
+def nll_oracle(model_dir: str, chunks: list[list[int]]) -> float:
+    from transformers import DeepseekV4ForCausalLM
+
+    oracle = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total = 0.0
+    for c in chunks:
+        logp = torch.log_softmax(oracle(torch.tensor([c])).logits[0].float(), dim=-1)
+        total -= float(logp[:-1].gather(1, torch.tensor(c[1:]).unsqueeze(1)).sum())
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=str(Path(__file__).resolve().parent.parent / "sparseserve/configs/demo"))
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    base = LLM(args.model, device="cpu", dtype="float32", max_model_len=1024)
+    tokenizer = base.get_tokenizer()
+    _, held_docs = corpus()
+    held = encode(tokenizer, held_docs).tolist()
+    chunks = [held[i:i + args.chunk] for i in range(0, len(held) - args.chunk + 1, args.chunk)]
+    tokens = sum(len(c) - 1 for c in chunks)
+    ours = nll_engine(base, chunks)
+    ref = nll_oracle(args.model, chunks)
+    result = {"held_out_tokens_scored": tokens, "chunk": args.chunk,
+              "perplexity_engine": math.exp(ours / tokens), "perplexity_oracle": math.exp(ref / tokens)}
+    result["perplexity_rel_diff"] = abs(result["perplexity_engine"] / result["perplexity_oracle"] - 1)
+
+    prompts = [{"prompt_token_ids": c[:64]} for c in chunks[:16]]
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    t = time.perf_counter()
+    plain = [o.outputs[0].token_ids for o in base.generate(prompts, greedy, use_tqdm=False)]
+    result["cpu_seconds_plain"] = time.perf_counter() - t
+    for k in (1, 2):
+        llm = LLM(args.model, device="cpu", dtype="float32", max_model_len=1024,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": k})
+        t = time.perf_counter()
+        spec = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        m = llm.llm_engine.spec_metrics
+        result[f"mtp_k{k}"] = {"acceptance_rate": m.acceptance_rate, "mean_accepted_length": m.mean_accepted_length,
+                               "same_tokens_as_plain": spec == plain, "cpu_seconds": time.perf_counter() - t}
+    samples = base.generate(SAMPLE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    result["samples"] = {o.prompt: o.outputs[0].text for o in samples}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

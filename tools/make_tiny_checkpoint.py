@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedTokenizerFast
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+from train_tiny import make_tokenizer  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 from sparseserve.config import ModelConfig
 from sparseserve.model.mtp import MTPModule, module_to_checkpoint_name
@@ -34,7 +35,6 @@ TINY_CONFIG = dict(
     num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=1, rope_theta=10000.0,
     compress_rope_theta=160000.0,
 )
-SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>"]
 
 
 def training_text() -> list[str]:
@@ -42,16 +42,6 @@ def training_text() -> list[str]:
         import this  # the Zen of Python (public domain text) trains the tokenizer
     zen = codecs.decode(this.s, "rot13")
     return [line for line in zen.splitlines() if line] * 4
-
-
-def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(training_text(), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL_TOKENS[0], eos_token=SPECIAL_TOKENS[1])
 
 
 @torch.no_grad()
@@ -95,7 +85,7 @@ def main() -> None:
     raw["architectures"] = ["DeepseekV4ForCausalLM"]
     raw["torch_dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    make_tokenizer(config.vocab_size).save_pretrained(str(out))
+    make_tokenizer(training_text(), config.vocab_size).save_pretrained(str(out))
     print(f"wrote {out} ({sum(t.numel() for t in tensors.values()) / 1e6:.2f} M parameters)")
 
 

@@ -20,8 +20,8 @@ import time
 import numpy as np
 import torch
 
-from .throughput import (acquire_llm, add_workload_args, check_workload, device_name, engine_kwargs,
-                         free_device_memory, jsonable, keep_llm, random_prompts, release_shared_engine,
+from .throughput import (run_with_engine, add_workload_args, check_workload, device_name, engine_kwargs,
+                         free_device_memory, jsonable, random_prompts, release_shared_engine,
                          synchronize, write_json)
 
 HBM_BYTES_PER_S = 4.23e12  # H200 copy bandwidth (DESIGN.md section 5)
@@ -144,20 +144,7 @@ def _engine_iterations(args, llm, prompts_for) -> tuple[list, list, list, list, 
 
 
 def run_engine(args: argparse.Namespace) -> dict:
-    kwargs = engine_kwargs(args)
-    t0 = time.perf_counter()
-    llm, reused = acquire_llm(kwargs)
-    init_s = time.perf_counter() - t0
-    failed = True
-    try:
-        result = _measure_engine(args, llm, kwargs, init_time_s=init_s, reused_engine=reused)
-        failed = False
-        return result
-    finally:
-        kept = keep_llm(llm, failed)
-        del llm
-        if not kept:
-            free_device_memory()
+    return run_with_engine(args, _measure_engine)
 
 
 def _measure_engine(args: argparse.Namespace, llm, kwargs: dict, **extra) -> dict:

@@ -149,14 +149,15 @@ def _result(args, elapsed: float, num_requests: int, prompt_tokens: int, output_
     return out
 
 
-def run_engine(args: argparse.Namespace) -> dict:
+def run_with_engine(args: argparse.Namespace, measure) -> dict:
+    """Build (or reuse) the engine for `args`, run `measure(args, llm, kwargs, **extra)`, then release it."""
     kwargs = engine_kwargs(args)
     t0 = time.perf_counter()
     llm, reused = acquire_llm(kwargs)
     init_s = time.perf_counter() - t0
     failed = True
     try:
-        result = _measure_engine(args, llm, kwargs, init_time_s=init_s, reused_engine=reused)
+        result = measure(args, llm, kwargs, init_time_s=init_s, reused_engine=reused)
         failed = False
         return result
     finally:
@@ -164,6 +165,10 @@ def run_engine(args: argparse.Namespace) -> dict:
         del llm
         if not kept:
             free_device_memory()
+
+
+def run_engine(args: argparse.Namespace) -> dict:
+    return run_with_engine(args, _measure_engine)
 
 
 def _measure_engine(args: argparse.Namespace, llm, kwargs: dict, **extra) -> dict:

@@ -14,7 +14,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's list lookups must not compare every field
 class Request:
     request_id: str
     prompt: str | None

@@ -47,6 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=str(Path(__file__).resolve().parent.parent / "sparseserve/configs/demo"))
     parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--device", default="cpu", help="where to time generation with and without speculation")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     base = LLM(args.model, device="cpu", dtype="float32", max_model_len=1024)
@@ -63,17 +64,28 @@ def main() -> None:
 
     prompts = [{"prompt_token_ids": c[:64]} for c in chunks[:16]]
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    # Speculation runs eagerly on CUDA for now, so the plain run is eager too (same run, same mode).
+    timed = dict(device=args.device, dtype="float32" if args.device == "cpu" else "bfloat16", max_model_len=1024,
+                 enforce_eager=True)
+    plain_llm = LLM(args.model, **timed)
+    plain_llm.generate(prompts[:2], greedy, use_tqdm=False)  # warm-up
     t = time.perf_counter()
-    plain = [o.outputs[0].token_ids for o in base.generate(prompts, greedy, use_tqdm=False)]
-    result["cpu_seconds_plain"] = time.perf_counter() - t
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, greedy, use_tqdm=False)]
+    plain_s = time.perf_counter() - t
+    n_out = sum(len(p) for p in plain)
+    result["generation"] = {"device": args.device, "dtype": timed["dtype"], "prompts": len(prompts),
+                            "output_tokens": n_out, "plain_tok_per_s": n_out / plain_s}
     for k in (1, 2):
-        llm = LLM(args.model, device="cpu", dtype="float32", max_model_len=1024,
-                  speculative_config={"method": "mtp", "num_speculative_tokens": k})
+        llm = LLM(args.model, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **timed)
+        llm.generate(prompts[:2], greedy, use_tqdm=False)
+        llm.llm_engine.spec_metrics = type(llm.llm_engine.spec_metrics)()
         t = time.perf_counter()
         spec = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        seconds = time.perf_counter() - t
         m = llm.llm_engine.spec_metrics
         result[f"mtp_k{k}"] = {"acceptance_rate": m.acceptance_rate, "mean_accepted_length": m.mean_accepted_length,
-                               "same_tokens_as_plain": spec == plain, "cpu_seconds": time.perf_counter() - t}
+                               "same_tokens_as_plain": spec == plain, "tok_per_s": n_out / seconds,
+                               "speedup": plain_s / seconds}
     samples = base.generate(SAMPLE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     result["samples"] = {o.prompt: o.outputs[0].text for o in samples}
     print(json.dumps(result, indent=2))

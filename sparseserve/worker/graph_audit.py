@@ -65,9 +65,10 @@ def audit_graph_replays(runner, kv: KVCacheManager, seed: int = 0, batches_per_g
                 decode = [SequenceChunk(r.slot, len(r.prompt_token_ids) - 1, r.prompt_token_ids[-1:], r.block_ids,
                                         "last") for r in reqs]
                 graphs, runner.graphs = runner.graphs, None
-                eager, _ = runner.forward(decode)
-                eager = eager.clone()
-                runner.graphs = graphs
+                try:
+                    eager = runner.forward(decode)[0].clone()
+                finally:
+                    runner.graphs = graphs
                 replay, graph = runner.graphs.run(decode)
                 diff = float((replay - eager).abs().max())
                 scale = float(eager.abs().max())

@@ -104,3 +104,33 @@ def test_mtp_name_map_round_trips_and_errors_name_tensors():
     del tensors["mtp.0.attn.sinks"]
     with pytest.raises(CheckpointError, match="mtp.0.attn.sinks"):
         load_mtp_weights(module, tensors)
+
+
+def test_stop_token_inside_accepted_drafts_truncates_like_plain_decoding(reference):
+    k = 3
+    stop_at = reference[2][5]  # the 6th token of the third prompt
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, stop_token_ids=[stop_at])
+    plain = [o.outputs[0].token_ids for o in LLM(TINY, **BASE).generate(prompts(), params, use_tqdm=False)]
+    long_ref = LLM(TINY, **BASE).generate(prompts(), SamplingParams(temperature=0, max_tokens=14 + k + 1,
+                                                                     ignore_eos=True), use_tqdm=False)
+    llm = spec(k)
+    continuations = {str(i): p["prompt_token_ids"] + o.outputs[0].token_ids
+                     for i, (p, o) in enumerate(zip(prompts(), long_ref))}
+    llm.llm_engine.runner.proposer = KnownDrafter(llm.llm_engine.runner.proposer, continuations, k)
+    outs = llm.generate(prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert outs[2].outputs[0].stop_reason == stop_at and outs[2].outputs[0].token_ids[-1] == stop_at
+    assert llm.llm_engine.all_cache_free()
+
+
+def test_speculation_near_max_model_len_trims_drafts():
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    short = [{"prompt_token_ids": p["prompt_token_ids"][:40]} for p in prompts()]
+    plain = LLM(TINY, device="cpu", dtype="float32", max_model_len=48).generate(short, params, use_tqdm=False)
+    llm = LLM(TINY, device="cpu", dtype="float32", max_model_len=48,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    outs = llm.generate(short, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert all(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) == 48 for o in outs if len(o.prompt_token_ids) < 48)
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert llm.llm_engine.all_cache_free()

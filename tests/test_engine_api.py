@@ -182,3 +182,19 @@ def test_published_configs_compressed_bytes(preset, per_token, gib):
     assert plan.dense_mla_bytes_per_token > 8 * per_token
     assert f"{per_token:,} B/token" in plan.report(1048576, 80 * 1024**3)
 
+
+
+def test_preemption_keeps_prompt_logprobs_and_parallel_samples_whole():
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
+    prompts_ = [ids(31, 1), ids(30, 2), ids(29, 3)]  # 2 blocks each, a third once they grow
+    roomy = LLM(TINY, device="cpu", dtype="float32", max_model_len=96).generate(prompts_, params, use_tqdm=False)
+    tight = LLM(TINY, device="cpu", dtype="float32", max_model_len=96, num_gpu_blocks_override=6,
+                max_num_batched_tokens=32)
+    outs = tight.generate(prompts_, params, use_tqdm=False)
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    for a, b in zip(roomy, outs):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids)
+        assert all(abs(a.prompt_logprobs[i][t].logprob - b.prompt_logprobs[i][t].logprob) < 1e-4
+                   for i, t in enumerate(b.prompt_token_ids) if i > 0)
+    assert tight.llm_engine.all_cache_free()

@@ -171,8 +171,11 @@ class ModelRunner:
         for sc in sched.chunks:
             req = sc.request
             start = req.num_computed_tokens
-            want_prompt = (req.params.prompt_logprobs is not None and req.num_preemptions == 0
-                           and start < len(req.prompt_token_ids) - 1)
+            # Prompt logprobs until every prompt position has one (a recompute after preemption
+            # fills in what the first pass had not reached; the engine skips positions it has).
+            recorded = len(req.prompt_logprobs) if req.prompt_logprobs is not None else 1
+            want_prompt = (req.params.prompt_logprobs is not None and recorded < len(req.prompt_token_ids)
+                           and start <= recorded - 1 < start + sc.num_tokens)
             want = "all" if (want_prompt or sc.num_draft) else ("last" if sc.completes else "none")
             tokens = (req.all_token_ids + req.draft_token_ids[:sc.num_draft])[start:start + sc.num_tokens]
             chunks.append(SequenceChunk(slot=req.slot, start_pos=start, token_ids=tokens,

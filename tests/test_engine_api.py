@@ -198,3 +198,17 @@ def test_preemption_keeps_prompt_logprobs_and_parallel_samples_whole():
         assert all(abs(a.prompt_logprobs[i][t].logprob - b.prompt_logprobs[i][t].logprob) < 1e-4
                    for i, t in enumerate(b.prompt_token_ids) if i > 0)
     assert tight.llm_engine.all_cache_free()
+
+
+def test_abort_frees_everything_and_others_continue(llm):
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("stay", ids(20), params)
+    engine.add_request("go", ids(25), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=2))
+    engine.step()
+    engine.abort_request("go")
+    done = []
+    while engine.has_unfinished_requests():
+        done += engine.step()
+    assert [o.request_id for o in done] == ["stay"] and len(done[0].outputs[0].token_ids) == 6
+    assert engine.all_cache_free()

@@ -117,3 +117,8 @@ def test_dummy_weights_have_the_real_shapes_and_no_zeros():
     tid = model.model.layers[0].mlp.gate.tid2eid
     assert int(tid.max()) < cfg.hf_config.n_routed_experts
     assert logits_of(model, [1, 2, 3]).isfinite().all()
+
+
+def test_weights_that_cannot_fit_fail_before_allocating():
+    with pytest.raises(MemoryError, match="needs .* GiB for its weights"):
+        load_model("deepseek-v4-pro", torch.float32, torch.device("cpu"), load_format="dummy")

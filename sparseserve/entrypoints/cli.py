@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, NotImplementedError) as exc:
+    except (ValueError, NotImplementedError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

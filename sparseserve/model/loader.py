@@ -170,6 +170,31 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, hf_config=None) ->
             b.copy_(torch.randn(b.shape, generator=gen, device=device) * 0.01)
 
 
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Free memory on the device (CUDA), or MemAvailable of the host (CPU); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_weights_fit(net: torch.nn.Module, dtype: torch.dtype, device: torch.device, name: str) -> None:
+    """Fail before allocating when the weights alone cannot fit (a clear error instead of an OOM kill)."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    need = sum(p.numel() * element for p in net.parameters())
+    free = available_memory_bytes(device)
+    if free is not None and need > free:
+        raise MemoryError(
+            f"model {name!r} needs {need / 1024**3:.1f} GiB for its weights in {dtype}, but {device} has "
+            f"{free / 1024**3:.1f} GiB free; use a smaller preset ({', '.join(sorted(PRESETS))}) or hf_overrides "
+            "with fewer layers/experts")
+
+
 def load_model(
     model: str | os.PathLike | None,
     dtype: torch.dtype,
@@ -186,6 +211,7 @@ def load_model(
     model_config = ModelConfig(hf_config, dtype=dtype, path=str(model_dir))
     with torch.device("meta"):
         net = DeepseekV4ForCausalLM(model_config)
+    check_weights_fit(net, dtype, device, str(model))
     net = net.to_empty(device="cpu" if load_format != "dummy" else device)
     # Non-persistent buffers (rope tables) are recomputed after to_empty.
     fresh = DeepseekV4ForCausalLM.rope_buffers(model_config)

@@ -20,9 +20,7 @@ import time
 import numpy as np
 import torch
 
-from .throughput import (run_with_engine, add_workload_args, check_workload, device_name, engine_kwargs,
-                         free_device_memory, jsonable, random_prompts, release_shared_engine,
-                         synchronize, write_json)
+from .throughput import (load_hf_for, run_with_engine, add_workload_args, check_workload, device_name, free_device_memory, jsonable, random_prompts, synchronize, write_json)
 
 HBM_BYTES_PER_S = 4.23e12  # H200 copy bandwidth (DESIGN.md section 5)
 BF16_FLOPS_PER_S = 790e12  # H200 dense bf16 GEMM rate (DESIGN.md section 5)
@@ -158,16 +156,9 @@ def _measure_engine(args: argparse.Namespace, llm, kwargs: dict, **extra) -> dic
 
 
 def run_hf(args: argparse.Namespace) -> dict:
-    from ..config import EngineConfig
-    from .hf_baseline import hf_step_times, load_hf_model
+    from .hf_baseline import hf_step_times
 
-    config = EngineConfig(**engine_kwargs(args))
-    device = config.resolve_device()
-    dtype = config.resolve_dtype(device)
-    release_shared_engine()  # a kept engine's cache would leave no memory for transformers
-    t0 = time.perf_counter()
-    model = load_hf_model(args.model, dtype, device, args.load_format, args.hf_overrides, args.seed)
-    init_s = time.perf_counter() - t0
+    model, device, dtype, init_s = load_hf_for(args)
     try:
         prefill, decode, iter_total, iter_prefill, tokens = [], [], [], [], []
         for it in range(args.num_iters_warmup + args.num_iters):

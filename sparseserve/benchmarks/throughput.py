@@ -203,8 +203,9 @@ def _measure_engine(args: argparse.Namespace, llm, kwargs: dict, **extra) -> dic
                    engine_args=jsonable(kwargs))
 
 
-def run_hf(args: argparse.Namespace) -> dict:
-    from .hf_baseline import hf_generate, load_hf_model
+def load_hf_for(args: argparse.Namespace):
+    """The `transformers` model for a benchmark's engine flags: (model, device, dtype, init seconds)."""
+    from .hf_baseline import load_hf_model
 
     config = EngineConfig(**engine_kwargs(args))
     device = config.resolve_device()
@@ -212,7 +213,13 @@ def run_hf(args: argparse.Namespace) -> dict:
     release_shared_engine()  # a kept engine's cache would leave no memory for transformers
     t0 = time.perf_counter()
     model = load_hf_model(args.model, dtype, device, args.load_format, args.hf_overrides, args.seed)
-    init_s = time.perf_counter() - t0
+    return model, device, dtype, time.perf_counter() - t0
+
+
+def run_hf(args: argparse.Namespace) -> dict:
+    from .hf_baseline import hf_generate
+
+    model, device, dtype, init_s = load_hf_for(args)
     try:
         prompts = random_prompts(args.num_prompts, args.input_len, model.config.vocab_size, args.seed)
         warmup_s = 0.0

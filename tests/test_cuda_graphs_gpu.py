@@ -73,3 +73,69 @@ def test_watchdog_reports_a_step_that_does_not_finish():
     with pytest.raises(StepTimeoutError, match="graph batch=1"):
         llm.llm_engine.runner.wait(lambda: "graph batch=1, query_len=1, topk_path=standard, lengths 9/9")
     torch.cuda.synchronize()
+
+
+def spec_config(k):
+    return {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_speculative_graphs_equal_eager_token_for_token(k):
+    """Verify steps (1 + k tokens) and the MTP drafter replay as graphs; on CUDA the eager steps
+    are padded the same way, so greedy tokens (and acceptance) must agree exactly."""
+    results = {}
+    for eager in (True, False):
+        llm = LLM(TINY, enforce_eager=eager, **COMMON, **spec_config(k))
+        runner = llm.llm_engine.runner
+        if not eager:
+            assert sorted(runner.graphs) == [1, 1 + k] and sorted(runner.mtp_graphs) == [1, 1 + k]
+        outs = llm.generate(prompt_set(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                            use_tqdm=False)
+        m = llm.llm_engine.spec_metrics
+        results[eager] = ([o.outputs[0].token_ids for o in outs], m.num_draft_tokens, m.num_accepted_tokens)
+        assert m.num_verify_steps > 0 and llm.llm_engine.all_cache_free()
+        del llm, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    mismatched = [i for i, (a, b) in enumerate(zip(results[True][0], results[False][0])) if a != b]
+    assert not mismatched, f"{len(mismatched)} of 64 prompts differ, first {mismatched[:5]}"
+    assert results[True][1:] == results[False][1:]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_with_speculation_equals_without_on_gpu(k):
+    """fp32 on the GPU (reference kernels, eager, steps padded as graphs would be): speculation is
+    lossless. (In bf16 a verify step's GEMMs have other shapes than a plain step's, so near-tied
+    logits may round differently; the bf16 graph path is held to the eager one above.)"""
+    kw = dict(COMMON, dtype="float32", max_num_seqs=16)
+    prompts = prompt_set(16, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(TINY, enforce_eager=True, **kw).generate(prompts, params,
+                                                                                            use_tqdm=False)]
+    gc.collect()
+    llm = LLM(TINY, enforce_eager=True, **kw, **spec_config(k))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == plain
+    assert llm.llm_engine.spec_metrics.num_verify_steps > 0
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_audit_passes_with_mtp_1():
+    """The reference article's configuration: MTP=1, persistent top-k path; capture audit and replay
+    audit (decode, verify and drafter graphs) must pass."""
+    llm = LLM(TINY, cudagraph_audit=True, cuda_graph_sizes=[1, 4, 8], topk_backend="persistent", **COMMON,
+              **spec_config(1))
+    assert sorted(llm.llm_engine.runner.graphs) == [1, 2]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_audit_detects_the_historical_topk_bug_with_mtp_1():
+    with pytest.raises(GraphCaptureError, match="different kernels"):
+        LLM(TINY, cudagraph_audit=True, cuda_graph_sizes=[1, 4], topk_backend="persistent",
+            debug_topk_skip_reset_when_short=True, **COMMON, **spec_config(1))
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -134,3 +134,27 @@ def test_speculation_near_max_model_len_trims_drafts():
     assert all(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) == 48 for o in outs if len(o.prompt_token_ids) < 48)
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     assert llm.llm_engine.all_cache_free()
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_steps_padded_like_graphs_give_the_same_tokens(k, reference):
+    """On CUDA, decode and verify steps run padded to a graph bucket (by replay, or eagerly in the
+    same form); the padding sequences live in the dummy slot and must not change any real token."""
+    kw = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
+    llm = LLM(TINY, **BASE, max_num_seqs=8, cuda_graph_sizes=[2, 8], **kw)
+    runner = llm.llm_engine.runner
+    runner.pad_like_graphs = True
+    shapes = []
+    original = runner.graph_shape
+
+    def spy(chunks, check_logits=True):
+        shape = original(chunks, check_logits)
+        shapes.append(shape)
+        return shape
+
+    runner.graph_shape = spy
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+    assert got == reference
+    assert (1 + k) in {s[1] for s in shapes if s is not None}  # padded steps of the graph query length ran
+    assert {s[0] for s in shapes if s is not None} <= {2, 8}
+    assert llm.llm_engine.all_cache_free()

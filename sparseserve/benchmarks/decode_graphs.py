@@ -50,9 +50,10 @@ def weight_floor_bytes(llm: LLM, batch: int) -> int:
     return total
 
 
-def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len: int) -> dict:
+def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len: int, spec_k: int = 0) -> dict:
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": spec_k}} if spec_k else {}
     llm = LLM(model, load_format="dummy", enforce_eager=enforce_eager, max_model_len=4096, max_num_seqs=max(batch, 1),
-              cuda_graph_sizes=[batch], kv_cache_memory_bytes=8 * 1024**3)
+              cuda_graph_sizes=[batch], kv_cache_memory_bytes=8 * 1024**3, **spec)
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
     for i in range(batch):
@@ -60,6 +61,8 @@ def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len:
         engine.add_request(f"r{i}", {"prompt_token_ids": ids},
                            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
     engine.step()  # prefill
+    if spec_k:
+        engine.step()  # the first verify step (drafts exist from here on)
     step_times, forward_times = [], []
     runner = engine.runner
     original = runner.forward
@@ -79,15 +82,31 @@ def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len:
         step_times.append(time.perf_counter() - t)
     runner.forward = original
     floor = weight_floor_bytes(llm, batch)
+    acceptance = engine.spec_metrics.acceptance_rate if spec_k else None
     while engine.has_unfinished_requests():
         engine.step()
     del llm, engine, runner
     gc.collect()
     torch.cuda.empty_cache()
-    return {"batch": batch, "mode": "eager" if enforce_eager else "graph",
+    return {"batch": batch, "mode": "eager" if enforce_eager else "graph", "spec_k": spec_k,
+            "acceptance_rate": acceptance,
             "step_ms_median": 1e3 * statistics.median(step_times[2:]),
             "forward_ms_median": 1e3 * statistics.median(forward_times[2:]),
             "weight_bytes": floor}
+
+
+def break_even_rate(step_ratio: float, k: int) -> float:
+    """The i.i.d. per-draft acceptance a at which 1 + a + ... + a^k tokens per step equal the step-time ratio."""
+    lo, hi = 0.0, 1.0
+    if 1 + k < step_ratio:
+        return float("nan")  # not reachable even at full acceptance
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(k + 1)) < step_ratio:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def main() -> None:
@@ -96,27 +115,46 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--spec-k", default="", help="also time verify steps with these numbers of MTP drafts, "
+                        "e.g. 1,2 (dummy weights: the drafts are almost never accepted, so every step pays "
+                        "the whole verify + draft cost)")
+    parser.add_argument("--no-eager", action="store_true", help="graphs only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     bw = hbm_bandwidth()
     rows = []
+    spec_ks = [int(k) for k in args.spec_k.split(",") if k]
     for batch in [int(b) for b in args.batches.split(",")]:
-        for eager in (True, False):
-            row = measure(args.model, batch, eager, args.steps, args.prompt_len)
-            row["floor_ms"] = 1e3 * row["weight_bytes"] / bw
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for eager in ((False,) if args.no_eager else (True, False)):
+            for k in [0] + spec_ks:
+                row = measure(args.model, batch, eager, args.steps, args.prompt_len, k)
+                row["floor_ms"] = 1e3 * row["weight_bytes"] / bw
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     result = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "model": args.model, "hbm_bytes_per_s": bw, "prompt_len": args.prompt_len, "rows": rows}
-    print(f"{'batch':>6}{'mode':>7}{'step ms':>10}{'fwd ms':>9}{'floor ms':>10}{'fwd/floor':>10}")
+    print(f"{'batch':>6}{'mode':>7}{'k':>3}{'step ms':>10}{'fwd ms':>9}{'floor ms':>10}{'fwd/floor':>10}")
     for r in rows:
-        print(f"{r['batch']:>6}{r['mode']:>7}{r['step_ms_median']:>10.3f}{r['forward_ms_median']:>9.3f}"
+        print(f"{r['batch']:>6}{r['mode']:>7}{r['spec_k']:>3}{r['step_ms_median']:>10.3f}{r['forward_ms_median']:>9.3f}"
               f"{r['floor_ms']:>10.3f}{r['forward_ms_median'] / r['floor_ms']:>10.2f}")
     for b in sorted({r["batch"] for r in rows}):
-        e = next(r for r in rows if r["batch"] == b and r["mode"] == "eager")
-        g = next(r for r in rows if r["batch"] == b and r["mode"] == "graph")
-        print(f"batch {b}: graph speedup {e['step_ms_median'] / g['step_ms_median']:.2f}x per engine step, "
-              f"{e['forward_ms_median'] / g['forward_ms_median']:.2f}x per forward")
+        pick = {(r["mode"], r["spec_k"]): r for r in rows if r["batch"] == b}
+        e, g = pick.get(("eager", 0)), pick.get(("graph", 0))
+        if e and g:
+            print(f"batch {b}: graph speedup {e['step_ms_median'] / g['step_ms_median']:.2f}x per engine step, "
+                  f"{e['forward_ms_median'] / g['forward_ms_median']:.2f}x per forward")
+        for mode in ("eager", "graph"):
+            plain = pick.get((mode, 0))
+            for k in spec_ks:
+                s = pick.get((mode, k))
+                if plain and s:
+                    # A step emits 1 + (accepted drafts): speculation pays once that mean exceeds the step-time ratio.
+                    ratio = s["step_ms_median"] / plain["step_ms_median"]
+                    s["verify_over_plain_step"] = ratio
+                    s["break_even_mean_accepted_drafts"] = ratio - 1
+                    print(f"batch {b} {mode} k={k}: verify+draft step {s['step_ms_median']:.3f} ms = {ratio:.2f}x a plain "
+                          f"step; break-even at {ratio - 1:.2f} accepted drafts per step "
+                          f"(per-draft acceptance {break_even_rate(ratio, k):.2f} if i.i.d.)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -80,9 +80,6 @@ class LLMEngine:
                                                 num_speculative_tokens=spec_k))
         self.spec_metrics = SpecDecodeMetrics()
         if spec_k:
-            if self.device.type == "cuda" and not config.enforce_eager:
-                raise NotImplementedError("speculative decoding runs eagerly for now (captured verify steps are "
-                                          "not built yet); pass enforce_eager=True")
             self.runner.mtp = self._load_mtp(config)
         num_blocks, cache_bytes = self._size_cache()
         self.runner.allocate_state(num_blocks)

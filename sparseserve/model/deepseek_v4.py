@@ -85,7 +85,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             streams = layer(streams, ctx, layer_state)
         return streams
 
-    def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
-        """fp32 logits for the given residual streams [N, hc, D]."""
+    def compute_logits(self, streams: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits for the given residual streams [N, hc, D] (written into `out` [N, V] if given:
+        captured graphs share one static logits buffer)."""
         hidden = self.model.norm(self.model.hc_head(streams))
-        return self.lm_head(hidden).float()
+        if out is None:
+            return self.lm_head(hidden).float()
+        return out.copy_(self.lm_head(hidden))

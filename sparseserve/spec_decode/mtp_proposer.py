@@ -9,11 +9,12 @@ accepted position the layer then drafts d_1, and feeds its own streams back for 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..model.batch import SequenceChunk, build_batch
+from ..model.batch import SequenceChunk
 from ..model.deepseek_v4 import DeepseekV4ForCausalLM
 from ..model.mtp import MTPModule
 from ..model.state import ModelState
@@ -32,12 +33,19 @@ class DraftRequest:
     draft_from: int | None  # index in the chunk of the last accepted position, or None: no draft
 
 
+# forward(chunks, hidden, input_ids=None) -> the MTP block's streams, real tokens' rows first (the
+# runner's `mtp_forward`: graph replay, padded eager, or plain eager).
+MTPForward = Callable[[list[SequenceChunk], torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
 class MTPProposer:
-    def __init__(self, mtp: MTPModule, target: DeepseekV4ForCausalLM, state: ModelState, num_tokens: int) -> None:
+    def __init__(self, mtp: MTPModule, target: DeepseekV4ForCausalLM, state: ModelState, num_tokens: int,
+                 forward: MTPForward) -> None:
         self.mtp = mtp
         self.target = target
         self.state = state
         self.k = num_tokens
+        self.forward = forward
 
     @torch.no_grad()
     def propose(self, requests: list[DraftRequest], target_streams: torch.Tensor,
@@ -47,12 +55,13 @@ class MTPProposer:
         device = target_streams.device
         chunks = [SequenceChunk(r.chunk.slot, r.chunk.start_pos, r.next_tokens, r.chunk.block_ids, "none")
                   for r in requests]
-        batch = build_batch(chunks, self.mtp.config.rates, device)
-        streams = self.mtp(batch, target_streams, self.state, self.target)
+        streams = self.forward(chunks, target_streams, None)
         drafting = [i for i, r in enumerate(requests) if r.draft_from is not None]
         if not drafting:
             return torch.empty(0, self.k, dtype=torch.long, device=device), None, []
-        offsets = batch.seq_token_offset.tolist()
+        offsets = [0]
+        for chunk in chunks:
+            offsets.append(offsets[-1] + len(chunk.token_ids))
         rows = torch.tensor([offsets[i] + requests[i].draft_from for i in drafting], device=device)
         h = streams[rows]
         positions = [requests[i].chunk.start_pos + requests[i].draft_from for i in drafting]
@@ -67,9 +76,7 @@ class MTPProposer:
             # Feed the draft back: position + j + 1 sees the block's own streams as h.
             step = [SequenceChunk(requests[i].chunk.slot, positions[n] + j + 1, [0], requests[i].chunk.block_ids, "last")
                     for n, i in enumerate(drafting)]
-            step_batch = build_batch(step, self.mtp.config.rates, device)
-            step_batch.input_ids = token
-            h = self.mtp(step_batch, h, self.state, self.target)
+            h = self.forward(step, h, token)[: len(drafting)]
         all_greedy = sampling is None or sampling.all_greedy
         stacked_probs = None if all_greedy else torch.stack(probs, dim=1)
         return torch.stack(drafts, dim=1), stacked_probs, drafting

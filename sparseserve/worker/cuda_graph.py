@@ -1,5 +1,9 @@
 """CUDA graphs for decode steps: one per (batch-size bucket, query length), sharing a pool.
 
+Query length 1 is plain decode; with speculation, 1 + k is a verify step (every token's
+logits), and the MTP drafter has graphs of both lengths too (its catch-up over the verified
+positions, and each single-token draft step).
+
 The captured step is static (DESIGN.md invariants 1-3): shapes come from the bucket, every
 per-request fact lives in the static input buffers ("bridge tensors") that `run` fills
 before each replay, padded sequences use a dummy slot and an empty block table so they
@@ -17,12 +21,11 @@ import re
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..model.batch import BatchMetadata, SequenceChunk, build_batch
-from ..model.deepseek_v4 import DeepseekV4ForCausalLM
 from ..model.state import ModelState
 from ..model.step_context import TopKFn
 
@@ -55,13 +58,19 @@ class GraphKey:
 
 
 def pad_chunks(chunks: list[SequenceChunk], batch_size: int, query_len: int, dummy_slot: int,
-               dummy_len: int | None = None) -> list[SequenceChunk]:
+               dummy_len: int | None = None, want_logits: str = "last") -> list[SequenceChunk]:
     """Pad a decode batch to `batch_size` sequences. Padding sequences live in the dummy slot
     with no blocks, so their reads and writes land in rows no real sequence uses."""
     start = max((dummy_len or query_len) - query_len, 0)
     pad = SequenceChunk(slot=dummy_slot, start_pos=start, token_ids=[0] * query_len, block_ids=[],
-                        want_logits="last")
+                        want_logits=want_logits)
     return list(chunks) + [pad] * (batch_size - len(chunks))
+
+
+def logits_mode(query_len: int) -> str:
+    """Which logits a graph of this query length yields: the last token's for plain decode, every
+    token's for a speculative verify step (1 + k tokens per sequence)."""
+    return "last" if query_len == 1 else "all"
 
 
 def decode_batch(chunks: list[SequenceChunk], rates: list[int], device, max_blocks: int,
@@ -101,10 +110,23 @@ class CapturedGraph:
     key: GraphKey
     graph: torch.cuda.CUDAGraph
     static: StaticBatch
-    logits: torch.Tensor  # [batch_size, vocab] fp32, written by every replay
+    outputs: tuple[torch.Tensor, ...]  # views of the runner's shared output buffers, written by every replay
     topk_path: str
     capture_len: int
     kernels: list[str] = field(default_factory=list)  # filled when the graph is audited
+
+
+# step(batch, topk, hidden, outputs): writes its results into `outputs` (the shared static buffers,
+# sliced to this graph's rows); `hidden` is the static input rows [T, ...] or None.
+StepFn = Callable[[BatchMetadata, TopKFn | None, torch.Tensor | None, tuple[torch.Tensor, ...]], None]
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A per-token tensor of a graph family: shape [tokens, *tail]."""
+
+    tail: tuple[int, ...]
+    dtype: torch.dtype
 
 
 class GraphCaptureError(RuntimeError):
@@ -134,38 +156,56 @@ def _dot_kernel_sequence(path: str) -> list[str]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: DeepseekV4ForCausalLM, state: ModelState, sizes: list[int], query_len: int,
-                 max_blocks: int, num_entries: dict[int, int], dummy_slot: int,
-                 topk_for: Callable[[int], tuple[TopKFn, str]], short_len: int) -> None:
-        self.model = model
-        self.state = state
+    """The graphs of one step function at one query length, one per batch-size bucket.
+
+    Every graph of a runner writes into the same output buffers (sized for the largest bucket)
+    and, where the step takes a per-token input (`hidden`), reads it from one shared buffer: the
+    runner's memory does not grow with the number of buckets. All runners of a model share one
+    memory pool, so graphs must be replayed one at a time (they are: one stream)."""
+
+    def __init__(self, name: str, step: StepFn, outputs: list[BufferSpec], state: ModelState, rates: list[int],
+                 sizes: list[int], query_len: int, max_blocks: int, num_entries: dict[int, int], dummy_slot: int,
+                 topk_for: Callable[[int], tuple[TopKFn, str]] | None, short_len: int,
+                 hidden: BufferSpec | None = None, pool=None) -> None:
+        self.name = name
+        self.step = step
         self.sizes = sorted(sizes)
         self.query_len = query_len
+        self.want_logits = logits_mode(query_len)
         self.max_blocks = max_blocks
         self.num_entries = dict(num_entries)
         self.dummy_slot = dummy_slot
         self.topk_for = topk_for
         self.short_len = short_len
-        self.rates = model.model_config.rates
+        self.rates = rates
         self.device = state.layers[0].kv_pool.device
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        rows = max(self.sizes) * query_len
+        self.outputs = tuple(torch.zeros((rows, *o.tail), dtype=o.dtype, device=self.device) for o in outputs)
+        self.hidden = (torch.zeros((rows, *hidden.tail), dtype=hidden.dtype, device=self.device)
+                       if hidden is not None else None)
         self.graphs: dict[GraphKey, CapturedGraph] = {}
 
+    def _rows(self, batch_size: int) -> int:
+        """Output rows of a graph: one per sequence, or one per token of a verify step."""
+        return batch_size * (1 if self.want_logits == "last" else self.query_len)
+
     def _template(self, batch_size: int, dummy_len: int) -> BatchMetadata:
-        chunks = pad_chunks([], batch_size, self.query_len, self.dummy_slot, dummy_len)
+        chunks = pad_chunks([], batch_size, self.query_len, self.dummy_slot, dummy_len, self.want_logits)
         return decode_batch(chunks, self.rates, self.device, self.max_blocks, self.num_entries)
 
     @torch.no_grad()
     def capture(self, batch_size: int, dummy_len: int, debug_dump: bool = False) -> CapturedGraph:
         key = GraphKey(batch_size, self.query_len)
         static = StaticBatch(self._template(batch_size, dummy_len))
-        topk_fn, topk_path = self.topk_for(batch_size * self.query_len)
-        logger.debug("Capturing CUDA graph: batch=%d, query_len=%d, topk_path=%s, dummy max_seq_len=%d",
-                     batch_size, self.query_len, topk_path, dummy_len)
+        topk_fn, topk_path = self.topk_for(batch_size * self.query_len) if self.topk_for else (None, "none")
+        logger.debug("Capturing CUDA graph: %s, batch=%d, query_len=%d, topk_path=%s, dummy max_seq_len=%d",
+                     self.name, batch_size, self.query_len, topk_path, dummy_len)
+        outputs = tuple(o[: self._rows(batch_size)] for o in self.outputs)
+        hidden = self.hidden[: batch_size * self.query_len] if self.hidden is not None else None
 
-        def step() -> torch.Tensor:
-            streams = self.model(static.batch, self.state, topk=topk_fn)
-            return self.model.compute_logits(streams[static.batch.logits_indices])
+        def step() -> None:
+            self.step(static.batch, topk_fn, hidden, outputs)
 
         # Warm up eagerly (Triton compilation, library handles) on a side stream, then capture.
         side = torch.cuda.Stream()
@@ -177,8 +217,8 @@ class CudaGraphRunner:
         if debug_dump:
             graph.enable_debug_mode()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = step()
-        captured = CapturedGraph(key, graph, static, logits, topk_path, dummy_len)
+            step()
+        captured = CapturedGraph(key, graph, static, outputs, topk_path, dummy_len)
         if debug_dump:
             with tempfile.TemporaryDirectory() as tmp:
                 path = os.path.join(tmp, "graph.dot")
@@ -193,22 +233,32 @@ class CudaGraphRunner:
             graph = self.capture(size, self.short_len)
             self.graphs[graph.key] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("Captured %d CUDA graphs (query_len=%d, batch sizes %s) in %.1f s, %.2f GiB",
-                    len(self.graphs), self.query_len, self.sizes, time.perf_counter() - start,
+        logger.info("Captured %d CUDA graphs (%s, query_len=%d, batch sizes %s) in %.1f s, %.2f GiB",
+                    len(self.graphs), self.name, self.query_len, self.sizes, time.perf_counter() - start,
                     (torch.cuda.memory_reserved(self.device) - before) / 1024**3)
 
     def bucket_for(self, num_seqs: int) -> int | None:
         return pick_bucket(self.sizes, num_seqs)
 
-    def run(self, chunks: list[SequenceChunk]) -> tuple[torch.Tensor, CapturedGraph]:
-        """Replay the graph of the smallest bucket holding `chunks`; logits [len(chunks), V]."""
+    def run(self, chunks: list[SequenceChunk], hidden: torch.Tensor | None = None,
+            input_ids: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, ...], CapturedGraph]:
+        """Replay the graph of the smallest bucket holding `chunks` (each of `query_len` tokens).
+        `hidden`: the per-token input rows (at least the real tokens'); `input_ids`: device token ids
+        that replace the chunks' first ids. Returns the outputs' rows (padding rows included last)."""
         size = self.bucket_for(len(chunks))
         graph = self.graphs[GraphKey(size, self.query_len)]
-        padded = pad_chunks(chunks, size, self.query_len, self.dummy_slot)
+        chunks = [c if c.want_logits == self.want_logits else replace(c, want_logits=self.want_logits)
+                  for c in chunks]
+        padded = pad_chunks(chunks, size, self.query_len, self.dummy_slot, want_logits=self.want_logits)
         host = build_batch(padded, self.rates, "cpu", max_blocks=self.max_blocks, num_entries=self.num_entries)
         graph.static.fill(host)
+        if input_ids is not None:
+            graph.static.batch.input_ids[: input_ids.shape[0]].copy_(input_ids)
+        if hidden is not None:
+            n = min(hidden.shape[0], size * self.query_len)
+            self.hidden[:n].copy_(hidden[:n])
         graph.graph.replay()
-        return graph.logits[: len(chunks)], graph
+        return graph.outputs, graph
 
     def audit_captures(self, long_len: int) -> list[str]:
         """Capture every graph under short and long dummy lengths; return the differences found."""
@@ -216,16 +266,17 @@ class CudaGraphRunner:
         for size in self.sizes:
             short = self.capture(size, self.short_len, debug_dump=True)
             long = self.capture(size, long_len, debug_dump=True)
+            name = f"{self.name} graph {short.key}"
             if not short.kernels:
-                problems.append(f"graph {short.key}: the DOT dump held no nodes; cannot audit")
+                problems.append(f"{name}: the DOT dump held no nodes; cannot audit")
                 continue
             if short.kernels != long.kernels:
                 diff = "\n".join(difflib.unified_diff(short.kernels, long.kernels,
                                                       f"capture at max_seq_len={self.short_len}",
                                                       f"capture at max_seq_len={long_len}", lineterm="", n=1))
-                problems.append(f"graph {short.key} (topk_path={short.topk_path}) recorded different kernels "
+                problems.append(f"{name} (topk_path={short.topk_path}) recorded different kernels "
                                 f"when captured at other lengths: a host branch on data was frozen into the "
                                 f"capture.\n{diff}")
             else:
-                logger.info("audit: graph %s captures identically (%d nodes)", short.key, len(short.kernels))
+                logger.info("audit: %s captures identically (%d nodes)", name, len(short.kernels))
         return problems

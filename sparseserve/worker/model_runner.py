@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,8 @@ from ..model.batch import SequenceChunk, build_batch
 from ..model.deepseek_v4 import DeepseekV4ForCausalLM
 from ..model.state import ModelState, StateLayout
 from ..model.step_context import TopKFn, default_topk
-from .cuda_graph import CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes, pad_chunks, pick_bucket
+from .cuda_graph import (BufferSpec, CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes,
+                         logits_mode, pad_chunks, pick_bucket)
 from .sampler import SamplingTensors, sample, token_logprobs
 from .watchdog import StepWatchdog
 
@@ -80,8 +82,15 @@ class ModelRunner:
         self.graph_sizes = sorted(self.options.cuda_graph_sizes or default_graph_sizes(max_num_seqs))
         if any(s < 1 or s > max_num_seqs for s in self.graph_sizes):
             raise ValueError(f"cuda_graph_sizes must lie in [1, max_num_seqs={max_num_seqs}], got {self.graph_sizes}")
+        # Decode-like steps (every sequence has the same number of tokens: 1, or 1 + k when verifying
+        # k drafts) run as graphs; on CUDA their eager form is padded and built the same way, so
+        # both modes compute the same function (DESIGN.md invariant 5).
+        k = self.options.num_speculative_tokens
+        self.query_lens = [1] + ([1 + k] if k else [])
+        self.pad_like_graphs = device.type == "cuda"
         self._topk: dict[int, IndexerTopK] = {}
-        self.graphs: CudaGraphRunner | None = None
+        self.graphs: dict[int, CudaGraphRunner] = {}  # target model, by query length
+        self.mtp_graphs: dict[int, CudaGraphRunner] = {}  # the MTP drafter, by query length
         self.mtp = None  # MTPModule when speculative decoding is on (set by the engine)
         self.proposer = None
         self.draft_probs: dict[str, torch.Tensor] = {}  # request_id -> [k, V] q of its pending drafts
@@ -140,26 +149,68 @@ class ModelRunner:
             from ..spec_decode.mtp_proposer import MTPProposer
 
             mtp_state = ModelState(self.mtp.config, self._layout(0), self.device, self.dtype)
-            self.proposer = MTPProposer(self.mtp, self.model, mtp_state, self.options.num_speculative_tokens)
+            self.proposer = MTPProposer(self.mtp, self.model, mtp_state, self.options.num_speculative_tokens,
+                                        self.mtp_forward)
 
-    def _new_graph_runner(self) -> CudaGraphRunner:
-        return CudaGraphRunner(self.model, self.state, self.graph_sizes, query_len=1,
-                               max_blocks=self.max_blocks_per_seq, num_entries=self.decode_entries,
-                               dummy_slot=self.max_num_seqs, topk_for=self.topk_for, short_len=2)
+    def graph_sizes_for(self, query_len: int) -> list[int]:
+        """The buckets a graph of this query length is captured for (its tokens fit one step's staging rows)."""
+        return [size for size in self.graph_sizes if size * query_len <= self.max_num_batched_tokens]
+
+    def _target_step(self, batch, topk, hidden, outputs) -> None:
+        streams = self.model(batch, self.state, topk=topk)
+        self.model.compute_logits(streams[batch.logits_indices], out=outputs[0])
+        if len(outputs) > 1:  # the drafter reads every token's streams
+            outputs[1].copy_(streams)
+
+    def _mtp_step(self, batch, topk, hidden, outputs) -> None:
+        outputs[0].copy_(self.mtp(batch, hidden, self.proposer.state, self.model))
+
+    def _new_graph_runners(self, pool=None) -> list[CudaGraphRunner]:
+        hf = self.model_config.hf_config
+        streams = BufferSpec((hf.hc_mult, hf.hidden_size), self.dtype)
+        logits = BufferSpec((hf.vocab_size,), torch.float32)
+        common = dict(state=self.state, max_blocks=self.max_blocks_per_seq, dummy_slot=self.max_num_seqs,
+                      short_len=2)
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        runners = []
+        for q in self.query_lens:
+            outputs = [logits, streams] if self.proposer is not None else [logits]
+            runners.append(CudaGraphRunner("target", self._target_step, outputs, rates=self.model_config.rates,
+                                           sizes=self.graph_sizes_for(q), query_len=q, num_entries=self.decode_entries,
+                                           topk_for=self.topk_for, pool=pool, **common))
+        if self.proposer is not None:
+            for q in self.query_lens:
+                runners.append(CudaGraphRunner("mtp", self._mtp_step, [streams], rates=self.mtp.config.rates,
+                                               sizes=self.graph_sizes_for(q), query_len=q, num_entries={},
+                                               topk_for=None, hidden=streams, pool=pool, **common))
+        return runners
 
     def capture_graphs(self) -> None:
         if not self.use_graphs:
             return
-        self.graphs = self._new_graph_runner()
-        self.graphs.capture_all()
+        for runner in self._new_graph_runners():
+            runner.capture_all()
+            (self.graphs if runner.name == "target" else self.mtp_graphs)[runner.query_len] = runner
 
     def audit_graphs(self) -> None:
         """Capture each graph again under short and max_model_len dummy lengths and compare."""
         if not self.use_graphs:
             raise ValueError("cudagraph_audit needs CUDA graphs: a CUDA device and enforce_eager=False")
-        problems = self._new_graph_runner().audit_captures(self.max_model_len)
+        problems = []
+        for runner in self._new_graph_runners():
+            problems += runner.audit_captures(self.max_model_len)
         if problems:
             raise GraphCaptureError("CUDA graph audit failed:\n" + "\n".join(problems))
+
+    @contextmanager
+    def eager_only(self):
+        """Run steps eagerly (padded as graphs would be) while inside; used by the replay audit."""
+        graphs, mtp_graphs = self.graphs, self.mtp_graphs
+        self.graphs, self.mtp_graphs = {}, {}
+        try:
+            yield
+        finally:
+            self.graphs, self.mtp_graphs = graphs, mtp_graphs
 
     # ---- execution ----
     @torch.no_grad()
@@ -207,40 +258,76 @@ class ModelRunner:
             draft_next(self, sched, chunks, out)
         return out
 
-    def is_decode_step(self, chunks: list[SequenceChunk]) -> bool:
-        return all(len(c.token_ids) == 1 and c.want_logits == "last" for c in chunks)
+    def graph_shape(self, chunks: list[SequenceChunk], check_logits: bool = True) -> tuple[int, int] | None:
+        """(bucket, query_len) when a graph of this step's shape exists: every sequence has the same
+        number of tokens, a graph query length, and wants that length's logits; else None."""
+        q = len(chunks[0].token_ids)
+        if q not in self.query_lens or any(len(c.token_ids) != q for c in chunks):
+            return None
+        if check_logits and any(c.want_logits != logits_mode(q) for c in chunks):
+            return None
+        bucket = pick_bucket(self.graph_sizes_for(q), len(chunks))
+        return None if bucket is None else (bucket, q)
 
     def forward(self, chunks: list[SequenceChunk]) -> tuple[torch.Tensor, Callable[[], str]]:
         """fp32 logits of the chunks' wanted tokens: by graph replay when a graph holds the
-        step; otherwise eagerly. On CUDA an eager decode step is padded to the same bucket and
-        built the same way as the graph's, so both modes compute the same function."""
+        step; otherwise eagerly. On CUDA an eager step of a graph's shape is padded to the same
+        bucket and built the same way as the graph's, so both modes compute the same function.
+        With speculation on, the step's residual streams are kept for the drafter (`last_streams`;
+        rows of padding sequences, if any, follow the real ones)."""
         lengths = [c.start_pos + len(c.token_ids) for c in chunks]
-        decode = self.is_decode_step(chunks) and self.proposer is None  # the drafter needs every stream
-        bucket = pick_bucket(self.graph_sizes, len(chunks)) if decode else None
-        if bucket is not None and self.device.type == "cuda" and self.graphs is not None:
-            logits, graph = self.graphs.run(chunks)
+        shape = self.graph_shape(chunks)
+        rows = sum(len(c.token_ids) if c.want_logits == "all" else c.want_logits == "last" for c in chunks)
+        streams = None
+        if shape is not None and shape[1] in self.graphs:
+            outputs, graph = self.graphs[shape[1]].run(chunks)
+            logits = outputs[0][:rows]
+            streams = outputs[1] if len(outputs) > 1 else None
             mode = f"graph {graph.key}, topk_path={graph.topk_path}"
-        elif bucket is not None and self.device.type == "cuda":
-            topk_fn, path = self.topk_for(bucket)
-            padded = pad_chunks(chunks, bucket, 1, self.max_num_seqs)
+        elif shape is not None and self.pad_like_graphs:
+            bucket, q = shape
+            topk_fn, path = self.topk_for(bucket * q)
+            padded = pad_chunks(chunks, bucket, q, self.max_num_seqs, want_logits=logits_mode(q))
             batch = decode_batch(padded, self.model_config.rates, self.device, self.max_blocks_per_seq,
                                  self.decode_entries)
             streams = self.model(batch, self.state, topk=topk_fn)
-            logits = self.model.compute_logits(streams[batch.logits_indices])[: len(chunks)]
-            mode = f"eager decode step (bucket {bucket}), topk_path={path}"
+            logits = self.model.compute_logits(streams[batch.logits_indices])[:rows]
+            mode = f"eager decode step (bucket {bucket}, query_len {q}), topk_path={path}"
         else:
             topk_fn, path = self.topk_for(self.max_num_batched_tokens)
             batch = build_batch(chunks, self.model_config.rates, self.device, max_blocks=self.max_blocks_per_seq)
             streams = self.model(batch, self.state, topk=topk_fn)
             logits = self.model.compute_logits(streams[batch.logits_indices])
-            self.last_streams = streams if self.proposer is not None else None
             mode = f"eager step, topk_path={path}"
+        self.last_streams = streams if self.proposer is not None else None
 
         def describe() -> str:
             return (f"{mode}, {len(chunks)} sequences, lengths min/max {min(lengths)}/{max(lengths)}, "
                     f"{sum(len(c.token_ids) for c in chunks)} tokens")
 
         return logits, describe
+
+    def mtp_forward(self, chunks: list[SequenceChunk], hidden: torch.Tensor,
+                    input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The MTP block's streams for `chunks` (rows of the real tokens first). `hidden`: the
+        per-token input streams (at least the real tokens' rows); `input_ids`: device token ids
+        that replace the chunks' ids (drafts fed back), by graph replay when one holds the step."""
+        shape = self.graph_shape(chunks, check_logits=False)
+        if shape is not None and shape[1] in self.mtp_graphs:
+            return self.mtp_graphs[shape[1]].run(chunks, hidden, input_ids)[0][0]
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        if shape is not None and self.pad_like_graphs:
+            bucket, q = shape
+            chunks = pad_chunks(chunks, bucket, q, self.max_num_seqs, want_logits=logits_mode(q))
+            batch = decode_batch(chunks, self.mtp.config.rates, self.device, self.max_blocks_per_seq, {})
+        else:
+            batch = build_batch(chunks, self.mtp.config.rates, self.device)
+        if input_ids is not None:
+            batch.input_ids[: input_ids.shape[0]] = input_ids
+        rows = batch.num_tokens
+        if hidden.shape[0] < rows:
+            hidden = torch.cat([hidden[:num_tokens], hidden.new_zeros(rows - num_tokens, *hidden.shape[1:])])
+        return self.mtp(batch, hidden[:rows], self.proposer.state, self.model)
 
     def sampling_tensors(self, reqs) -> SamplingTensors:
         def t(values, dtype):

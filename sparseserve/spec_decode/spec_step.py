@@ -6,6 +6,7 @@ import torch
 
 from ..engine.scheduler import SchedulerOutput
 from ..model.batch import SequenceChunk
+from ..worker.model_runner import SampledToken
 from ..worker.sampler import filtered_probs, uniform_noise
 from .mtp_proposer import DraftRequest
 from .rejection_sampler import verify
@@ -18,7 +19,6 @@ def verify_drafts(runner, sched: SchedulerOutput, verify_rows: list[tuple[int, i
     """Accept a prefix of each request's drafts and draw its next token (lossless)."""
     device = logits.device
     k = max(sched.chunks[i].num_draft for i, _ in verify_rows)
-    vocab = logits.shape[1]
     reqs = [sched.chunks[i].request for i, _ in verify_rows]
     rows = []
     drafts = torch.full((len(reqs), k), -1, dtype=torch.long)
@@ -28,28 +28,45 @@ def verify_drafts(runner, sched: SchedulerOutput, verify_rows: list[tuple[int, i
         rows.append([first + min(j, nd) for j in range(k + 1)])
         drafts[n, :nd] = torch.tensor(reqs[n].draft_token_ids[:nd])
     rows_t = torch.tensor(rows, device=device)
-    target_logits = logits[rows_t]  # [B, k+1, V]
+    drafts = drafts.to(device)
+    if all(r.params.greedy for r in reqs):
+        # Greedy: accept while the draft is the target's argmax; every emitted token is an argmax.
+        target_greedy = logits.argmax(dim=-1)[rows_t]  # [B, k+1]
+        accepted_t = (drafts == target_greedy[:, :k]).long().cumprod(dim=1).sum(dim=1)
+        tokens_t = target_greedy
+    else:
+        accepted_t, tokens_t = _rejection_sample(runner, reqs, logits[rows_t], drafts, k)
+    host = torch.cat([accepted_t.unsqueeze(1), tokens_t], dim=1).tolist()  # the step's one sync
+    want_lp = any(r.params.logprobs is not None for r in reqs)
+    for n, req in enumerate(reqs):
+        a = host[n][0]
+        emitted = host[n][1:a + 2]
+        if want_lp:
+            records = runner.sampled_tokens(logits[rows_t[n, :a + 1]],
+                                            torch.tensor(emitted, device=device), [req] * (a + 1))
+        else:
+            records = [SampledToken(t) for t in emitted]
+        out.sampled[req.request_id] = records
+        out.num_accepted[req.request_id] = a
+        runner.draft_probs.pop(req.request_id, None)
+
+
+def _rejection_sample(runner, reqs, target_logits: torch.Tensor, drafts: torch.Tensor,
+                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled (or mixed) requests: rejection sampling against each request's draft distribution."""
+    device = target_logits.device
+    vocab = target_logits.shape[-1]
     st = runner.sampling_tensors(reqs)
     flat_st = _repeat_rows(st, k + 1)
     target_probs = filtered_probs(target_logits.view(-1, vocab), flat_st).view(len(reqs), k + 1, vocab)
-    draft_probs = None
-    if not st.all_greedy:
-        draft_probs = torch.stack([_draft_q(runner, r, k, vocab, device) for r in reqs])
+    draft_probs = torch.stack([_draft_q(runner, r, k, vocab, device) for r in reqs])
     counters = st.counters.unsqueeze(1) + torch.arange(k + 1, device=device).unsqueeze(0)
     accept_u = uniform_noise((st.seeds ^ ACCEPT_SALT).repeat_interleave(k), counters[:, :k].reshape(-1), 1)
     accept_u = accept_u.view(len(reqs), k)
     next_noise = -torch.log(uniform_noise(st.seeds.repeat_interleave(k + 1), counters.reshape(-1), vocab))
-    result = verify(target_probs, target_logits.argmax(-1), drafts.to(device), draft_probs,
-                    st.temperature == 0, accept_u, next_noise.view(len(reqs), k + 1, vocab))
-    accepted = result.num_accepted.tolist()
-    tokens = result.tokens
-    for n, req in enumerate(reqs):
-        a = accepted[n]
-        emitted = tokens[n, :a + 1]
-        records = runner.sampled_tokens(target_logits[n, :a + 1], emitted, [req] * (a + 1))
-        out.sampled[req.request_id] = records
-        out.num_accepted[req.request_id] = a
-        runner.draft_probs.pop(req.request_id, None)
+    result = verify(target_probs, target_logits.argmax(-1), drafts, draft_probs, st.temperature == 0, accept_u,
+                    next_noise.view(len(reqs), k + 1, vocab))
+    return result.num_accepted, result.tokens
 
 
 def _repeat_rows(st, times: int):
@@ -87,7 +104,8 @@ def draft_next(runner, sched: SchedulerOutput, chunks: list[SequenceChunk], out)
         draft_from = (len(known) - 2 - start) if emitted else None
         requests.append(DraftRequest(req.request_id, chunk, next_tokens, draft_from))
     drafting_reqs = [sc.request for sc, r in zip(sched.chunks, requests) if r.draft_from is not None]
-    st = runner.sampling_tensors(drafting_reqs) if drafting_reqs else None
+    greedy = all(r.params.greedy for r in drafting_reqs)
+    st = runner.sampling_tensors(drafting_reqs) if drafting_reqs and not greedy else None
     if st is not None:
         # Drafts are the tokens after the ones just emitted.
         st.counters = st.counters + torch.tensor([len(out.sampled[r.request_id]) for r in drafting_reqs],

@@ -69,3 +69,21 @@ def test_watchdog_turns_a_hang_into_an_error():
     with pytest.raises(ValueError):
         StepWatchdog(0)
 
+
+
+def test_static_batch_fill_reproduces_a_verify_step_batch():
+    """Graph inputs arrive through one flat int64 buffer plus the block table; every field must
+    come out as the host batch built for the step (here a verify step: 2 tokens per sequence)."""
+    import torch
+
+    from sparseserve.worker.cuda_graph import StaticBatch
+
+    template = decode_batch(pad_chunks([], 4, 2, 7, want_logits="all"), [4], "cpu", max_blocks=4, num_entries={4: 8})
+    static = StaticBatch(template)
+    real = [SequenceChunk(0, 5, [11, 12], [0, 1], "all"), SequenceChunk(1, 9, [13, 14], [2], "all")]
+    step = decode_batch(pad_chunks(real, 4, 2, 7, want_logits="all"), [4], "cpu", max_blocks=4, num_entries={4: 8})
+    static.fill(step)
+    for name in (*StaticBatch.INT64_FIELDS, "block_table"):
+        assert torch.equal(getattr(static.batch, name), getattr(step, name)), name
+    assert static.batch.input_ids.tolist() == [11, 12, 13, 14, 0, 0, 0, 0]
+    assert static.batch.logits_indices.tolist() == list(range(8))

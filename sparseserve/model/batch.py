@@ -5,6 +5,7 @@ Tokens of one sequence are contiguous in the flat batch and have consecutive pos
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -53,50 +54,47 @@ def build_batch(
     max_blocks: int | None = None,
     num_entries: dict[int, int] | None = None,
 ) -> BatchMetadata:
-    """Host-side construction of the metadata for an eager step."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    token_seq: list[int] = []
-    offsets: list[int] = []
+    """Host-side construction of the metadata for a step (vectorised: prefill steps carry
+    thousands of tokens, and this runs while the GPU waits)."""
+    counts = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64)
+    starts = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
+    offsets_t = torch.cumsum(counts, 0) - counts
+    num_tokens = int(counts.sum())
+    token_seq_t = torch.repeat_interleave(torch.arange(len(chunks)), counts)
+    positions_t = torch.arange(num_tokens) - offsets_t[token_seq_t] + starts[token_seq_t]
+    input_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+    offsets = offsets_t.tolist()
     logits: list[int] = []
-    emit: dict[int, list[int]] = {r: [] for r in rates}
-    for b, chunk in enumerate(chunks):
-        offsets.append(len(input_ids))
-        for i, tok in enumerate(chunk.token_ids):
-            pos = chunk.start_pos + i
-            for r in rates:
-                if (pos + 1) % r == 0:
-                    emit[r].append(len(input_ids))
-            input_ids.append(tok)
-            positions.append(pos)
-            token_seq.append(b)
-        n = len(chunk.token_ids)
+    for chunk, first, n in zip(chunks, offsets, counts.tolist()):
         if chunk.want_logits == "last":
-            logits.append(offsets[-1] + n - 1)
+            logits.append(first + n - 1)
         elif chunk.want_logits == "all":
-            logits.extend(range(offsets[-1], offsets[-1] + n))
+            logits.extend(range(first, first + n))
+    emit = {r: torch.nonzero((positions_t + 1) % r == 0).view(-1) for r in rates}
     width = max_blocks if max_blocks is not None else max((len(c.block_ids) for c in chunks), default=1)
     table = torch.full((len(chunks), max(width, 1)), -1, dtype=torch.int32)
     for b, chunk in enumerate(chunks):
         table[b, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids, dtype=torch.int32)
+    max_end = int((starts + counts).max()) if chunks else 0
     if num_entries is None:
-        max_end = max((c.start_pos + len(c.token_ids) for c in chunks), default=0)
         num_entries = {r: max_end // r for r in rates}
 
-    def t(values: list[int]) -> torch.Tensor:
+    def t(values) -> torch.Tensor:
+        if isinstance(values, torch.Tensor):
+            return values.to(device)
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     return BatchMetadata(
         input_ids=t(input_ids),
-        positions=t(positions),
-        token_seq=t(token_seq),
+        positions=t(positions_t),
+        token_seq=t(token_seq_t),
         seq_slots=t([c.slot for c in chunks]),
-        seq_start=t([c.start_pos for c in chunks]),
-        seq_num_tokens=t([len(c.token_ids) for c in chunks]),
-        seq_token_offset=t(offsets),
+        seq_start=t(starts),
+        seq_num_tokens=t(counts),
+        seq_token_offset=t(offsets_t),
         block_table=table.to(device),
         logits_indices=t(logits),
         num_entries=num_entries,
         emit_tokens={r: t(v) for r, v in emit.items()},
-        max_seq_len=max((c.start_pos + len(c.token_ids) for c in chunks), default=0),
+        max_seq_len=max_end,
     )

@@ -72,7 +72,7 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0:
                 break
-            if request not in self.running:  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n <= 0:

@@ -19,6 +19,7 @@ from transformers import DeepseekV4Config
 
 from ..config import ModelConfig
 from .deepseek_v4 import DeepseekV4ForCausalLM
+from .layers.fused_linear import pack_projections
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_MODEL = "demo"
@@ -227,4 +228,5 @@ def load_model(
         # Small mixing/normalisation parameters stay fp32, as the reference keeps them.
         if not any(part in name for part in KEEP_FP32):
             p.data = p.data.to(dtype)
+    pack_projections(net)  # last: one GEMM per shared input (a later cast or move would undo it)
     return net.eval(), model_config, mtp

@@ -3,8 +3,16 @@ inverse rope on the output, grouped low-rank output projection; sliding, CSA (co
 Lightning Indexer + top-k) and HCA (compressor, all entries) layer kinds.
 
 Parameter names follow `transformers`' DeepseekV4Attention so checkpoints load as they are.
+
+Projections that read one input run as one GEMM once packed (`fused_linear.pack_projections`,
+called by the loader): on the layer input x, `q_a_proj | kv_proj | compressor kv_proj, gate_proj
+| indexer kv_proj, gate_proj | indexer weights_proj` (2, 4 or 7 linears by layer kind); on
+q_residual, `q_b_proj | indexer q_b_proj` (CSA). Each weight stays a Parameter of its own name,
+a view of its rows of the packed matrix; unpacked, the linears run one by one.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
@@ -15,8 +23,11 @@ from ...kernels.rows import entry_pool_rows
 from ...kernels.sparse_attention import sparse_mqa_attention
 from ..state import LayerState
 from ..step_context import StepContext
+from .fused_linear import PackedWeight, Span, shared_input_linear
 from .norm import RMSNorm, rms_normalize
 from .rope import apply_rope
+
+logger = logging.getLogger(__name__)
 
 
 class Indexer(nn.Module):
@@ -53,10 +64,6 @@ class Compressor(nn.Module):
             self.indexer = Indexer(hf, rate)
 
 
-def _stage_projections(state: torch.Tensor, staging_rows: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor) -> None:
-    state.index_copy_(0, staging_rows, torch.cat([kv, gate], dim=-1).to(state.dtype))
-
-
 class Attention(nn.Module):
     def __init__(self, hf, layer_idx: int, rate: int, is_csa: bool) -> None:
         super().__init__()
@@ -81,24 +88,84 @@ class Attention(nn.Module):
         self.o_b_proj = nn.Linear(self.o_groups * self.o_lora_rank, hf.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.empty(self.num_heads))
         self.compressor = Compressor(hf, rate, is_csa) if rate else None
+        self._packed: dict[str, PackedWeight] = {}  # "x" / "q" -> packed weights of that input's linears
+
+    # ---- projections that share an input (one GEMM per input once packed) ----
+    def _x_linears(self) -> tuple[list[nn.Linear], list[Span]]:
+        """The linears reading x, in packed order, and the spans wanted: q_a | kv | compressor
+        kv||gate | indexer kv||gate | indexer head weights (kv||gate is what the state stages)."""
+        linears, spans = [self.q_a_proj, self.kv_proj], [(0, 1), (1, 2)]
+        comp = self.compressor
+        if comp is not None:
+            linears += [comp.kv_proj, comp.gate_proj]
+            spans.append((2, 4))
+            if self.is_csa:
+                idx = comp.indexer
+                linears += [idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj]
+                spans += [(4, 6), (6, 7)]
+        return linears, spans
+
+    def _q_linears(self) -> tuple[list[nn.Linear], list[Span]]:
+        """The linears reading q_residual: q_b | indexer q_b (CSA)."""
+        if self.is_csa:
+            return [self.q_b_proj, self.compressor.indexer.q_b_proj], [(0, 1), (1, 2)]
+        return [self.q_b_proj], [(0, 1)]
+
+    def _linear_groups(self) -> dict[str, tuple[list[nn.Linear], list[Span]]]:
+        return {"x": self._x_linears(), "q": self._q_linears()}
+
+    def _pack_projections(self) -> int:
+        """Pack each group of linears sharing an input (see `fused_linear.pack_projections`);
+        returns the number of groups packed now (intact ones are left as they are)."""
+        count = 0
+        for name, (linears, _) in self._linear_groups().items():
+            packed = self._packed.get(name)
+            if packed is not None and packed.holds(linears):
+                continue
+            self._packed.pop(name, None)
+            packed = PackedWeight.pack(linears)
+            if packed is not None:
+                self._packed[name] = packed
+                count += 1
+        return count
+
+    def packed_groups(self) -> list[str]:
+        """The inputs ("x", "q") whose linears currently run as one GEMM."""
+        groups = self._linear_groups()
+        return [name for name, packed in self._packed.items() if packed.holds(groups[name][0])]
+
+    def _project(self, name: str, inp: torch.Tensor) -> list[torch.Tensor]:
+        linears, spans = self._x_linears() if name == "x" else self._q_linears()
+        packed = self._packed.get(name)
+        if packed is not None and not packed.holds(linears):
+            # The weights were replaced after packing (.to() to another dtype/device, assign=True
+            # loading): drop the stale matrix and run the linears one by one.
+            logger.warning("layer %d: the packed %r projections no longer hold the weights (replaced after "
+                           "packing); running them unpacked; call pack_projections(model) again to re-pack",
+                           self.layer_idx, name)
+            del self._packed[name]
+            packed = None
+        return shared_input_linear(inp, linears, packed, spans)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, state: LayerState) -> torch.Tensor:
         num_tokens = x.shape[0]
         cos, sin = ctx.rope[self.rope_name]
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_residual).view(num_tokens, self.num_heads, self.head_dim)
+        x_proj = self._project("x", x)  # q_a, kv[, compressor kv||gate[, indexer kv||gate, indexer weights]]
+        q_residual = self.q_a_norm(x_proj[0])
+        q_proj = self._project("q", q_residual)  # q[, indexer q]
+        q = q_proj[0].view(num_tokens, self.num_heads, self.head_dim)
         q = apply_rope(rms_normalize(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        kv = apply_rope(self.kv_norm(x_proj[1]), cos, sin).to(state.kv_pool.dtype)
         # Fresh rows go to staging first: attention reads them there, then they are committed.
-        state.kv_pool.index_copy_(0, ctx.kv_staging_rows, kv.to(state.kv_pool.dtype))
+        state.kv_pool.index_copy_(0, ctx.kv_staging_rows, kv)
 
         rows = ctx.window_rows
         if self.compressor is not None:
-            rows = torch.cat([rows, self._compressed_rows(x, q_residual, ctx, state)], dim=1)
+            rows = torch.cat([rows, self._compressed_rows(x_proj[2:], q_proj[1:], ctx, state)], dim=1)
         out = sparse_mqa_attention(q, state.kv_pool, rows, self.sinks.float(), self.scale)
         out = apply_rope(out, cos, sin, inverse=True)
 
-        state.kv_pool.index_copy_(0, ctx.kv_ring_write_rows, kv.to(state.kv_pool.dtype))
+        state.kv_pool.index_copy_(0, ctx.kv_ring_write_rows, kv)
         return self._project_out(out)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
@@ -108,25 +175,31 @@ class Attention(nn.Module):
         mid = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(num_tokens, -1)
         return self.o_b_proj(mid)
 
-    def _compressed_rows(self, x: torch.Tensor, q_residual: torch.Tensor, ctx: StepContext,
+    def _compressed_rows(self, x_proj: list[torch.Tensor], q_proj: list[torch.Tensor], ctx: StepContext,
                          state: LayerState) -> torch.Tensor:
+        """x_proj: compressor kv||gate[, indexer kv||gate, indexer weights]; q_proj: [indexer q]."""
         comp = self.compressor
         rate_addr = ctx.rates[self.rate]
         addr = ctx.compressors[(self.rate, self.is_csa)]
         batch = ctx.batch
-        _stage_projections(state.compressor_state, addr.staging_rows, comp.kv_proj(x), comp.gate_proj(x))
+        num_tokens = x_proj[0].shape[0]
+        # Staged straight from the GEMM output (kv and gate are adjacent there when packed).
+        comp_kv_gate = x_proj[0].to(state.compressor_state.dtype)
+        state.compressor_state.index_copy_(0, addr.staging_rows, comp_kv_gate)
         compress_windows(state.compressor_state, addr.emit_src_rows, comp.position_bias, comp.overlap,
                          comp.kv_norm.weight, self.eps, rate_addr.emit_cos, rate_addr.emit_sin,
                          state.kv_pool, rate_addr.emit_kv_rows)
         if self.is_csa:
             idx = comp.indexer
-            _stage_projections(state.indexer_state, addr.staging_rows, idx.kv_proj(x), idx.gate_proj(x))
+            idx_kv_gate = x_proj[1].to(state.indexer_state.dtype)
+            state.indexer_state.index_copy_(0, addr.staging_rows, idx_kv_gate)
             compress_windows(state.indexer_state, addr.emit_src_rows, idx.position_bias, True,
                              idx.kv_norm.weight, self.eps, rate_addr.emit_cos, rate_addr.emit_sin,
                              state.index_pool, rate_addr.emit_index_rows)
             cos, sin = ctx.rope["compress"]
-            iq = apply_rope(idx.q_b_proj(q_residual).view(x.shape[0], idx.num_heads, idx.head_dim), cos, sin)
-            weights = idx.scorer.weights_proj(x).float() * idx.weights_scale
+            # contiguous(): a no-op unpacked or for one token; the rope kernel rotates in place.
+            iq = apply_rope(q_proj[0].view(num_tokens, idx.num_heads, idx.head_dim).contiguous(), cos, sin)
+            weights = x_proj[2].float() * idx.weights_scale
             scores = indexer_scores(iq, weights, state.index_pool, batch.block_table, batch.token_seq,
                                     batch.positions, self.rate, ctx.layout.entries_per_block(self.rate),
                                     idx.softmax_scale, rate_addr.num_entries)
@@ -136,8 +209,9 @@ class Attention(nn.Module):
                                    ctx.layout.entries_per_block(self.rate), ctx.layout.comp_base())
         else:
             rows = rate_addr.visible_rows
-        # Commit this step's projections to the compressor rings (after every read above).
-        for buf in (state.compressor_state, state.indexer_state if self.is_csa else None):
-            if buf is not None:
-                buf.index_copy_(0, addr.ring_write_rows, buf.index_select(0, addr.staging_rows))
+        # Commit this step's projections to the compressor rings (after every read above). Staging
+        # row i holds token i's projections, so they are committed from the projections themselves.
+        state.compressor_state.index_copy_(0, addr.ring_write_rows, comp_kv_gate)
+        if self.is_csa:
+            state.indexer_state.index_copy_(0, addr.ring_write_rows, idx_kv_gate)
         return rows

@@ -1,0 +1,97 @@
+"""One GEMM for several bias-free `nn.Linear`s that read the same input.
+
+`PackedWeight.pack(linears)` copies their weights into one contiguous [sum(out), in] matrix
+and makes each `linear.weight` a Parameter viewing its rows. Nothing else changes: parameter
+names and `state_dict()` are as before, in-place loading (`copy_`, `load_state_dict`) writes
+into the packed matrix, and no memory is doubled. `shared_input_linear` then runs one
+`F.linear` and returns views of its output, one per span of consecutive linears (a span of
+several linears, e.g. a compressor's kv and gate, comes out already adjacent).
+
+Packing is an optimisation, never a requirement: without it (or when a packed group's
+weights were replaced afterwards, e.g. by `.to()` with another dtype or device, `p.data = ...`
+or `load_state_dict(assign=True)`, which `PackedWeight.holds` detects on the host) the linears
+run one by one, spans of several linears joined by `torch.cat`. Under autograd with trainable
+weights the per-linear path is used too, so gradients reach the parameters.
+
+The one place that packs a whole model is `pack_projections(model)`, called once by the
+loader after the weights are loaded and cast (casting after packing would undo it).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Span = tuple[int, int]
+
+
+class PackedWeight:
+    """The packed [sum(out), in] matrix of a group of linears and each one's first row."""
+
+    def __init__(self, weight: torch.Tensor, bounds: list[int]) -> None:
+        self.weight = weight
+        self.bounds = bounds  # bounds[i]:bounds[i + 1] are linear i's rows (and output columns)
+
+    @classmethod
+    @torch.no_grad()
+    def pack(cls, linears: Sequence[nn.Linear]) -> PackedWeight | None:
+        """Pack the linears' weights (in order) and rebind each weight as a view; None (nothing
+        changed) when they cannot share one matrix (bias, different in_features/dtype/device)."""
+        weights = [lin.weight for lin in linears]
+        first = weights[0]
+        if (len(linears) < 2 or any(lin.bias is not None for lin in linears)
+                or first.device.type == "meta"
+                or any(w.dim() != 2 or w.shape[1] != first.shape[1] or w.dtype != first.dtype
+                       or w.device != first.device for w in weights)):
+            return None
+        bounds = [0]
+        for w in weights:
+            bounds.append(bounds[-1] + w.shape[0])
+        packed = torch.empty(bounds[-1], first.shape[1], dtype=first.dtype, device=first.device)
+        for lin, w, lo, hi in zip(linears, weights, bounds, bounds[1:]):
+            packed[lo:hi].copy_(w)
+            lin.weight = nn.Parameter(packed[lo:hi], requires_grad=w.requires_grad)
+        return cls(packed, bounds)
+
+    def holds(self, linears: Sequence[nn.Linear]) -> bool:
+        """Whether every linear's weight is still the view of its rows of the packed matrix."""
+        if len(linears) != len(self.bounds) - 1:
+            return False
+        base, row_bytes = self.weight.data_ptr(), self.weight.stride(0) * self.weight.element_size()
+        for lin, lo, hi in zip(linears, self.bounds, self.bounds[1:]):
+            w = lin.weight
+            if (w.data_ptr() != base + lo * row_bytes or w.dtype != self.weight.dtype
+                    or w.shape != (hi - lo, self.weight.shape[1]) or not w.is_contiguous()):
+                return False
+        return True
+
+
+def shared_input_linear(x: torch.Tensor, linears: Sequence[nn.Linear], packed: PackedWeight | None,
+                        spans: Sequence[Span]) -> list[torch.Tensor]:
+    """[linears[i](x) .. linears[j-1](x) side by side, for (i, j) in spans]: one GEMM and views
+    of its output when `packed` holds the linears, else one GEMM per linear (and a cat per span
+    of several). Callers check `packed.holds(linears)`."""
+    if packed is not None and not (torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in linears)):
+        y = F.linear(x, packed.weight)
+        b = packed.bounds
+        return [y[..., b[i]:b[j]] for i, j in spans]
+    outs = []
+    for i, j in spans:
+        parts = [lin(x) for lin in linears[i:j]]
+        outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+    return outs
+
+
+def pack_projections(model: nn.Module) -> int:
+    """Pack the shared-input projections of `model` and every module in it that has some (those
+    that define a `_pack_projections()` hook, e.g. the attention layers); returns the number of
+    groups packed now. Call once after the weights are loaded and cast; calling it again
+    re-packs only the groups whose packing was undone."""
+    count = 0
+    for module in model.modules():
+        hook = getattr(module, "_pack_projections", None)
+        if callable(hook):
+            count += hook()
+    return count

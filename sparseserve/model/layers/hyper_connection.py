@@ -2,15 +2,14 @@
 
 Each sub-block collapses the streams with `pre` weights, and writes back its output with
 `post` weights plus a Sinkhorn-projected (doubly stochastic) `comb` mix of the streams.
-All mixing coefficients are computed in fp32."""
+All mixing coefficients are computed in fp32. The math lives in `kernels/mhc.py`: fused
+Triton kernels for bf16/fp16 streams on CUDA, the plain-PyTorch references elsewhere."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.mhc import hc_coefficients
-from .norm import rms_normalize
+from ...kernels.mhc import hc_collapse, hc_expand, hc_head_collapse
 
 
 class HyperConnection(nn.Module):
@@ -27,19 +26,13 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, hc, D] -> (post [T, hc] fp32, comb [T, hc, hc] fp32, collapsed [T, D])."""
-        flat = rms_normalize(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.fn.float())
-        pre, post, comb = hc_coefficients(mixes, self.base, self.scale, self.hc_mult, self.sinkhorn_iters,
-                                          self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return hc_collapse(streams, self.fn, self.base, self.scale, self.hc_mult, self.sinkhorn_iters,
+                           self.hc_eps, self.norm_eps)
 
     @staticmethod
     def expand(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """new[k] = post[k] * block_out + sum_j comb[j, k] * streams[j]."""
-        dtype = streams.dtype
-        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
-        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
+        return hc_expand(streams, block_out, post, comb)
 
 
 class HyperHead(nn.Module):
@@ -54,7 +47,4 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.empty(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = rms_normalize(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return hc_head_collapse(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps)

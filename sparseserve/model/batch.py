@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -54,45 +55,46 @@ def build_batch(
     max_blocks: int | None = None,
     num_entries: dict[int, int] | None = None,
 ) -> BatchMetadata:
-    """Host-side construction of the metadata for a step (vectorised: prefill steps carry
-    thousands of tokens, and this runs while the GPU waits)."""
-    counts = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64)
-    starts = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
-    offsets_t = torch.cumsum(counts, 0) - counts
+    """Host-side construction of the metadata for a step, in numpy (vectorised for prefill
+    steps of thousands of tokens, and cheap per call for small decode steps: this runs while
+    the GPU waits)."""
+    num_seqs = len(chunks)
+    counts = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_seqs)
+    starts = np.fromiter((c.start_pos for c in chunks), np.int64, num_seqs)
+    offsets = np.cumsum(counts) - counts
     num_tokens = int(counts.sum())
-    token_seq_t = torch.repeat_interleave(torch.arange(len(chunks)), counts)
-    positions_t = torch.arange(num_tokens) - offsets_t[token_seq_t] + starts[token_seq_t]
-    input_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
-    offsets = offsets_t.tolist()
+    token_seq = np.repeat(np.arange(num_seqs, dtype=np.int64), counts)
+    positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - offsets, counts)
+    input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, num_tokens)
     logits: list[int] = []
-    for chunk, first, n in zip(chunks, offsets, counts.tolist()):
+    for chunk, first, n in zip(chunks, offsets.tolist(), counts.tolist()):
         if chunk.want_logits == "last":
             logits.append(first + n - 1)
         elif chunk.want_logits == "all":
             logits.extend(range(first, first + n))
-    emit = {r: torch.nonzero((positions_t + 1) % r == 0).view(-1) for r in rates}
+    emit = {r: np.flatnonzero((positions + 1) % r == 0) for r in rates}
     width = max_blocks if max_blocks is not None else max((len(c.block_ids) for c in chunks), default=1)
-    table = torch.full((len(chunks), max(width, 1)), -1, dtype=torch.int32)
+    table = np.full((num_seqs, max(width, 1)), -1, dtype=np.int32)
     for b, chunk in enumerate(chunks):
-        table[b, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids, dtype=torch.int32)
-    max_end = int((starts + counts).max()) if chunks else 0
+        if chunk.block_ids:
+            table[b, : len(chunk.block_ids)] = chunk.block_ids
+    max_end = int((starts + counts).max()) if num_seqs else 0
     if num_entries is None:
         num_entries = {r: max_end // r for r in rates}
 
     def t(values) -> torch.Tensor:
-        if isinstance(values, torch.Tensor):
-            return values.to(device)
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        array = np.asarray(values, dtype=np.int64) if not isinstance(values, np.ndarray) else values
+        return torch.from_numpy(array.astype(np.int64, copy=False)).to(device)
 
     return BatchMetadata(
         input_ids=t(input_ids),
-        positions=t(positions_t),
-        token_seq=t(token_seq_t),
+        positions=t(positions),
+        token_seq=t(token_seq),
         seq_slots=t([c.slot for c in chunks]),
         seq_start=t(starts),
         seq_num_tokens=t(counts),
-        seq_token_offset=t(offsets_t),
-        block_table=table.to(device),
+        seq_token_offset=t(offsets),
+        block_table=torch.from_numpy(table).to(device),
         logits_indices=t(logits),
         num_entries=num_entries,
         emit_tokens={r: t(v) for r, v in emit.items()},

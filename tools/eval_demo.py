@@ -64,28 +64,41 @@ def main() -> None:
 
     prompts = [{"prompt_token_ids": c[:64]} for c in chunks[:16]]
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    # Speculation runs eagerly on CUDA for now, so the plain run is eager too (same run, same mode).
-    timed = dict(device=args.device, dtype="float32" if args.device == "cpu" else "bfloat16", max_model_len=1024,
-                 enforce_eager=True)
-    plain_llm = LLM(args.model, **timed)
-    plain_llm.generate(prompts[:2], greedy, use_tqdm=False)  # warm-up
-    t = time.perf_counter()
-    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, greedy, use_tqdm=False)]
-    plain_s = time.perf_counter() - t
-    n_out = sum(len(p) for p in plain)
+    # The default mode of the device: CUDA graphs on the GPU (verify and drafter steps too), eager on the CPU.
+    timed = dict(device=args.device, dtype="float32" if args.device == "cpu" else "bfloat16", max_model_len=1024)
     result["generation"] = {"device": args.device, "dtype": timed["dtype"], "prompts": len(prompts),
-                            "output_tokens": n_out, "plain_tok_per_s": n_out / plain_s}
-    for k in (1, 2):
-        llm = LLM(args.model, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **timed)
-        llm.generate(prompts[:2], greedy, use_tqdm=False)
+                            "cuda_graphs": args.device != "cpu"}
+
+    def run(llm, batch: int) -> tuple[list[list[int]], float]:
+        """Greedy outputs of the prompts, `batch` at a time, and the seconds it took."""
+        llm.generate(prompts[:batch], greedy, use_tqdm=False)  # warm-up
         llm.llm_engine.spec_metrics = type(llm.llm_engine.spec_metrics)()
+        outs = []
         t = time.perf_counter()
-        spec = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        seconds = time.perf_counter() - t
-        m = llm.llm_engine.spec_metrics
-        result[f"mtp_k{k}"] = {"acceptance_rate": m.acceptance_rate, "mean_accepted_length": m.mean_accepted_length,
-                               "same_tokens_as_plain": spec == plain, "tok_per_s": n_out / seconds,
-                               "speedup": plain_s / seconds}
+        for i in range(0, len(prompts) if batch > 1 else 4, batch):
+            outs += [o.outputs[0].token_ids for o in llm.generate(prompts[i:i + batch], greedy, use_tqdm=False)]
+        return outs, time.perf_counter() - t
+
+    for k in (0, 1, 2):
+        spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
+        llm = LLM(args.model, **timed, **spec)
+        for batch in (1, len(prompts)):
+            outs, seconds = run(llm, batch)
+            n_out = sum(len(o) for o in outs)
+            entry = {"batch": batch, "output_tokens": n_out, "tok_per_s": n_out / seconds}
+            if k:
+                m = llm.llm_engine.spec_metrics
+                plain = result["generation"][f"plain_batch{batch}"]
+                entry.update(acceptance_rate=m.acceptance_rate, mean_accepted_length=m.mean_accepted_length,
+                             speedup=entry["tok_per_s"] / plain["tok_per_s"],
+                             same_tokens_as_plain=sum(a == b for a, b in zip(outs, plain["tokens"])) / len(outs))
+                result[f"mtp_k{k}_batch{batch}"] = entry
+            else:
+                result["generation"][f"plain_batch{batch}"] = dict(entry, tokens=outs)
+        del llm
+    for entry in result["generation"].values():
+        if isinstance(entry, dict):
+            entry.pop("tokens", None)
     samples = base.generate(SAMPLE_PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     result["samples"] = {o.prompt: o.outputs[0].text for o in samples}
     print(json.dumps(result, indent=2))

@@ -14,6 +14,7 @@ import torch
 
 from ..config import CacheConfig, EngineConfig
 from ..model.loader import KEEP_FP32, CheckpointError, init_dummy_weights, load_model, resolve_model_dir
+from ..model.layers.fused_linear import pack_projections
 from ..model.mtp import MTPModule, load_mtp_weights
 from ..spec_decode.metrics import SpecDecodeMetrics
 from ..outputs import CompletionOutput, Logprob, RequestOutput
@@ -122,6 +123,7 @@ class LLMEngine:
         for name, p in mtp.named_parameters():
             if not any(part in name for part in KEEP_FP32):
                 p.data = p.data.to(self.dtype)
+        pack_projections(mtp)  # after the dtype cast, which would undo it
         return mtp.eval()
 
     # ---- sizing ----

@@ -65,7 +65,8 @@ def main() -> None:
     prompts = [{"prompt_token_ids": c[:64]} for c in chunks[:16]]
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     # The default mode of the device: CUDA graphs on the GPU (verify and drafter steps too), eager on the CPU.
-    timed = dict(device=args.device, dtype="float32" if args.device == "cpu" else "bfloat16", max_model_len=1024)
+    timed = dict(device=args.device, dtype="float32" if args.device == "cpu" else "bfloat16", max_model_len=1024,
+                 max_num_seqs=len(prompts))
     result["generation"] = {"device": args.device, "dtype": timed["dtype"], "prompts": len(prompts),
                             "cuda_graphs": args.device != "cpu"}
 

@@ -9,11 +9,15 @@ import os
 import subprocess
 import sys
 
-
 import pytest
 import torch
 
-from sparseserve.kernels.topk import IndexerTopK, auto_path, topk_indices, topk_indices_ref
+from sparseserve.kernels.topk import (
+    IndexerTopK,
+    auto_path,
+    topk_indices,
+    topk_indices_ref,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -48,6 +52,16 @@ def make_rows(rows: int, width: int, gen: torch.Generator, kind: str) -> torch.T
         x[:, 3::7] = -0.0
         x[:, 5::11] = float("-inf")
         x[:, 6::13] = float("inf")
+        return x
+    if kind == "equal":  # one value everywhere: the bound is the k-th score itself
+        return torch.full((rows, width), 0.5)
+    if kind == "fewfinite":  # a few finite scores, the rest -inf: the k-th score is -inf
+        x = torch.full((rows, width), float("-inf"))
+        x[:, 17::97] = torch.randn(rows, len(range(17, width, 97)), generator=gen)
+        return x
+    if kind == "relu":  # like the indexer: many exact zeros (of both signs), a positive tail
+        x = torch.relu(torch.randn(rows, width, generator=gen) - 2.0)
+        x[:, 1::5] = -0.0
         return x
     raise ValueError(kind)
 
@@ -166,6 +180,52 @@ def test_bug_switch_is_detected():
     assert_topk_valid(op(scores, lengths, max_seq_len=3000).clone(), scores, lengths, k)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("path", ["standard", "persistent"])
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "fewfinite", "relu", "mixed"])
+def test_multi_block_rows_every_kind(path, kind):
+    """Rows of several 1024-column blocks/chunks: the strided group maxima span blocks, the
+    bound and the compaction run over several blocks, and ties at the bound (equal, relu,
+    fewfinite: T is 0.5, 0.0 or -inf) take the tie path."""
+    gen = torch.Generator().manual_seed(len(kind) * 31 + len(path))
+    k = 48
+    width = 3500
+    scores = make_rows(3, width, gen, kind)
+    lengths = torch.tensor([width, 2100, k + 3], dtype=torch.int32)
+    op = IndexerTopK(3, width, k, backend=path, device="cpu", num_programs=2, _tile=1024)
+    assert_topk_valid(op(scores, lengths).clone(), scores, lengths, k)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path", ["standard", "persistent"])
+def test_candidate_overflow_takes_the_exact_fallback(path):
+    """A capacity below k sends every row with >= k candidates to the exact radix fallback;
+    its output equals the reference and the other path's (same slots)."""
+    gen = torch.Generator().manual_seed(21)
+    k = 64
+    for kind in ("random", "ties", "mixed"):
+        scores = make_rows(3, 2600, gen, kind)
+        lengths = torch.tensor([2600, 1500, 70], dtype=torch.int32)
+        small = IndexerTopK(3, 2600, k, backend=path, device="cpu", num_programs=2, _cap=32)
+        got = small(scores, lengths).clone()
+        assert_topk_valid(got, scores, lengths, k)
+        usual = IndexerTopK(3, 2600, k, backend=path, device="cpu", num_programs=2)(scores, lengths)
+        assert torch.equal(got, usual)
+
+
+@needs_interpreter
+def test_periodic_rows_overflow_naturally():
+    """Large scores on a period that divides G crowd into few groups: the bound is weak, the
+    candidates overflow C, and the exact fallback still gives the right answer."""
+    k, width = 64, 6144
+    scores = torch.randn(2, width, generator=torch.Generator().manual_seed(4))
+    scores[:, ::32] += 10.0  # 192 large scores in 32 < k of the 1024 strided groups
+    lengths = torch.tensor([width, width - 5], dtype=torch.int32)
+    for path in ("standard", "persistent"):
+        op = IndexerTopK(2, width, k, backend=path, device="cpu", num_programs=2, _tile=1024, _cap=128)
+        assert_topk_valid(op(scores, lengths).clone(), scores, lengths, k)
+
+
 # ----------------------------------------------------------------------------- interface
 
 
@@ -195,7 +255,7 @@ def test_auto_on_cpu_without_interpreter_falls_back_to_torch():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
 
 
@@ -210,10 +270,10 @@ def test_torch_backend_matches_reference():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(max_rows=0, max_width=10, k=4),
-        dict(max_rows=2, max_width=10, k=0),
-        dict(max_rows=2, max_width=10, k=4, backend="fast"),
-        dict(max_rows=2, max_width=10, k=4.0),
+        {"max_rows": 0, "max_width": 10, "k": 4},
+        {"max_rows": 2, "max_width": 10, "k": 0},
+        {"max_rows": 2, "max_width": 10, "k": 4, "backend": "fast"},
+        {"max_rows": 2, "max_width": 10, "k": 4.0},
     ],
 )
 def test_bad_constructor_arguments(kwargs):

@@ -9,7 +9,13 @@ import os
 import pytest
 import torch
 
-from sparseserve.kernels.topk import _AUTO_MAX_ROWS_PERSISTENT, IndexerTopK, auto_path, topk_indices, topk_indices_ref
+from sparseserve.kernels.topk import (
+    _AUTO_MAX_ROWS_PERSISTENT,
+    IndexerTopK,
+    auto_path,
+    topk_indices,
+    topk_indices_ref,
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_INTERPRET, reason="GPU tests need TRITON_INTERPRET=0")]
@@ -22,6 +28,18 @@ def _rows(rows: int, width: int, gen: torch.Generator, kind: str) -> torch.Tenso
         return torch.randint(0, 5, (rows, width), generator=gen, device="cuda").float()
     if kind == "relu":  # like the indexer: many exact zeros, then a positive tail
         return torch.relu(torch.randn(rows, width, generator=gen, device="cuda") - 1.0)
+    if kind == "sparse":  # fewer positives than k in long rows: the k-th score is 0.0 (ties)
+        return torch.relu(torch.randn(rows, width, generator=gen, device="cuda") - 3.5)
+    if kind == "fewfinite":  # a few finite scores, the rest -inf: the k-th score is -inf
+        x = torch.full((rows, width), float("-inf"), device="cuda")
+        x[:, 5::301] = torch.randn(rows, len(range(5, width, 301)), generator=gen, device="cuda")
+        return x
+    if kind == "periodic":  # large scores on a period dividing G: few groups, candidates overflow
+        x = torch.randn(rows, width, generator=gen, device="cuda")
+        x[:, ::64] += 10.0
+        return x
+    if kind == "recent":  # the largest scores clustered at the end of the valid range
+        return torch.randn(rows, width, generator=gen, device="cuda") + torch.linspace(0, 6, width, device="cuda")
     raise ValueError(kind)
 
 
@@ -51,6 +69,10 @@ SHAPES = [
     (64, 16384, 512, "ties"),
     (5, 300001, 1024, "ties"),
     (256, 8192, 1024, "random"),
+    (4, 262144, 512, "sparse"),
+    (3, 100000, 512, "fewfinite"),
+    (2, 262144, 512, "periodic"),
+    (16, 65536, 1024, "recent"),
 ]
 
 
@@ -82,6 +104,27 @@ def test_paths_agree_exactly_gpu(rows, width, k, kind):
     b = IndexerTopK(rows, width, k, backend="persistent")(scores, lengths)
     assert torch.equal(a, b)
     assert torch.equal(topk_indices(scores, lengths, k), a)
+
+
+@pytest.mark.parametrize("path", ["standard", "persistent"])
+def test_forced_overflow_fallback_gpu(path):
+    """A capacity below k sends every row to the exact fallback: same slots as the usual run."""
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    rows, width, k = 4, 65536, 512
+    scores = _rows(rows, width, gen, "random")
+    lengths = torch.tensor([width, 40000, 513, 9000], dtype=torch.int32, device="cuda")
+    got = IndexerTopK(rows, width, k, backend=path, _cap=256)(scores, lengths).clone()
+    assert _mismatched_rows(got, scores, lengths, k) == []
+    assert torch.equal(got, IndexerTopK(rows, width, k, backend=path)(scores, lengths))
+
+
+def test_standard_more_rows_than_programs_gpu():
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    rows, width, k = 300, 8192, 512
+    scores = _rows(rows, width, gen, "random")
+    lengths = torch.randint(0, width + 1, (rows,), generator=gen, device="cuda").int()
+    out = IndexerTopK(rows, width, k, backend="standard", num_programs=37)(scores, lengths).clone()
+    assert _mismatched_rows(out, scores, lengths, k) == []
 
 
 def test_auto_around_the_crossover_gpu():

@@ -3,12 +3,18 @@
     PYTHONPATH=. python -m sparseserve.benchmarks.topk_bench --out benchmarks/results/topk.json
 
 Grid (issue 5): rows 1/8/64/256 x widths 8K/64K/256K x k 512/1024, random fp32 rows
-(never zeros), full valid length. Each backend is timed eagerly and as a CUDA-graph replay
-(the engine's decode step runs in graphs) with triton.testing.do_bench, median; do_bench
-flushes L2 before every timed run, so every run reads its scores from HBM. Correctness is
-checked on every shape against the reference (exact index sets), on random rows and on
-rows with many equal values. A sweep over more rows/widths (graph replay) places the
-standard/persistent crossover that "auto" uses. Roofline: R*W*4 bytes at 4.2 TB/s.
+(never zeros), full valid length. Each backend is timed eagerly (a Python call) and as a
+CUDA-graph replay (the engine's decode step runs in graphs) with triton.testing.do_bench,
+median; do_bench flushes L2 before every timed run, so every run reads its scores from HBM.
+Correctness is checked on every shape against the reference (exact index sets), on random
+rows and on rows with many equal values, half of them at random lengths.
+
+Also: a sweep over more rows/widths (graph replay, both paths) that places the
+standard/persistent crossover "auto" uses; tile/warp variants at a few shapes; and
+index-like data (many zeros, ties at the k-th score, large scores clustered at the end).
+
+Roofline per row: the scores read once plus the output written once, 4 * (W + k) bytes, at
+4.2 TB/s. Speed is reported as time over that floor and as torch.topk's time over ours.
 """
 from __future__ import annotations
 
@@ -17,7 +23,8 @@ import datetime
 import json
 import os
 import sys
-from typing import Callable
+import time
+from collections.abc import Callable
 
 import torch
 import triton
@@ -26,6 +33,7 @@ import triton.testing
 from sparseserve.kernels.topk import IndexerTopK, auto_path, topk_indices_ref
 
 HBM_BYTES_PER_S = 4.2e12
+PATHS = ("standard", "persistent")
 
 
 def _bench(fn: Callable[[], object], warmup_ms: int, rep_ms: int) -> float:
@@ -47,6 +55,29 @@ def _graph_of(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def _graph_us(fn: Callable[[], object], warmup_ms: int, rep_ms: int) -> float:
+    graph = _graph_of(fn)
+    return _bench(graph.replay, warmup_ms, rep_ms)
+
+
+def roofline_us(rows: int, width: int, k: int) -> float:
+    return rows * 4 * (width + k) / HBM_BYTES_PER_S * 1e6
+
+
+def make_scores(rows: int, width: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    if kind == "random":
+        return torch.randn(rows, width, generator=gen, device="cuda")
+    if kind == "ties":  # 5 distinct values: ties straddle the k-th score
+        return torch.randint(0, 5, (rows, width), generator=gen, device="cuda").float()
+    if kind == "relu":  # indexer-like: most scores exactly 0, a positive tail (k-th score > 0)
+        return torch.relu(torch.randn(rows, width, generator=gen, device="cuda") - 1.0)
+    if kind == "sparse":  # fewer positives than k: the k-th score is 0.0, tied with most of the row
+        return torch.relu(torch.randn(rows, width, generator=gen, device="cuda") - 3.5)
+    if kind == "recent":  # the largest scores cluster at the end of the row
+        return torch.randn(rows, width, generator=gen, device="cuda") + torch.linspace(0, 6, width, device="cuda")
+    raise ValueError(kind)
+
+
 def _same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.sort(dim=1).values, b.sort(dim=1).values))
 
@@ -55,10 +86,7 @@ def _check(ops: dict[str, IndexerTopK], rows: int, width: int, k: int, gen: torc
     """Exact index sets against the reference, on random rows and on rows of 5 distinct values."""
     result = {}
     for kind in ("random", "ties"):
-        if kind == "random":
-            scores = torch.randn(rows, width, generator=gen, device="cuda")
-        else:
-            scores = torch.randint(0, 5, (rows, width), generator=gen, device="cuda").float()
+        scores = make_scores(rows, width, kind, gen)
         lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
         lengths[rows // 2:] = torch.randint(1, width + 1, (rows - rows // 2,), generator=gen, device="cuda").int()
         ref = topk_indices_ref(scores, lengths, k)
@@ -67,74 +95,43 @@ def _check(ops: dict[str, IndexerTopK], rows: int, width: int, k: int, gen: torc
     return result
 
 
+def grid_cell(rows: int, width: int, k: int, gen: torch.Generator, warmup_ms: int, rep_ms: int) -> dict:
+    scores = make_scores(rows, width, "random", gen)
+    lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
+    ops = {p: IndexerTopK(rows, width, k, backend=p) for p in PATHS}
+    e: dict = {"k": k, "rows": rows, "width": width, "auto_path": auto_path(rows, width)}
+    e["correct"] = _check(ops, rows, width, k, gen)
+    fns = {"torch_topk": lambda: torch.topk(scores, k, dim=1)}
+    fns.update({p: (lambda op=op: op(scores, lengths)) for p, op in ops.items()})
+    for name, fn in fns.items():
+        e[f"{name}_eager_us"] = _bench(fn, warmup_ms, rep_ms)
+        e[f"{name}_graph_us"] = _graph_us(fn, warmup_ms, rep_ms)
+    e["roofline_us"] = roofline_us(rows, width, k)
+    for mode in ("eager", "graph"):
+        t = e[f"torch_topk_{mode}_us"]
+        for p in PATHS:
+            e[f"speedup_{p}_vs_torch_{mode}"] = t / e[f"{p}_{mode}_us"]
+            e[f"roofline_ratio_{p}_{mode}"] = e[f"{p}_{mode}_us"] / e["roofline_us"]
+        e[f"speedup_persistent_vs_standard_{mode}"] = e[f"standard_{mode}_us"] / e[f"persistent_{mode}_us"]
+        auto_us = e[f"{e['auto_path']}_{mode}_us"]
+        e[f"speedup_auto_vs_torch_{mode}"] = t / auto_us
+    return e
+
+
 def run_grid(rows_list, widths, ks, warmup_ms, rep_ms, log) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     entries = []
     for k in ks:
         for width in widths:
             for rows in rows_list:
-                scores = torch.randn(rows, width, generator=gen, device="cuda")
-                lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
-                ops = {p: IndexerTopK(rows, width, k, backend=p) for p in ("standard", "persistent")}
-                e: dict = {"k": k, "rows": rows, "width": width, "auto_path": auto_path(rows, width)}
-                e["correct"] = _check(ops, rows, width, k, gen)
-                fns = {
-                    "torch_topk": lambda: torch.topk(scores, k, dim=1),
-                    "standard": lambda: ops["standard"](scores, lengths),
-                    "persistent": lambda: ops["persistent"](scores, lengths),
-                }
-                for name, fn in fns.items():
-                    e[f"{name}_eager_us"] = _bench(fn, warmup_ms, rep_ms)
-                    graph = _graph_of(fn)
-                    e[f"{name}_graph_us"] = _bench(graph.replay, warmup_ms, rep_ms)
-                    del graph
-                e["roofline_us"] = rows * width * 4 / HBM_BYTES_PER_S * 1e6
-                for mode in ("eager", "graph"):
-                    t = e[f"torch_topk_{mode}_us"]
-                    e[f"speedup_standard_vs_torch_{mode}"] = t / e[f"standard_{mode}_us"]
-                    e[f"speedup_persistent_vs_torch_{mode}"] = t / e[f"persistent_{mode}_us"]
-                    e[f"speedup_persistent_vs_standard_{mode}"] = e[f"standard_{mode}_us"] / e[f"persistent_{mode}_us"]
-                    best = min(e[f"standard_{mode}_us"], e[f"persistent_{mode}_us"])
-                    e[f"roofline_ratio_best_{mode}"] = best / e["roofline_us"]
+                e = grid_cell(rows, width, k, gen, warmup_ms, rep_ms)
                 entries.append(e)
                 log(
-                    f"k={k:5d} R={rows:4d} W={width:7d} | torch {e['torch_topk_eager_us']:8.1f}/{e['torch_topk_graph_us']:8.1f}"
-                    f" | std {e['standard_eager_us']:8.1f}/{e['standard_graph_us']:8.1f}"
-                    f" | pers {e['persistent_eager_us']:8.1f}/{e['persistent_graph_us']:8.1f} us (eager/graph)"
-                    f" | roof {e['roofline_us']:6.1f} | ok {all(e['correct'].values())}"
+                    f"k={k:5d} R={rows:4d} W={width:7d} | torch {e['torch_topk_eager_us']:7.1f}/{e['torch_topk_graph_us']:7.1f}"
+                    f" | std {e['standard_eager_us']:7.1f}/{e['standard_graph_us']:7.1f}"
+                    f" | pers {e['persistent_eager_us']:7.1f}/{e['persistent_graph_us']:7.1f} us (eager/graph)"
+                    f" | roof {e['roofline_us']:6.2f} | auto {e['auto_path'][:4]} | ok {all(e['correct'].values())}"
                 )
-                del scores, lengths, ops
-    return entries
-
-
-MINI = [  # (rows, width, k, paths): few compiles, for a short device call
-    (1, 262144, 512, ("standard", "persistent")),
-    (8, 65536, 512, ("standard", "persistent")),
-    (256, 8192, 512, ("standard",)),
-    (256, 262144, 512, ("standard",)),
-]
-
-
-def run_mini(warmup_ms, rep_ms, log) -> list[dict]:
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    entries = []
-    for rows, width, k, paths in MINI:
-        scores = torch.randn(rows, width, generator=gen, device="cuda")
-        lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
-        ops = {p: IndexerTopK(rows, width, k, backend=p) for p in paths}
-        e: dict = {"k": k, "rows": rows, "width": width, "auto_path": auto_path(rows, width)}
-        e["correct"] = _check(ops, rows, width, k, gen)
-        fns = {"torch_topk": lambda: torch.topk(scores, k, dim=1)}
-        fns.update({p: (lambda op=op: op(scores, lengths)) for p, op in ops.items()})
-        for name, fn in fns.items():
-            e[f"{name}_eager_us"] = _bench(fn, warmup_ms, rep_ms)
-            graph = _graph_of(fn)
-            e[f"{name}_graph_us"] = _bench(graph.replay, warmup_ms, rep_ms)
-            del graph
-        e["roofline_us"] = rows * width * 4 / HBM_BYTES_PER_S * 1e6
-        entries.append(e)
-        log("mini " + json.dumps({key: (round(v, 1) if isinstance(v, float) else v) for key, v in e.items()}))
-        del scores, lengths, ops
     return entries
 
 
@@ -145,65 +142,155 @@ def run_sweep(rows_list, widths, ks, warmup_ms, rep_ms, log) -> list[dict]:
     for k in ks:
         for width in widths:
             for rows in rows_list:
-                scores = torch.randn(rows, width, generator=gen, device="cuda")
+                scores = make_scores(rows, width, "random", gen)
                 lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
                 e: dict = {"k": k, "rows": rows, "width": width}
-                for p in ("standard", "persistent"):
+                for p in PATHS:
                     op = IndexerTopK(rows, width, k, backend=p)
-                    graph = _graph_of(lambda: op(scores, lengths))
-                    e[f"{p}_graph_us"] = _bench(graph.replay, warmup_ms, rep_ms)
-                    del graph, op
+                    e[f"{p}_graph_us"] = _graph_us(lambda op=op, s=scores, n=lengths: op(s, n), warmup_ms, rep_ms)
                 e["faster"] = "persistent" if e["persistent_graph_us"] < e["standard_graph_us"] else "standard"
+                e["auto_path"] = auto_path(rows, width)
                 out.append(e)
-                log(f"sweep k={k} R={rows} W={width}: std {e['standard_graph_us']:.1f} pers {e['persistent_graph_us']:.1f} -> {e['faster']}")
+                log(f"sweep k={k} R={rows} W={width}: std {e['standard_graph_us']:.1f} pers {e['persistent_graph_us']:.1f}"
+                    f" -> {e['faster']} (auto {e['auto_path']})")
     return out
 
 
-def run_variants(shapes, warmup_ms, rep_ms, log) -> list[dict]:
-    """Graph-replay times of tile variants (standard BLOCK, persistent CHUNK); each checked exactly."""
+def run_variants(warmup_ms, rep_ms, log) -> list[dict]:
+    """Graph-replay times of tile/warp variants (standard BLOCK, persistent CHUNK); each checked exactly."""
     gen = torch.Generator(device="cuda").manual_seed(2)
+    cases = [
+        (64, 262144, 512, "standard", ((8192, 16), (8192, 8), (4096, 8))),
+        (256, 262144, 512, "standard", ((8192, 16), (8192, 8), (4096, 8))),
+        (256, 8192, 512, "standard", ((8192, 16), (8192, 8), (4096, 8))),
+        (1, 262144, 512, "persistent", ((1024, 4), (2048, 4), (2048, 8), (4096, 8))),
+        (8, 65536, 512, "persistent", ((2048, 4), (4096, 8), (8192, 16))),
+        (32, 262144, 512, "persistent", ((4096, 8), (8192, 16), (8192, 8))),
+    ]
     out = []
-    for rows, width, k in shapes:
-        scores = torch.randn(rows, width, generator=gen, device="cuda")
+    for rows, width, k, path, tiles in cases:
+        scores = make_scores(rows, width, "random", gen)
         lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
-        want = IndexerTopK(rows, width, k, backend="standard")(scores, lengths).clone()
-        for path, tiles in (("standard", (2048, 4096, 8192)), ("persistent", (1024, 2048, 4096, 8192))):
-            for tile in tiles:
-                op = IndexerTopK(rows, width, k, backend=path, _tile=tile)
-                ok = bool(torch.equal(op(scores, lengths), want))
-                graph = _graph_of(lambda: op(scores, lengths))
-                us = _bench(graph.replay, warmup_ms, rep_ms)
-                del graph, op
-                out.append({"rows": rows, "width": width, "k": k, "path": path, "tile": tile, "graph_us": us, "correct": ok})
-                log(f"variant R={rows} W={width} k={k} {path} tile={tile}: {us:.1f} us ok={ok}")
+        want = topk_indices_ref(scores, lengths, k)
+        for tile, warps in tiles:
+            op = IndexerTopK(rows, width, k, backend=path, _tile=tile, _warps=warps)
+            ok = _same_sets(op(scores, lengths), want)
+            us = _graph_us(lambda op=op, s=scores, n=lengths: op(s, n), warmup_ms, rep_ms)
+            out.append({"rows": rows, "width": width, "k": k, "path": path, "tile": tile, "warps": warps,
+                        "graph_us": us, "correct": ok})
+            log(f"variant R={rows} W={width} k={k} {path} tile={tile} warps={warps}: {us:.1f} us ok={ok}")
     return out
+
+
+def run_data_kinds(warmup_ms, rep_ms, log) -> list[dict]:
+    """Graph-replay times on index-like data (the tie and clustered cases), both paths, checked."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    out = []
+    for rows, width, k in ((1, 262144, 512), (64, 262144, 512)):
+        ops = {p: IndexerTopK(rows, width, k, backend=p) for p in PATHS}
+        for kind in ("random", "relu", "sparse", "recent", "ties"):
+            scores = make_scores(rows, width, kind, gen)
+            lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
+            want = topk_indices_ref(scores, lengths, k)
+            e: dict = {"rows": rows, "width": width, "k": k, "kind": kind}
+            e["torch_topk_graph_us"] = _graph_us(lambda s=scores, kk=k: torch.topk(s, kk, dim=1), warmup_ms, rep_ms)
+            for p, op in ops.items():
+                e[f"{p}_correct"] = _same_sets(op(scores, lengths), want)
+                e[f"{p}_graph_us"] = _graph_us(lambda op=op, s=scores, n=lengths: op(s, n), warmup_ms, rep_ms)
+            out.append(e)
+            log(f"data {kind:7s} R={rows} W={width}: torch {e['torch_topk_graph_us']:.1f} std {e['standard_graph_us']:.1f}"
+                f" pers {e['persistent_graph_us']:.1f} ok {e['standard_correct'] and e['persistent_correct']}")
+    return out
+
+
+def summary_table(grid: list[dict]) -> str:
+    """Markdown table of the grid (graph replay; eager in the JSON)."""
+    header = (
+        "| k | rows x width | torch.topk graph us | standard graph us | persistent graph us | auto | auto vs torch.topk"
+        " (graph / eager torch) | auto time / roofline | pers vs std | correct |"
+    )
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in grid:
+        a = e["auto_path"]
+        lines.append(
+            f"| {e['k']} | {e['rows']} x {e['width']} | {e['torch_topk_graph_us']:.1f} | {e['standard_graph_us']:.1f}"
+            f" | {e['persistent_graph_us']:.1f} | {a} | {e['torch_topk_graph_us'] / e[f'{a}_graph_us']:.2f}x /"
+            f" {e['torch_topk_eager_us'] / e[f'{a}_graph_us']:.2f}x | {e[f'{a}_graph_us'] / e['roofline_us']:.0f}x"
+            f" | {e['speedup_persistent_vs_standard_graph']:.2f}x | {'yes' if all(e['correct'].values()) else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+# Kernel variants the GPU tests and this benchmark compile: (path, k, width, tile, cap, warps).
+# Shape ints are not specialised (do_not_specialize), so one small call per variant fills
+# Triton's on-disk cache; --precompile does them in parallel processes (a fresh device
+# machine otherwise spends most of a short call compiling them one after another).
+PRECOMPILE = [
+    *[("standard", k, w, None, None, None) for k in (512, 1024) for w in (8192, 300001)],
+    ("standard", 512, 8192, None, 256, None),
+    ("standard", 512, 4096, None, None, None),
+    ("standard", 512, 262144, 8192, None, 8),
+    ("standard", 512, 262144, 4096, None, 8),
+    *[("persistent", 512, 262144, t, None, None) for t in (1024, 2048, 4096, 8192)],
+    *[("persistent", 1024, 262144, t, None, None) for t in (2048, 4096, 8192)],
+    ("persistent", 1024, 300001, 8192, None, None),
+    ("persistent", 512, 65536, 2048, 256, None),
+    ("persistent", 512, 262144, 2048, None, 8),
+    ("persistent", 512, 262144, 8192, None, 8),
+]
+
+
+def _precompile_one(cfg: tuple) -> str:
+    path, k, width, tile, cap, warps = cfg
+    t = time.time()
+    scores = torch.randn(2, width, device="cuda")
+    lengths = torch.full((2,), width, dtype=torch.int32, device="cuda")
+    IndexerTopK(2, width, k, backend=path, _tile=tile, _cap=cap, _warps=warps)(scores, lengths)
+    torch.cuda.synchronize()
+    return f"{cfg}: {time.time() - t:.1f}s"
+
+
+def precompile(processes: int, log) -> None:
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(processes) as pool:
+        for line in pool.imap_unordered(_precompile_one, PRECOMPILE):
+            log(f"compiled {line}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/topk.json")
-    ap.add_argument("--quick", action="store_true", help="small grid, short timings (smoke run)")
+    ap.add_argument("--quick", action="store_true", help="small grid, no sweep/variants (smoke run)")
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--mini", action="store_true", help="four shapes, k=512 only (a short device call)")
-    ap.add_argument("--warmup-ms", type=int, default=10)
-    ap.add_argument("--rep-ms", type=int, default=40)
+    ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--no-data", action="store_true")
+    ap.add_argument("--precompile", type=int, default=0, metavar="N",
+                    help="only fill Triton's kernel cache, with N processes, and exit")
+    ap.add_argument("--warmup-ms", type=int, default=5)
+    ap.add_argument("--rep-ms", type=int, default=20)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("topk_bench needs a CUDA GPU")
+    t0 = time.time()
 
     def log(msg: str) -> None:
-        print(msg, flush=True)
+        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
 
+    if args.precompile:
+        precompile(args.precompile, log)
+        return 0
     props = torch.cuda.get_device_properties(0)
     result: dict = {
         "card": props.name,
         "sm_count": props.multi_processor_count,
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "command": "python -m sparseserve.benchmarks.topk_bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "timing": "triton.testing.do_bench median (L2 flushed before each run); eager = Python call, graph = CUDA-graph replay",
         "hbm_bytes_per_s": HBM_BYTES_PER_S,
+        "roofline": "rows * 4 * (width + k) bytes (scores read once, output written once) at hbm_bytes_per_s",
     }
 
     def save() -> None:
@@ -211,30 +298,28 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    if args.mini:
-        result["mini"] = run_mini(args.warmup_ms, args.rep_ms, log)
-        save()
-        ok = all(all(e["correct"].values()) for e in result["mini"])
-        log(f"all correct: {ok}; wrote {args.out}")
-        return 0 if ok else 1
     if args.quick:
         rows_list, widths, ks = [1, 64], [8192, 262144], [512]
     else:
         rows_list, widths, ks = [1, 8, 64, 256], [8192, 65536, 262144], [512, 1024]
     result["grid"] = run_grid(rows_list, widths, ks, args.warmup_ms, args.rep_ms, log)
     save()
-    if not args.quick:
-        result["variants"] = run_variants(
-            [(1, 262144, 512), (8, 65536, 512), (64, 262144, 512), (256, 262144, 512)], 5, 20, log
+    if not args.quick and not args.no_data:
+        result["data_kinds"] = run_data_kinds(args.warmup_ms, args.rep_ms, log)
+        save()
+    if not args.quick and not args.no_sweep:
+        result["sweep"] = run_sweep(
+            [1, 2, 4, 8, 16, 32, 64, 128, 256], [8192, 16384, 32768, 65536, 131072, 262144], [512],
+            args.warmup_ms, args.rep_ms, log,
         )
         save()
-    if not args.no_sweep and not args.quick:
-        result["sweep"] = run_sweep(
-            [1, 2, 4, 8, 16, 32, 64, 128, 256], [8192, 16384, 32768, 65536, 131072, 262144], [512, 1024],
-            5, 20, log,
-        )
+    if not args.quick and not args.no_variants:
+        result["variants"] = run_variants(args.warmup_ms, args.rep_ms, log)
         save()
     ok = all(all(e["correct"].values()) for e in result["grid"])
+    ok = ok and all(e["standard_correct"] and e["persistent_correct"] for e in result.get("data_kinds", []))
+    ok = ok and all(e["correct"] for e in result.get("variants", []))
+    print(summary_table(result["grid"]), flush=True)
     log(f"all correct: {ok}; wrote {args.out}")
     return 0 if ok else 1
 

@@ -8,51 +8,65 @@ promised order), the rest are -1. Columns >= length are ignored whatever they ho
 Engine interface
 ----------------
 ``IndexerTopK(max_rows, max_width, k, backend="auto", device=...)`` preallocates its
-output (and, for the persistent path, its workspace) once; ``__call__(scores, lengths)``
-returns a view ``[R, k]`` of that output (R <= max_rows, W <= max_width). A call does no
-host sync, no data-dependent host branch and no allocation, so it can be captured in a
-CUDA graph (DESIGN.md invariant 1). ``backend`` is "auto" | "standard" | "persistent" |
-"torch"; "auto" picks from the static facts (max_rows, max_width) only (invariant 3),
-and ``.path`` says what it picked. The returned view is overwritten by the next call.
+output and workspaces once; ``__call__(scores, lengths)`` returns a view ``[R, k]`` of that
+output (R <= max_rows, W <= max_width). A call does no host sync, no data-dependent host
+branch and no allocation, so it can be captured in a CUDA graph (DESIGN.md invariant 1).
+``backend`` is "auto" | "standard" | "persistent" | "torch"; "auto" picks from the static
+facts (max_rows, max_width) only (invariant 3), and ``.path`` says what it picked. The
+returned view is overwritten by the next call. Calls must be stream-ordered (the standard
+path's candidate buffer is shared by the instances on one device).
 
 Both Triton paths compute the same function, in the same output order: the indices with
 score above the k-th score T in increasing index order, then the indices with score == T
 in increasing index order (as many as fill k).
 
-Algorithm (both paths): scores become order-preserving int32 keys; a radix select, one
-byte (256 bins) per pass, finds the key T of the k-th largest valid entry with four
-histogram passes (pass l counts only the entries whose higher bytes match the bytes chosen
-so far; blocks without such entries skip the histogram), then one pass writes the entries
-with key > T and the lowest-index entries with key == T. 256 bins, not 2048: on Triton 3.6
-`tl.histogram` lowers to warp ballots whose cost grows with the bin count (a 2048-bin
-version measured ~12 us per 4096-entry block on the H200; see docs/performance.md).
+Algorithm (both paths), for a row of n > k valid scores:
+1. **Bound.** Split the row into G strided groups (column mod G) and take each group's
+   maximum. The k-th largest group maximum ``lo`` is a lower bound of T: k distinct groups
+   reach it, so at least k scores are >= lo. On random rows few scores pass it (about
+   k * (1 + k / 2G)); strided groups keep that true when the large scores cluster in one
+   stretch of positions (recent tokens). ``lo`` is found by a 2-bit-per-step search over
+   the top 20 bits of the order-preserving int32 key (rounding it down keeps it a bound).
+2. **Compact.** One pass writes the entries with score > lo (value and column) to a
+   candidate buffer of capacity C = max(1024, 4k), in index order.
+3. **Select.** With ``total`` candidates:
+   * total >= k (the usual case): T = the exact k-th largest candidate (a 32-bit search
+     over the buffer, 16 steps), then the buffer is written out by the tie rule.
+   * total < k: T == lo (many equal scores): every candidate, then the first k - total
+     columns with score == lo (a scan that stops once enough are found).
+   * total > C (adversarial rows, e.g. large scores on a period that divides G): an exact
+     one-program radix select over the row (four 256-bin histogram passes and a write pass;
+     correct, slow).
 
-* standard: one program per row, all passes inside one launch. Good when there are
-  enough rows to fill the GPU.
+* standard: one program per row (grid-stride when rows exceed 2 programs per SM), BLOCK =
+  G = up to 8192 columns, all steps inside one launch. The candidate buffers (one per
+  program) are shared by every standard-path instance on the device.
 * persistent: a resident grid (one program per SM) that cuts every row into chunks and
-  loops over (row, chunk) items, so a few long rows use the whole GPU. The passes are
-  five launches (four level histograms, then the write); the kernel boundaries are the
-  grid barriers, so nothing ever spin-waits (no hang is possible, also under
-  TRITON_INTERPRET=1 where programs run one after another). Every item re-derives the
-  chosen bytes from the finished histograms (256 bins, cheap). The last histogram pass also
-  keeps each chunk's own last-byte histogram and its count above the 24-bit prefix, so the
-  write pass places each chunk's entries from prefix sums over the earlier chunks (no
-  count pass, deterministic order). The per-row histograms are device counters
-  accumulated with atomics and MUST be zero at launch: the path zeroes them itself,
-  unconditionally, right before the first kernel (DESIGN.md invariant 2), so any graph
-  that captures the call records the zeroing. Each pass checks that the histograms sum to
-  the counts the previous level expects; on a mismatch (counters that were not zero) the
+  loops over (row, chunk) items, so a few long rows use the whole GPU; G = max(1024, 2k),
+  two launches. Launch 1: each chunk folds its group maxima into the row's workspace with
+  atomic max; the last chunk of the row to arrive (an atomic arrival counter; no program
+  ever waits for another, so no hang is possible, also under TRITON_INTERPRET=1) computes
+  ``lo``. Launch 2: each chunk compacts its entries > lo into the row's buffer at a base
+  taken with an atomic add and records (count, base, ties); the last chunk to arrive puts
+  the candidates in index order from those records (deterministic output), selects and
+  writes the row. The per-row workspace (arrival counters, candidate count, group maxima)
+  MUST be zero at launch: the path zeroes it itself, unconditionally, right before the
+  first kernel (DESIGN.md invariant 2), so any graph that captures the call records the
+  zeroing. Stale counters are detected (an arrival count past the chunk count) and the
   row is written as all -2, a detectable error value.
 * torch: the plain-PyTorch reference below (stable sort), exact tie rule, slow.
 
-Roofline: the data is read once at best, R*W*4 bytes at ~4.2 TB/s (1 x 256K = 1 MiB,
-0.25 us); in practice both paths read each row up to 5 times (L2 absorbs the re-reads for
-few rows) and are latency/launch-bound for few rows.
+Roofline (bytes per row): the scores must be read once, 4n bytes (1 x 256K: 1 MiB, 0.25 us
+at 4.2 TB/s), plus 4k bytes of output. Both paths read each row twice (bound, compact),
+8n bytes, plus ~8 bytes per candidate written and read back (~8-11k bytes); the persistent
+path's second read hits L2 when the rows fit in it (50 MiB). Rows with ties at T read up to
+the needed ties a third time; overflowing rows (total > C) read the row five more times.
+Few rows are latency-bound (launches, the bound and select searches: block reductions in
+one program), many rows bandwidth-bound (the two reads).
 """
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
@@ -66,17 +80,17 @@ except ImportError:  # pragma: no cover - exercised only without triton
 
 BACKENDS = ("auto", "standard", "persistent", "torch")
 
-# Radix select over the 32-bit key, one byte (256 bins) per pass. The per-row workspace of
-# the persistent path holds the four level histograms (the counters that must be zero).
-_WS_STRIDE = 4 * 256
+# Persistent workspace, per row (int32, zeroed every call): two arrival counters, the
+# candidate count, the bound, then the G group maxima.
+WS_ARRIVE1, WS_ARRIVE2, WS_TOTAL, WS_BOUND, WS_GMAX = 0, 1, 2, 3, 16
+LB_STEPS = 10  # the bound's search: 2 bits per step, so the top 20 bits of the key
+FALLBACK_BLOCK = 1024  # the exact fallback's block (small: its histograms are register-hungry)
+STD_PROGRAMS_PER_SM = 2  # standard-path grid cap (and candidate buffers) per SM
+KEY_NEG_INF = -2139095041  # the int32 key of -inf
 
 # "auto" crossover (docs/performance.md): the persistent path is picked when a step has at most
-# this many rows for its padded width. Measured on one H200: the v1 kernels' sweep had the
-# persistent path >= 2x the standard one up to 64 rows and ~1.15x at 128-256 rows; the v2
-# kernels sped the standard path up 3.4-3.8x and the persistent one 1.6-1.8x at the shapes
-# measured, which moves the 2x point to about 32 rows. Up to 4096 columns a row is at most
-# a few chunks, so the persistent path has nothing to split.
-_AUTO_MAX_ROWS_PERSISTENT = ((4096, 0), (16384, 8), (1 << 62, 32))
+# this many rows for its padded width (width limits ascending; the last is unbounded).
+_AUTO_MAX_ROWS_PERSISTENT = ((16384, 0), (65536, 8), (1 << 62, 32))
 
 
 def topk_indices_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
@@ -95,6 +109,16 @@ def topk_indices_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> tor
     return out
 
 
+if _HAVE_TRITON:
+    _NEG_INF_KEY = tl.constexpr(KEY_NEG_INF)
+    _KEY_MIN = tl.constexpr(-2147483648)  # u = key - _KEY_MIN maps int32 keys onto [0, 2**32)
+    _WS_ARRIVE1 = tl.constexpr(WS_ARRIVE1)
+    _WS_ARRIVE2 = tl.constexpr(WS_ARRIVE2)
+    _WS_TOTAL = tl.constexpr(WS_TOTAL)
+    _WS_BOUND = tl.constexpr(WS_BOUND)
+    _WS_GMAX = tl.constexpr(WS_GMAX)
+
+
 # ----------------------------------------------------------------------------- Triton
 if _HAVE_TRITON:
 
@@ -106,6 +130,103 @@ if _HAVE_TRITON:
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
     @triton.jit
+    def _key_float(key):
+        """int32 key -> fp32 (the inverse of _keys; key -1 decodes to -0.0)."""
+        return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _search(u, K, STEPS: tl.constexpr):
+        """Largest t = (top 2*STEPS bits of 32, rest zero) with count(u >= t) >= K.
+
+        u: int64 in [0, 2**32) (the key plus 2**31; lanes to ignore hold -1). Two bits per
+        step: the three candidate counts are packed into one int64 so that a step costs a
+        single block reduction. With STEPS = 16 the result is the K-th largest u exactly.
+        """
+        res = tl.full([], 0, tl.int64)
+        for i in range(STEPS):
+            unit = tl.full([], 1, tl.int64) << (30 - 2 * i)  # int64 (3 << 30 is no int32)
+            one = res + unit
+            two = res + 2 * unit
+            three = res + 3 * unit
+            packed = (u >= one).to(tl.int64) + ((u >= two).to(tl.int64) << 21) + ((u >= three).to(tl.int64) << 42)
+            s = tl.sum(packed, axis=0)
+            c1 = s & 0x1FFFFF
+            c2 = (s >> 21) & 0x1FFFFF
+            c3 = s >> 42
+            d = tl.where(c3 >= K, 3, tl.where(c2 >= K, 2, tl.where(c1 >= K, 1, 0)))
+            res = res + d.to(tl.int64) * unit
+        return res
+
+    @triton.jit
+    def _bound_key(u_res):
+        """Lower-bound key from a _search result (u-space), clamped to the key of -inf."""
+        return tl.maximum(u_res + _KEY_MIN, _NEG_INF_KEY).to(tl.int32)
+
+    @triton.jit
+    def _exact_kth(v, m, K):
+        """The K-th largest of the fp32 block v over mask m (count(m) >= K): its value."""
+        u = tl.where(m, _keys(v).to(tl.int64) - _KEY_MIN, -1)
+        return _key_float((_search(u, K, 16) + _KEY_MIN).to(tl.int32))
+
+    @triton.jit
+    def _load_scores(ptr, c, s, n, BLOCK: tl.constexpr):
+        """Scores ptr[c] for c = s + arange(BLOCK); -inf at columns >= n. Whole blocks load
+        without a mask, so that the loads are 16-byte vectors."""
+        if s + BLOCK <= n:
+            x = tl.load(ptr + c)
+        else:
+            x = tl.load(ptr + c, mask=c < n, other=float("-inf"))
+        return x
+
+    @triton.jit
+    def _compact(x, c, lo, total, cv, ci, C: tl.constexpr):
+        """Append the entries x > lo (value, column) at cv/ci[total:] in index order; new total."""
+        gt = x > lo  # -inf past the length never passes
+        g32 = gt.to(tl.int32)
+        count = tl.sum(g32, axis=0)
+        if count > 0:
+            rank = total + tl.cumsum(g32, axis=0) - 1
+            keep = gt & (rank < C)
+            tl.store(cv + rank, x, mask=keep)
+            tl.store(ci + rank, c, mask=keep)
+        return total + count
+
+    @triton.jit
+    def _select_write(v, idx, m, thr, n_gt, need_eq, orow):
+        """Write one index-ordered block: entries > thr to slots [0, n_gt), then the first
+        need_eq entries == thr to slots [n_gt, n_gt + need_eq)."""
+        is_gt = (m & (v > thr)).to(tl.int32)
+        is_eq = (m & (v == thr)).to(tl.int32)
+        rank_gt = tl.cumsum(is_gt, axis=0)
+        rank_eq = tl.cumsum(is_eq, axis=0)
+        tl.store(orow + rank_gt - 1, idx, mask=(is_gt != 0) & (rank_gt <= n_gt))
+        tl.store(orow + n_gt + rank_eq - 1, idx, mask=(is_eq != 0) & (rank_eq <= need_eq))
+
+    @triton.jit
+    def _write_ties(srow, n, thr, slot0, need_eq, orow, BLOCK: tl.constexpr):
+        """orow[slot0 + j] = the j-th column (by index) whose score == thr, j < need_eq."""
+        offs = tl.arange(0, BLOCK)
+        run = 0
+        for s in range(0, n, BLOCK):
+            if run < need_eq:
+                c = s + offs
+                m = c < n
+                x = tl.load(srow + c, mask=m, other=0.0)
+                is_eq = (m & (x == thr)).to(tl.int32)
+                rank = run + tl.cumsum(is_eq, axis=0)
+                tl.store(orow + slot0 + rank - 1, c, mask=(is_eq != 0) & (rank <= need_eq))
+                run += tl.sum(is_eq, axis=0)
+
+    @triton.jit
+    def _fill(out_row, lo, hi, value, K: tl.constexpr, FB: tl.constexpr):
+        """out_row[lo:hi] = value (hi <= K)."""
+        for s in range(0, K, FB):
+            o = s + tl.arange(0, FB)
+            tl.store(out_row + o, tl.full([FB], value, tl.int32), mask=(o >= lo) & (o < hi))
+
+    # ---- the exact fallback (radix select, one byte per pass): rows whose candidates overflow
+
+    @triton.jit
     def _digit(key, LEVEL: tl.constexpr):
         """The LEVEL-th byte of the key (0 = top, signed, shifted to 0..255)."""
         if LEVEL == 0:
@@ -114,20 +235,14 @@ if _HAVE_TRITON:
             return (key >> (24 - 8 * LEVEL)) & 255
 
     @triton.jit
-    def _matches(key, prefix, LEVEL: tl.constexpr):
-        """Whether the key's top LEVEL bytes equal prefix (LEVEL >= 1; prefix is signed)."""
-        return (key >> (32 - 8 * LEVEL)) == prefix
-
-    @triton.jit
     def _pick_digit(h, kr):
-        """Largest bin d whose suffix count reaches kr; also the count above d, in d, and the total."""
+        """Largest bin d whose suffix count reaches kr; also the count above d."""
         bins = tl.arange(0, 256)
         total = tl.sum(h, axis=0)
         suffix = total - tl.cumsum(h, axis=0) + h  # entries in bins >= b
         d = tl.max(tl.where(suffix >= kr, bins, -1), axis=0)
         above = tl.sum(tl.where(bins > d, h, 0), axis=0)
-        in_d = tl.sum(tl.where(bins == d, h, 0), axis=0)
-        return d, above, in_d, total
+        return d, above
 
     @triton.jit
     def _extend(prefix, d, LEVEL: tl.constexpr):
@@ -136,13 +251,6 @@ if _HAVE_TRITON:
             return d - 128
         else:
             return prefix * 256 + d
-
-    @triton.jit
-    def _fill(out_row, lo, hi, value, K: tl.constexpr, FB: tl.constexpr):
-        """out_row[lo:hi] = value (hi <= K)."""
-        for s in range(0, K, FB):
-            o = s + tl.arange(0, FB)
-            tl.store(out_row + o, tl.full([FB], value, tl.int32), mask=(o >= lo) & (o < hi))
 
     @triton.jit
     def _row_hist(srow, n, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
@@ -156,169 +264,225 @@ if _HAVE_TRITON:
             if LEVEL == 0:
                 h += tl.histogram(_digit(key, 0), 256, mask=m)
             else:
-                m = m & _matches(key, prefix, LEVEL)
-                # Later levels match few entries: skip the (costly) histogram on empty blocks.
+                m = m & ((key >> (32 - 8 * LEVEL)) == prefix)
                 if tl.sum(m.to(tl.int32), axis=0) > 0:
                     h += tl.histogram(_digit(key, LEVEL), 256, mask=m)
         return h
 
     @triton.jit
-    def _topk_standard_kernel(
-        scores_ptr, stride_s, lengths_ptr, out_ptr, stride_o, W,
-        K: tl.constexpr, BLOCK: tl.constexpr, FB: tl.constexpr,
-    ):
-        row = tl.program_id(0)
-        srow = scores_ptr + row.to(tl.int64) * stride_s
-        orow = out_ptr + row.to(tl.int64) * stride_o
-        n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), W)
+    def _exact_row(srow, n, orow, K: tl.constexpr, BLOCK: tl.constexpr):
+        """Exact top-K of one row by one program: four histogram passes, then a write pass."""
+        h = _row_hist(srow, n, 0, 0, BLOCK)
+        d, above = _pick_digit(h, K)
+        prefix = _extend(0, d, 0)
+        kr = K - above
+        h = _row_hist(srow, n, prefix, 1, BLOCK)
+        d, above = _pick_digit(h, kr)
+        prefix = _extend(prefix, d, 1)
+        kr = kr - above
+        h = _row_hist(srow, n, prefix, 2, BLOCK)
+        d, above = _pick_digit(h, kr)
+        prefix = _extend(prefix, d, 2)
+        kr = kr - above
+        h = _row_hist(srow, n, prefix, 3, BLOCK)
+        d, above = _pick_digit(h, kr)
+        thr = _key_float(_extend(prefix, d, 3))  # the K-th largest score
+        need_eq = kr - above
+        n_gt = K - need_eq
         offs = tl.arange(0, BLOCK)
-        if n > K:
-            # Radix select, one byte per pass: prefix = the top bytes of the k-th key so far,
-            # kr = how many entries still to take from inside that prefix.
-            h = _row_hist(srow, n, 0, 0, BLOCK)
-            d, above, _c, _t = _pick_digit(h, K)
-            prefix = _extend(0, d, 0)
-            kr = K - above
-            h = _row_hist(srow, n, prefix, 1, BLOCK)
-            d, above, _c, _t = _pick_digit(h, kr)
-            prefix = _extend(prefix, d, 1)
-            kr = kr - above
-            h = _row_hist(srow, n, prefix, 2, BLOCK)
-            d, above, _c, _t = _pick_digit(h, kr)
-            prefix = _extend(prefix, d, 2)
-            kr = kr - above
-            h = _row_hist(srow, n, prefix, 3, BLOCK)
-            d, above, _c, _t = _pick_digit(h, kr)
-            thr = _extend(prefix, d, 3)  # the k-th largest key
-            need_eq = kr - above  # >= 1 entries equal to thr to take, lowest index first
-            n_gt = K - need_eq
-            # Write pass: deterministic slots from running counts.
-            gt_run = 0
-            eq_run = 0
-            for s in range(0, n, BLOCK):
-                c = s + offs
-                m = c < n
-                key = _keys(tl.load(srow + c, mask=m, other=0.0))
-                is_gt = (m & (key > thr)).to(tl.int32)
-                is_eq = (m & (key == thr)).to(tl.int32)
-                rank_gt = gt_run + tl.cumsum(is_gt, axis=0)
-                rank_eq = eq_run + tl.cumsum(is_eq, axis=0)
-                tl.store(orow + rank_gt - 1, c, mask=(is_gt != 0) & (rank_gt <= n_gt))
-                tl.store(orow + n_gt + rank_eq - 1, c, mask=(is_eq != 0) & (rank_eq <= need_eq))
-                gt_run += tl.sum(is_gt, axis=0)
-                eq_run += tl.sum(is_eq, axis=0)
-        else:
-            # Every valid entry is chosen: slot j holds column j; the rest is -1.
-            for s in range(0, K, FB):
-                o = s + tl.arange(0, FB)
-                tl.store(orow + o, tl.where(o < n, o, -1), mask=o < K)
+        gt_run = 0
+        for s in range(0, n, BLOCK):
+            c = s + offs
+            m = c < n
+            x = tl.load(srow + c, mask=m, other=0.0)
+            is_gt = (m & (x > thr)).to(tl.int32)
+            rank_gt = gt_run + tl.cumsum(is_gt, axis=0)
+            tl.store(orow + rank_gt - 1, c, mask=(is_gt != 0) & (rank_gt <= n_gt))
+            gt_run += tl.sum(is_gt, axis=0)
+        _write_ties(srow, n, thr, n_gt, need_eq, orow, BLOCK)
 
-    # ---- persistent path: a resident grid looping over (row, chunk) items, five launches.
+    # ---- standard path: one program per row (grid-stride when rows exceed the grid)
 
-    @triton.jit
-    def _derive(wrow, n, K: tl.constexpr, LEVELS: tl.constexpr):
-        """Prefix, remaining count and error flag after LEVELS finished histograms of the row.
-
-        The error flag is set when a histogram does not sum to the count the previous level
-        expects, i.e. the counters were not zero at launch.
-        """
-        bins = tl.arange(0, 256)
-        prefix = 0
-        kr = K
-        expected = n
-        bad = n < 0  # False, as a tensor
-        for lvl in tl.static_range(LEVELS):
-            h = tl.load(wrow + lvl * 256 + bins)
-            d, above, in_d, total = _pick_digit(h, kr)
-            bad = bad | (total != expected)
-            prefix = _extend(prefix, d, lvl)
-            kr = kr - above
-            expected = in_d
-        return prefix, kr, bad
-
-    @triton.jit
-    def _p_hist_kernel(
-        scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, chist_ptr, W, n_items, CPR,
-        LEVEL: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr,
+    @triton.jit(do_not_specialize=["R", "W"])
+    def _topk_standard_kernel(
+        scores_ptr, stride_s, lengths_ptr, out_ptr, stride_o, cand_v_ptr, cand_i_ptr, R, W,
+        K: tl.constexpr, BLOCK: tl.constexpr, C: tl.constexpr, FB: tl.constexpr, LB_STEPS: tl.constexpr,
+        FALLBACK_BLOCK: tl.constexpr,
     ):
-        """Level-LEVEL histogram of every long row, accumulated over its chunks with atomics.
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        offs = tl.arange(0, BLOCK)
+        p = tl.arange(0, C)
+        cv = cand_v_ptr + tl.cast(pid, tl.int64) * C
+        ci = cand_i_ptr + tl.cast(pid, tl.int64) * C
+        for row in range(pid, R, nprog):
+            row64 = tl.cast(row, tl.int64)
+            srow = scores_ptr + row64 * stride_s
+            orow = out_ptr + row64 * stride_o
+            n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), W)
+            if n > K:
+                # Pass 1: maxima of the BLOCK strided groups (column mod BLOCK). The K-th largest
+                # group maximum is a lower bound of the K-th largest score (K groups reach it).
+                gmax = tl.full([BLOCK], float("-inf"), tl.float32)
+                for s in range(0, n, 2 * BLOCK):  # two blocks per step: more loads in flight
+                    x0 = _load_scores(srow, s + offs, s, n, BLOCK)
+                    x1 = _load_scores(srow, s + BLOCK + offs, s + BLOCK, n, BLOCK)
+                    gmax = tl.maximum(gmax, tl.maximum(x0, x1))
+                u = _keys(gmax).to(tl.int64) - _KEY_MIN
+                lo = _key_float(_bound_key(_search(u, K, LB_STEPS)))
+                # Pass 2: compact the entries above the bound, in index order.
+                total = 0
+                tl.debug_barrier()  # the previous row's reads of the candidate buffer are done
+                for s in range(0, n, 2 * BLOCK):
+                    x0 = _load_scores(srow, s + offs, s, n, BLOCK)
+                    x1 = _load_scores(srow, s + BLOCK + offs, s + BLOCK, n, BLOCK)
+                    total = _compact(x0, s + offs, lo, total, cv, ci, C)
+                    total = _compact(x1, s + BLOCK + offs, lo, total, cv, ci, C)
+                tl.debug_barrier()
+                pm = p < total
+                if total > C:
+                    _exact_row(srow, n, orow, K, FALLBACK_BLOCK)  # too many candidates: exact, slow
+                elif total < K:
+                    # The K-th score is the bound itself: every candidate, then the first ties.
+                    tl.store(orow + p, tl.load(ci + p, mask=pm, other=0), mask=pm)
+                    _write_ties(srow, n, lo, total, K - total, orow, BLOCK)
+                else:
+                    v = tl.load(cv + p, mask=pm, other=float("-inf"))
+                    idx = tl.load(ci + p, mask=pm, other=0)
+                    thr = _exact_kth(v, pm, K)
+                    n_gt = tl.sum((pm & (v > thr)).to(tl.int32), axis=0)
+                    _select_write(v, idx, pm, thr, n_gt, K - n_gt, orow)
+            else:
+                # Every valid entry is chosen: slot j holds column j; the rest is -1.
+                for s in range(0, K, FB):
+                    o = s + tl.arange(0, FB)
+                    tl.store(orow + o, tl.where(o < n, o, -1), mask=o < K)
 
-        Level 3 (the last byte) also keeps each chunk's own histogram and its count of entries
-        above the 24-bit prefix, so the write pass can place every chunk without a count pass.
-        """
+    # ---- persistent path: a resident grid looping over (row, chunk) items, two launches.
+
+    @triton.jit(do_not_specialize=["W", "n_items", "CPR"])
+    def _p_bound_kernel(
+        scores_ptr, stride_s, lengths_ptr, ws_ptr, W, n_items, CPR,
+        K: tl.constexpr, CHUNK: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, LB_STEPS: tl.constexpr,
+    ):
+        """Launch 1: strided group maxima of every long row (atomic max into the zeroed
+        workspace); the last chunk of a row to arrive turns them into the row's lower bound."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         offs = tl.arange(0, CHUNK)
-        bins = tl.arange(0, 256)
+        gidx = tl.arange(0, G)
         for item in range(pid, n_items, nprog):
             row = item // CPR
-            chunk = item % CPR
-            slot = row.to(tl.int64) * CPR + chunk  # == item, as a 64-bit tensor
-            start = chunk * CHUNK
+            start = (item % CPR) * CHUNK
             n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), W)
             if n > K:
                 wrow = ws_ptr + row.to(tl.int64) * WS
-                prefix, _kr, _bad = _derive(wrow, n, K, LEVEL)
-                c = start + offs
-                m = c < n
-                key = _keys(tl.load(scores_ptr + row.to(tl.int64) * stride_s + c, mask=m, other=0.0))
-                if LEVEL > 0:
-                    m = m & _matches(key, prefix, LEVEL)
-                count = tl.sum(m.to(tl.int32), axis=0)
-                if count > 0:
-                    h = tl.histogram(_digit(key, LEVEL), 256, mask=m)
-                    tl.atomic_add(wrow + LEVEL * 256 + bins, h, mask=h > 0, sem="relaxed")
-                    if LEVEL == 3:
-                        suffix = count - tl.cumsum(h, axis=0) + h
-                        tl.store(chist_ptr + slot * 256 + bins, suffix)
-                if LEVEL == 3:
-                    above = tl.sum(((c < n) & ((key >> 8) > prefix)).to(tl.int32), axis=0)
-                    tl.store(cinfo_ptr + slot * 2, above)
-                    tl.store(cinfo_ptr + slot * 2 + 1, count)
+                if start < n:
+                    x = _load_scores(scores_ptr + row.to(tl.int64) * stride_s, start + offs, start, n, CHUNK)
+                    gm = tl.max(tl.reshape(x, [CHUNK // G, G]), axis=0)
+                    # (key >> 1) + 2**30: monotone, >= 0, so zeroed counters mean "below everything".
+                    mk = (_keys(gm) >> 1) + 1073741824
+                    tl.atomic_max(wrow + _WS_GMAX + gidx, mk, mask=gm > float("-inf"), sem="relaxed")
+                tl.debug_barrier()
+                arrived = tl.atomic_add(wrow + _WS_ARRIVE1, 1, sem="acq_rel")
+                if arrived % CPR == CPR - 1:
+                    mk = tl.load(wrow + _WS_GMAX + gidx, cache_modifier=".cg")
+                    # 2 * mk is the u-space value of a key <= the group's maximum (0 = empty group).
+                    u = mk.to(tl.int64) * 2
+                    tl.store(wrow + _WS_BOUND, _bound_key(_search(u, K, LB_STEPS)))
 
-    @triton.jit
-    def _p_write_kernel(
-        scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, chist_ptr, out_ptr, stride_o, W, n_items, CPR,
-        K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr, CPR_P2: tl.constexpr, FB: tl.constexpr,
+    @triton.jit(do_not_specialize=["W", "n_items", "CPR"])
+    def _p_select_kernel(
+        scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, cand_v_ptr, cand_i_ptr, out_ptr, stride_o,
+        W, n_items, CPR,
+        K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr, C: tl.constexpr, CPR_P2: tl.constexpr,
+        FB: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
     ):
+        """Launch 2: every chunk compacts its entries above the row's bound into the row's
+        candidate buffer (at a base taken with an atomic); the last chunk of the row to arrive
+        puts the candidates in index order, selects the K-th score among them and writes the row."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         offs = tl.arange(0, CHUNK)
+        p = tl.arange(0, C)
         cidx = tl.arange(0, CPR_P2)
         for item in range(pid, n_items, nprog):
             row = item // CPR
             chunk = item % CPR
             start = chunk * CHUNK
             n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), W)
+            srow = scores_ptr + row.to(tl.int64) * stride_s
             orow = out_ptr + row.to(tl.int64) * stride_o
             c = start + offs
             if n > K:
-                thr, need_eq, bad = _derive(ws_ptr + row.to(tl.int64) * WS, n, K, 4)
-                if bad:
-                    # Counters were not zero at launch: poison the row (detectable, never a hang).
-                    if chunk == 0:
+                wrow = ws_ptr + row.to(tl.int64) * WS
+                cv = cand_v_ptr + row.to(tl.int64) * C
+                ci = cand_i_ptr + row.to(tl.int64) * C
+                info = cinfo_ptr + tl.cast(item, tl.int64) * 4
+                lo = _key_float(tl.load(wrow + _WS_BOUND))
+                m = c < n
+                x = _load_scores(srow, c, start, n, CHUNK)
+                g32 = (x > lo).to(tl.int32)  # -inf past n never passes
+                count = tl.sum(g32, axis=0)
+                base = tl.atomic_add(wrow + _WS_TOTAL, count, sem="relaxed")
+                rank = base + tl.cumsum(g32, axis=0) - 1
+                keep = (g32 != 0) & (rank < C)
+                tl.store(cv + rank, x, mask=keep)
+                tl.store(ci + rank, c, mask=keep)
+                tl.store(info, count)
+                tl.store(info + 1, base)
+                tl.store(info + 2, tl.sum((m & (x == lo)).to(tl.int32), axis=0))
+                tl.debug_barrier()
+                arrived = tl.atomic_add(wrow + _WS_ARRIVE2, 1, sem="acq_rel")
+                if arrived % CPR == CPR - 1:
+                    if arrived >= CPR:
+                        # Counters were not zero at launch: poison the row (detectable, never a hang).
                         _fill(orow, 0, K, -2, K, FB)
-                else:
-                    n_gt = K - need_eq
-                    d4 = thr & 255
-                    # Entries above / equal to thr in the earlier chunks of this row.
-                    before = cidx < chunk
-                    first = row.to(tl.int64) * CPR
-                    above24 = tl.load(cinfo_ptr + (first + cidx) * 2, mask=before, other=0)
-                    has4 = before & (tl.load(cinfo_ptr + (first + cidx) * 2 + 1, mask=before, other=0) > 0)
-                    suf_d = tl.load(chist_ptr + (first + cidx) * 256 + d4, mask=has4, other=0)
-                    suf_next = tl.load(chist_ptr + (first + cidx) * 256 + d4 + 1, mask=has4 & ((cidx * 0 + d4) < 255), other=0)
-                    gt_base = tl.sum(above24 + suf_next, axis=0)
-                    eq_base = tl.sum(suf_d - suf_next, axis=0)
-                    if start < n:
-                        m = c < n
-                        key = _keys(tl.load(scores_ptr + row.to(tl.int64) * stride_s + c, mask=m, other=0.0))
-                        is_gt = (m & (key > thr)).to(tl.int32)
-                        is_eq = (m & (key == thr)).to(tl.int32)
-                        rank_gt = gt_base + tl.cumsum(is_gt, axis=0)
-                        rank_eq = eq_base + tl.cumsum(is_eq, axis=0)
-                        tl.store(orow + rank_gt - 1, c, mask=(is_gt != 0) & (rank_gt <= n_gt))
-                        tl.store(orow + n_gt + rank_eq - 1, c, mask=(is_eq != 0) & (rank_eq <= need_eq))
+                    else:
+                        total = tl.load(wrow + _WS_TOTAL, cache_modifier=".cg")
+                        first = row.to(tl.int64) * CPR
+                        if total <= C:
+                            # Index-order position of candidate q: its rank in its chunk's run plus
+                            # the candidates of the earlier chunks.
+                            cm = cidx < CPR
+                            cnt = tl.load(cinfo_ptr + (first + cidx) * 4, mask=cm, other=0, cache_modifier=".cg")
+                            bas = tl.load(cinfo_ptr + (first + cidx) * 4 + 1, mask=cm, other=0, cache_modifier=".cg")
+                            tl.store(cinfo_ptr + (first + cidx) * 4 + 3, tl.cumsum(cnt, axis=0) - cnt - bas, mask=cm)
+                            tl.debug_barrier()
+                            pm = p < total
+                            v = tl.load(cv + p, mask=pm, other=float("-inf"), cache_modifier=".cg")
+                            idx = tl.load(ci + p, mask=pm, other=0, cache_modifier=".cg")
+                            pos = p + tl.load(cinfo_ptr + (first + idx // CHUNK) * 4 + 3, mask=pm, other=0,
+                                              cache_modifier=".cg")
+                            if total < K:
+                                # The K-th score is the bound: every candidate, then the first ties.
+                                tl.store(orow + pos, idx, mask=pm)
+                                need_eq = K - total
+                                run = 0
+                                for cc in range(CPR):
+                                    if run < need_eq:
+                                        n_eq = tl.load(cinfo_ptr + (first + cc) * 4 + 2, cache_modifier=".cg")
+                                        if n_eq > 0:
+                                            c2 = cc * CHUNK + offs
+                                            m2 = c2 < n
+                                            x2 = tl.load(srow + c2, mask=m2, other=0.0)
+                                            is_eq = (m2 & (x2 == lo)).to(tl.int32)
+                                            r2 = run + tl.cumsum(is_eq, axis=0)
+                                            tl.store(orow + total + r2 - 1, c2, mask=(is_eq != 0) & (r2 <= need_eq))
+                                            run += n_eq
+                            else:
+                                thr = _exact_kth(v, pm, K)
+                                n_gt = tl.sum((pm & (v > thr)).to(tl.int32), axis=0)
+                                # Put the candidates in index order (in place), then write.
+                                tl.debug_barrier()
+                                tl.store(cv + pos, v, mask=pm)
+                                tl.store(ci + pos, idx, mask=pm)
+                                tl.debug_barrier()
+                                v = tl.load(cv + p, mask=pm, other=float("-inf"), cache_modifier=".cg")
+                                idx = tl.load(ci + p, mask=pm, other=0, cache_modifier=".cg")
+                                _select_write(v, idx, pm, thr, n_gt, K - n_gt, orow)
+                        else:
+                            _exact_row(srow, n, orow, K, FALLBACK_BLOCK)  # too many candidates: exact, slow
             else:
                 # Every valid entry is chosen: slot j holds column j.
                 tl.store(orow + c, c, mask=c < n)
@@ -333,17 +497,35 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _standard_config(width: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) for the standard kernel, from the static width."""
-    block = min(8192, max(1024, _next_pow2(width)))
-    return block, (8 if block >= 4096 else 4)
+def _capacity(k: int) -> int:
+    """Candidate buffer entries per row (a power of two >= 4k)."""
+    return _next_pow2(max(4 * k, 1024))
 
 
-def _persistent_config(rows: int, width: int, num_programs: int) -> tuple[int, int, int]:
-    """(CHUNK, chunks_per_row, num_warps): about one item per program, chunks of 1K..8K."""
+def _persistent_groups(k: int) -> int:
+    """G of the persistent path: strided groups per row (>= k so that the bound exists)."""
+    return _next_pow2(max(2 * k, 1024))
+
+
+def _warps(tile: int, cap: int) -> int:
+    """Warps per program: 16 for 8K tiles (keeps the kernels near 128 registers a thread)."""
+    if tile >= 8192:
+        return 16
+    return 8 if tile >= 4096 or cap >= 4096 else 4
+
+
+def _standard_config(width: int, k: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for the standard kernel, from the static width (BLOCK = G >= k)."""
+    block = max(min(8192, max(1024, _next_pow2(width))), _next_pow2(k))
+    return block, _warps(block, _capacity(k))
+
+
+def _persistent_config(rows: int, width: int, num_programs: int, k: int) -> tuple[int, int, int]:
+    """(CHUNK, chunks_per_row, num_warps): about one item per program, chunks of G..8K."""
+    groups = _persistent_groups(k)
     target = -(-rows * width // max(1, num_programs))
-    chunk = min(8192, max(1024, _next_pow2(target)))
-    return chunk, -(-width // chunk), (8 if chunk >= 4096 else 4)
+    chunk = max(groups, min(8192, max(1024, _next_pow2(target))))
+    return chunk, -(-width // chunk), _warps(chunk, _capacity(k))
 
 
 def auto_path(max_rows: int, max_width: int) -> str:
@@ -397,16 +579,44 @@ def _check_inputs(scores: torch.Tensor, lengths: torch.Tensor, max_rows: int, ma
         )
 
 
+# Standard-path candidate buffers, shared by the instances of one device (calls are
+# stream-ordered, and every call writes the candidates it reads). Grown, never shrunk: an
+# instance keeps the tensors it was built with, so captured graphs stay valid.
+_SHARED_CANDIDATES: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _shared_candidates(device: torch.device, programs: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (str(device), cap)
+    have = _SHARED_CANDIDATES.get(key)
+    if have is None or have[0].shape[0] < programs:
+        have = (
+            torch.empty((programs, cap), dtype=torch.float32, device=device),
+            torch.empty((programs, cap), dtype=torch.int32, device=device),
+        )
+        _SHARED_CANDIDATES[key] = have
+    return have
+
+
 def _launch_standard(
-    scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, k: int, block: Optional[int] = None
+    scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, k: int, programs: int,
+    cand_v: torch.Tensor, cand_i: torch.Tensor, block: int | None = None, cap: int | None = None,
+    warps: int | None = None,
 ) -> None:
     rows, width = scores.shape
     if rows == 0:
         return
-    block, warps = _standard_config(width) if block is None else (block, 8 if block >= 4096 else 4)
-    _topk_standard_kernel[(rows,)](
-        scores, scores.stride(0), lengths, out, out.stride(0), width,
-        K=k, BLOCK=block, FB=min(1024, _next_pow2(k)), num_warps=warps,
+    cap = cap or _capacity(k)
+    if block is None:
+        block, default_warps = _standard_config(width, k)
+    else:
+        default_warps = _warps(block, cap)
+    warps = warps or default_warps
+    grid = min(rows, programs)
+    assert cand_v.shape[0] >= grid and cand_v.shape[1] == cap and cand_i.shape == cand_v.shape
+    _topk_standard_kernel[(grid,)](
+        scores, scores.stride(0), lengths, out, out.stride(0), cand_v, cand_i, rows, width,
+        K=k, BLOCK=block, C=cap, FB=min(1024, _next_pow2(k)), LB_STEPS=LB_STEPS, FALLBACK_BLOCK=FALLBACK_BLOCK,
+        num_warps=warps,
     )
 
 
@@ -422,17 +632,22 @@ class IndexerTopK:
         k: entries per row (512 or 1024 in the models; any positive int works).
         backend: "auto" | "standard" | "persistent" | "torch".
         device: where the output and workspace live.
-        num_programs: persistent grid size (default: the SM count; tests shrink it).
-        _tile: benchmark-only override of the standard BLOCK / persistent CHUNK.
+        num_programs: grid size (default: the SM count for the persistent path, twice that
+            for the standard one; tests shrink it).
+        _tile: benchmark/test-only override of the standard BLOCK (= G) / persistent CHUNK.
+        _cap: test-only override of the candidate capacity C (a power of two), to force the
+            overflow fallback.
+        _warps: benchmark-only override of the warps per program.
         _debug_skip_reset_when_short: TEST ONLY. Restores the historical vLLM bug: the
             workspace zeroing is guarded by a host ``if`` on the caller's ``max_seq_len``
             (skipped when it is <= k), so a graph captured at a short length records no
             zeroing and its replays at long lengths run on stale counters (the rows then
             come out as -2). Never set it outside the regression test.
 
-    Memory: the output (max_rows x k int32); for the persistent path also 4 KiB of counters
-    per row and 1 KiB per chunk (at most num_programs + max_rows * (ceil(max_width / 8192) + 1)
-    chunks, e.g. ~9 MiB for 256 rows x 256K columns).
+    Memory: the output (max_rows x k int32). Standard path: the shared candidate buffers,
+    2 x SMs x C x 8 bytes per device (2.1 MiB for k = 512 on 132 SMs). Persistent path, per
+    row: (16 + G) x 4 bytes of workspace and C x 8 bytes of candidates (24 KiB for k = 512),
+    plus 16 bytes per chunk.
 
     Use::
 
@@ -447,9 +662,11 @@ class IndexerTopK:
         k: int,
         backend: str = "auto",
         device: torch.device | str | None = None,
-        num_programs: Optional[int] = None,
+        num_programs: int | None = None,
         _debug_skip_reset_when_short: bool = False,
-        _tile: Optional[int] = None,
+        _tile: int | None = None,
+        _cap: int | None = None,
+        _warps: int | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -458,6 +675,8 @@ class IndexerTopK:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if max_width >= 2**31 - 1:
             raise ValueError(f"max_width must fit int32 indices, got {max_width}")
+        if num_programs is not None and (not isinstance(num_programs, int) or num_programs <= 0):
+            raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
         self.device = _normalize_device(device)
         self.max_rows, self.max_width, self.k = max_rows, max_width, k
         self.backend = backend
@@ -471,18 +690,34 @@ class IndexerTopK:
         if self.path in ("standard", "persistent"):
             _check_triton_device(self.device)
         self._debug_skip_reset_when_short = bool(_debug_skip_reset_when_short)
-        # Benchmark-only tuning knob: the standard BLOCK or the persistent CHUNK (power of 2, 1K..8K).
+        # Benchmark/test-only knobs: the standard BLOCK or the persistent CHUNK, and the capacity.
         if _tile is not None and (_tile not in (1024, 2048, 4096, 8192)):
             raise ValueError(f"_tile must be one of 1024, 2048, 4096, 8192, got {_tile!r}")
+        if _cap is not None and (not isinstance(_cap, int) or _cap < 16 or _cap & (_cap - 1)):
+            raise ValueError(f"_cap must be a power of two >= 16, got {_cap!r}")
+        if _warps is not None and _warps not in (4, 8, 16):
+            raise ValueError(f"_warps must be 4, 8 or 16, got {_warps!r}")
         self._tile = _tile
+        self._warps = _warps
+        self.cap = _cap or _capacity(k)
         self.out = torch.full((max_rows, k), -1, dtype=torch.int32, device=self.device)
         self.num_programs = 0
-        if self.path == "persistent":
-            if num_programs is not None and (not isinstance(num_programs, int) or num_programs <= 0):
-                raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
+        if self.path == "standard":
+            self.num_programs = num_programs or STD_PROGRAMS_PER_SM * _num_sms(self.device)
+            grid = min(max_rows, self.num_programs)
+            if _cap is None:
+                self.cand_v, self.cand_i = _shared_candidates(self.device, grid, self.cap)
+            else:
+                self.cand_v = torch.empty((grid, self.cap), dtype=torch.float32, device=self.device)
+                self.cand_i = torch.empty((grid, self.cap), dtype=torch.int32, device=self.device)
+        elif self.path == "persistent":
             self.num_programs = num_programs or _num_sms(self.device)
-            max_cpr = -(-max_width // 1024)  # the smallest chunk gives the most chunks per row
-            self._cpr_p2 = max(16, _next_pow2(max_cpr))
+            self.groups = _persistent_groups(k)
+            if _tile is not None and _tile < self.groups:
+                raise ValueError(f"_tile={_tile} is below the persistent path's {self.groups} groups for k={k}")
+            self._ws_stride = WS_GMAX + self.groups
+            max_cpr = -(-max_width // max(1024, self.groups))  # the smallest chunk gives the most chunks
+            self._cpr_p2 = max(256, _next_pow2(max_cpr))  # 256 up to 256K columns: one compiled variant
             # Items of any call: chunks >= 1024 and about one item per program until chunks reach
             # 8192, so at most num_programs + max_rows * (ceil(max_width / 8192) + 1); a _tile
             # override may need more.
@@ -490,13 +725,14 @@ class IndexerTopK:
             self._items_cap = max(
                 self.num_programs + max_rows * (-(-max_width // 8192) + 1), max_rows * -(-max_width // tile)
             )
-            # The level histograms are the counters that must be zero at launch (zeroed per call).
-            self.workspace = torch.zeros((max_rows, _WS_STRIDE), dtype=torch.int32, device=self.device)
-            # Per-chunk facts for the write pass; written before they are read, never zeroed.
-            self.chunk_info = torch.zeros((self._items_cap, 2), dtype=torch.int32, device=self.device)
-            self.chunk_hist = torch.zeros((self._items_cap, 256), dtype=torch.int32, device=self.device)
+            # Arrival counters, candidate count and group maxima: must be zero at launch (zeroed per call).
+            self.workspace = torch.zeros((max_rows, self._ws_stride), dtype=torch.int32, device=self.device)
+            # Per-chunk (count, base, ties, offset) and the candidates: written before they are read.
+            self.chunk_info = torch.zeros((self._items_cap, 4), dtype=torch.int32, device=self.device)
+            self.cand_v = torch.empty((max_rows, self.cap), dtype=torch.float32, device=self.device)
+            self.cand_i = torch.empty((max_rows, self.cap), dtype=torch.int32, device=self.device)
 
-    def __call__(self, scores: torch.Tensor, lengths: torch.Tensor, max_seq_len: Optional[int] = None) -> torch.Tensor:
+    def __call__(self, scores: torch.Tensor, lengths: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:
         """Top-k indices int32 [R, k] (a view of the preallocated output).
 
         max_seq_len: host int, consulted only by the test-only bug switch.
@@ -504,17 +740,19 @@ class IndexerTopK:
         _check_inputs(scores, lengths, self.max_rows, self.max_width)
         if scores.device != self.device:
             raise ValueError(f"scores on {scores.device}, IndexerTopK on {self.device}")
-        rows, width = scores.shape
-        out = self.out[:rows]
+        out = self.out[: scores.shape[0]]
         if self.path == "torch":
             out.copy_(topk_indices_ref(scores, lengths, self.k))
         elif self.path == "standard":
-            _launch_standard(scores, lengths, out, self.k, self._tile)
+            _launch_standard(
+                scores, lengths, out, self.k, self.num_programs, self.cand_v, self.cand_i, self._tile, self.cap,
+                self._warps,
+            )
         else:
             self._persistent(scores, lengths, out, max_seq_len)
         return out
 
-    def _persistent(self, scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, max_seq_len: Optional[int]) -> None:
+    def _persistent(self, scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, max_seq_len: int | None) -> None:
         rows, width = scores.shape
         if rows == 0:
             return
@@ -526,31 +764,40 @@ class IndexerTopK:
         if width == 0:
             out.fill_(-1)
             return
-        chunk, cpr, warps = _persistent_config(rows, width, self.num_programs)
+        chunk, cpr, warps = _persistent_config(rows, width, self.num_programs, self.k)
         if self._tile is not None:
-            chunk, warps = self._tile, (8 if self._tile >= 4096 else 4)
-            cpr = -(-width // chunk)
+            chunk = self._tile
+            cpr, warps = -(-width // chunk), _warps(chunk, self.cap)
+        warps = self._warps or warps
         n_items = rows * cpr
         if n_items > self._items_cap or cpr > self._cpr_p2:
             raise ValueError(f"{rows} x {width} needs {n_items} chunks, more than the {self._items_cap} planned")
         grid = (min(self.num_programs, n_items),)
-        common = dict(K=self.k, CHUNK=chunk, WS=_WS_STRIDE, num_warps=warps)
-        args = (scores, scores.stride(0), lengths, ws, self.chunk_info, self.chunk_hist)
-        for level in range(4):
-            _p_hist_kernel[grid](*args, width, n_items, cpr, LEVEL=level, **common)
-        _p_write_kernel[grid](
-            *args, out, out.stride(0), width, n_items, cpr,
-            CPR_P2=self._cpr_p2, FB=min(1024, _next_pow2(self.k)), **common,
+        _p_bound_kernel[grid](
+            scores, scores.stride(0), lengths, ws, width, n_items, cpr,
+            K=self.k, CHUNK=chunk, G=self.groups, WS=self._ws_stride, LB_STEPS=LB_STEPS, num_warps=warps,
+        )
+        _p_select_kernel[grid](
+            scores, scores.stride(0), lengths, ws, self.chunk_info, self.cand_v, self.cand_i, out, out.stride(0),
+            width, n_items, cpr,
+            K=self.k, CHUNK=chunk, WS=self._ws_stride, C=self.cap, CPR_P2=self._cpr_p2,
+            FB=min(1024, _next_pow2(self.k)), FALLBACK_BLOCK=FALLBACK_BLOCK, num_warps=warps,
         )
 
 
 def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """Dispatch: the standard Triton path on CUDA, the reference elsewhere."""
+    """Dispatch: the standard Triton path on CUDA, the reference elsewhere (allocates per call)."""
     if not isinstance(k, int) or k <= 0:
         raise ValueError(f"k must be a positive int, got {k!r}")
     if scores.is_cuda and _HAVE_TRITON:
         _check_inputs(scores, lengths, scores.shape[0], scores.shape[1])
-        out = torch.empty((scores.shape[0], k), dtype=torch.int32, device=scores.device)
-        _launch_standard(scores, lengths, out, k)
+        rows = scores.shape[0]
+        out = torch.empty((rows, k), dtype=torch.int32, device=scores.device)
+        programs = STD_PROGRAMS_PER_SM * _num_sms(scores.device)
+        cap = _capacity(k)
+        grid = max(1, min(rows, programs))
+        cand_v = torch.empty((grid, cap), dtype=torch.float32, device=scores.device)
+        cand_i = torch.empty((grid, cap), dtype=torch.int32, device=scores.device)
+        _launch_standard(scores, lengths, out, k, programs, cand_v, cand_i)
         return out
     return topk_indices_ref(scores, lengths, k)

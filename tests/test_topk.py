@@ -96,9 +96,12 @@ CASES = [
 
 
 @needs_interpreter
+@pytest.mark.parametrize("tile", [None, 1024])
 @pytest.mark.parametrize("path", ["standard", "persistent"])
 @pytest.mark.parametrize("rows,width,k,kind", CASES)
-def test_triton_paths_match_reference(path, rows, width, k, kind):
+def test_triton_paths_match_reference(path, rows, width, k, kind, tile):
+    """tile=None: the default plan (one block / chunk per row at these widths); 1024: rows of
+    several blocks / chunks, items looping over programs."""
     gen = torch.Generator().manual_seed(rows * 1000 + width + k)
     scores = make_rows(rows, width, gen, kind)
     # Lengths: full, just above k, exactly k, just below k, a chunk boundary, zero.
@@ -108,7 +111,7 @@ def test_triton_paths_match_reference(path, rows, width, k, kind):
     # Garbage past the length must be ignored, even NaN and +inf.
     for r in range(rows):
         scores[r, int(lengths[r]):] = float("nan") if r % 2 else float("inf")
-    op = IndexerTopK(rows, width, k, backend=path, device="cpu", num_programs=3)
+    op = IndexerTopK(rows, width, k, backend=path, device="cpu", num_programs=3, _tile=tile)
     assert op.path == path
     assert_topk_valid(op(scores, lengths).clone(), scores, lengths, k)
 
@@ -121,10 +124,12 @@ def test_paths_agree_exactly_including_order():
         scores = make_rows(3, 2600, gen, kind)
         lengths = torch.tensor([2600, 1800, 300], dtype=torch.int32)
         outs = [
-            IndexerTopK(3, 2600, 128, backend=p, device="cpu", num_programs=2)(scores, lengths).clone()
+            IndexerTopK(3, 2600, 128, backend=p, device="cpu", num_programs=2, _tile=t)(scores, lengths).clone()
             for p in ("standard", "persistent")
+            for t in (None, 1024)
         ]
-        assert torch.equal(outs[0], outs[1])
+        for other in outs[1:]:
+            assert torch.equal(outs[0], other)
 
 
 @needs_interpreter
@@ -135,7 +140,7 @@ def test_lengths_around_k_and_chunk_edges():
     scores = make_rows(len(lens), width, gen, "ties")
     lengths = torch.tensor(lens, dtype=torch.int32)
     for path in ("standard", "persistent"):
-        op = IndexerTopK(len(lens), width, k, backend=path, device="cpu", num_programs=5)
+        op = IndexerTopK(len(lens), width, k, backend=path, device="cpu", num_programs=5, _tile=1024)
         assert_topk_valid(op(scores, lengths).clone(), scores, lengths, k)
 
 
@@ -155,7 +160,7 @@ def test_k_larger_than_width_and_fewer_rows_than_max():
 def test_persistent_workspace_reset_every_call():
     """Repeated calls on one object stay right: the path zeroes its counters each call."""
     gen = torch.Generator().manual_seed(11)
-    op = IndexerTopK(2, 3000, 64, backend="persistent", device="cpu", num_programs=3)
+    op = IndexerTopK(2, 3000, 64, backend="persistent", device="cpu", num_programs=3, _tile=1024)
     for i in range(4):
         scores = torch.randn(2, 3000, generator=gen)
         lengths = torch.tensor([3000 - 100 * i, 500 + i], dtype=torch.int32)
@@ -167,7 +172,9 @@ def test_bug_switch_is_detected():
     """The historical bug (zeroing skipped when the host max_seq_len is short) shows as -2 rows."""
     gen = torch.Generator().manual_seed(13)
     k = 64
-    op = IndexerTopK(2, 3000, k, backend="persistent", device="cpu", num_programs=3, _debug_skip_reset_when_short=True)
+    op = IndexerTopK(
+        2, 3000, k, backend="persistent", device="cpu", num_programs=3, _tile=1024, _debug_skip_reset_when_short=True
+    )
     lengths = torch.tensor([3000, 2000], dtype=torch.int32)
     scores = torch.randn(2, 3000, generator=gen)
     # A long call with the true max_seq_len zeroes and is right.

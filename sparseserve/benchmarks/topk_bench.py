@@ -203,6 +203,22 @@ def run_data_kinds(warmup_ms, rep_ms, log) -> list[dict]:
     return out
 
 
+def suggest_auto_table(sweep: list[dict], min_speedup: float = 1.3) -> list[tuple[int, int]]:
+    """(width, max_rows) per swept width: the largest row count such that the persistent path is
+    at least min_speedup x faster than the standard one at it and at every smaller count swept.
+    This is what kernels/topk.py's _AUTO_MAX_ROWS_PERSISTENT encodes (issue 5: persistent >= 1.3x
+    the standard path wherever auto picks it)."""
+    table = []
+    for width in sorted({e["width"] for e in sweep}):
+        best = 0
+        for e in sorted((e for e in sweep if e["width"] == width), key=lambda e: e["rows"]):
+            if e["standard_graph_us"] / e["persistent_graph_us"] < min_speedup:
+                break
+            best = e["rows"]
+        table.append((width, best))
+    return table
+
+
 def summary_table(grid: list[dict]) -> str:
     """Markdown table of the grid (graph replay; eager in the JSON)."""
     header = (
@@ -312,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             [1, 2, 4, 8, 16, 32, 64, 128, 256], [8192, 16384, 32768, 65536, 131072, 262144], [512],
             args.warmup_ms, args.rep_ms, log,
         )
+        result["suggested_auto_max_rows_persistent"] = suggest_auto_table(result["sweep"])
+        log(f"suggested auto table (width, max rows for persistent): {result['suggested_auto_max_rows_persistent']}")
         save()
     if not args.quick and not args.no_variants:
         result["variants"] = run_variants(args.warmup_ms, args.rep_ms, log)

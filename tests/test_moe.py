@@ -372,3 +372,16 @@ def test_dispatch_gpu_matches_ref():
     weights, ids = moe.select_experts(logits, 6, "sqrtsoftplus", 1.5, torch.randn(64, generator=gen).cuda() * 0.1)
     out = moe.fused_moe(x, w_gate_up, w_down, weights, ids, LIMIT)
     assert rel_err(out, reference(x, w_gate_up, w_down, weights, ids, LIMIT)) < 2e-2
+
+
+def test_tile_sizes_are_powers_of_two_that_divide_odd_model_widths():
+    """The demo model (hidden 192, intermediate 128) once got a 192-wide tile, which Triton rejects."""
+    from sparseserve.kernels.moe import moe_config
+
+    for hidden, inter in ((192, 128), (4096, 2048), (96, 48), (7168, 2048)):
+        for tokens in (1, 64, 200, 4096):
+            cfg = moe_config(tokens, 2, 8, hidden, inter)
+            for block, size in ((cfg.gu_block_n, inter), (cfg.gu_block_k, hidden), (cfg.dn_block_n, hidden),
+                                (cfg.dn_block_k, inter)):
+                assert block & (block - 1) == 0 and block <= size, (hidden, inter, tokens, cfg)
+                assert size % block == 0 or block == 16, (hidden, inter, tokens, cfg)

@@ -269,18 +269,19 @@ def fit_config(cfg: MoeConfig, hidden: int, inter: int) -> MoeConfig:
     """Shrink tile sizes (keeping powers of two) until they divide the problem (tiny tests)."""
 
     def fit(block: int, size: int) -> int:
+        block = min(block, 1 << (size.bit_length() - 1))  # a power of two (tl.arange), not above size
         while block > 16 and size % block:
             block //= 2
         return block
 
     return MoeConfig(
         cfg.block_m,
-        fit(min(cfg.gu_block_n, inter), inter),
-        fit(min(cfg.gu_block_k, hidden), hidden),
+        fit(cfg.gu_block_n, inter),
+        fit(cfg.gu_block_k, hidden),
         cfg.gu_warps,
         cfg.gu_stages,
-        fit(min(cfg.dn_block_n, hidden), hidden),
-        fit(min(cfg.dn_block_k, inter), inter),
+        fit(cfg.dn_block_n, hidden),
+        fit(cfg.dn_block_k, inter),
         cfg.dn_warps,
         cfg.dn_stages,
         cfg.m_fastest,

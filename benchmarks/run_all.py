@@ -64,7 +64,8 @@ def plan(args) -> list[dict]:
     lat_iters = args.latency_iters or lat_iters
     common = ["--model", args.model, "--load-format", "dummy", *args.engine_flag]
     workload = ["--input-len", str(args.input_len), "--output-len", str(output_len),
-                "--num-prompts", str(num_prompts), "--num-warmup-prompts", str(args.warmup_prompts)]
+                "--num-prompts", str(num_prompts), "--num-warmup-prompts", str(args.warmup_prompts),
+                *(["--warmup-full"] if args.warmup_full else [])]
     lat = ["--input-len", str(args.input_len), "--output-len", str(lat_out), "--num-iters", str(lat_iters),
            "--num-iters-warmup", "1"]
     tput = lambda *extra: ["bench", "throughput", *common, *workload, *extra]  # noqa: E731
@@ -319,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=None, help="default 200 (50 with --quick)")
     p.add_argument("--hf-batch-size", type=int, default=50)
     p.add_argument("--warmup-prompts", type=int, default=8, help="untimed prompts per throughput run")
+    p.add_argument("--no-warmup-full", dest="warmup_full", action="store_false",
+                   help="skip the untimed full pass of the workload before each timed throughput run (then the "
+                        "first run in the process pays the JIT compilation of step shapes the warm-up missed)")
     p.add_argument("--latency-output-len", type=int, default=None, help="default 64 (16 with --quick)")
     p.add_argument("--latency-iters", type=int, default=None, help="timed iterations, default 2 (1 with --quick)")
     p.add_argument("--latency-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])

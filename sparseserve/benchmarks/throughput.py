@@ -100,6 +100,9 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-warmup-prompts", type=int, default=0,
                         help="untimed generate() of this many prompts (output 4 tokens) before the timed one, "
                              "so one-time JIT compilation is not in the figure")
+    parser.add_argument("--warmup-full", action="store_true",
+                        help="untimed run of the whole workload (other prompts, same lengths) before the timed "
+                             "one: every step shape it produces is compiled first, whichever engine runs first")
 
 
 def check_workload(args: argparse.Namespace) -> None:
@@ -180,12 +183,14 @@ def _measure_engine(args: argparse.Namespace, llm, kwargs: dict, **extra) -> dic
     detok = not args.disable_detokenize
     params = SamplingParams(n=1, temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=detok)
     warmup_s = 0.0
-    if args.num_warmup_prompts:
-        warm = random_prompts(args.num_warmup_prompts, args.input_len, engine.vocab_size, args.seed + 1)
+    if args.num_warmup_prompts or getattr(args, "warmup_full", False):
+        full = getattr(args, "warmup_full", False)
+        count = args.num_prompts if full else args.num_warmup_prompts
+        warm = random_prompts(count, args.input_len, engine.vocab_size, args.seed + 1)
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in warm],
-                     SamplingParams(temperature=0.0, max_tokens=min(4, args.output_len), ignore_eos=True,
-                                    detokenize=detok), use_tqdm=False)
+                     SamplingParams(temperature=0.0, max_tokens=args.output_len if full else min(4, args.output_len),
+                                    ignore_eos=True, detokenize=detok), use_tqdm=False)
         warmup_s = time.perf_counter() - t0
     synchronize(engine.device)
     start = time.perf_counter()

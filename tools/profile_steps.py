@@ -77,9 +77,10 @@ def seed_profile(args, out) -> None:
 
 def decode_profile(args, out) -> None:
     lines = []
-    for eager in (True, False):
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": args.spec_k}} if args.spec_k else {}
+    for eager in ((False,) if args.spec_k else (True, False)):
         llm = LLM(args.model, load_format="dummy", max_model_len=4096, max_num_seqs=1, cuda_graph_sizes=[1],
-                  enforce_eager=eager, kv_cache_memory_bytes=4 * 1024**3)
+                  enforce_eager=eager, kv_cache_memory_bytes=4 * 1024**3, **spec)
         engine = llm.llm_engine
         engine.add_request("r", {"prompt_token_ids": list(range(100, 356))},
                            SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
@@ -93,14 +94,15 @@ def decode_profile(args, out) -> None:
             torch.cuda.synchronize()
         events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         kernel_us = sum(e.device_time for e in events)
-        lines.append(f"batch-1 decode, eager={eager}: {len(events) / 5:.0f} GPU ops per step, "
+        lines.append(f"batch-1 decode, eager={eager}, spec_k={args.spec_k}: {len(events) / 5:.0f} GPU ops per step, "
                      f"summed GPU op time {kernel_us / 5 / 1e3:.3f} ms per step")
         lines.append(kernel_table(prof, 60))
+        lines.append(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=90))
         del llm, engine
         torch.cuda.empty_cache()
     text = "\n".join(lines)
     print(text[:8000])
-    with open(os.path.join(out, "profile_decode.txt"), "w") as f:
+    with open(os.path.join(out, f"profile_decode{f'_spec{args.spec_k}' if args.spec_k else ''}.txt"), "w") as f:
         f.write(text)
 
 
@@ -110,6 +112,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--spec-k", type=int, default=0, help="profile speculative (MTP) decode steps, graphs only")
     parser.add_argument("--no-profiler", dest="profiler", action="store_false",
                         help="time the steps only (the profiler's per-op overhead inflates host-bound steps)")
     parser.add_argument("--only", default="seed,decode")

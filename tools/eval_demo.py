@@ -97,6 +97,12 @@ def main() -> None:
             else:
                 result["generation"][f"plain_batch{batch}"] = dict(entry, tokens=outs)
         del llm
+    if args.device != "cpu":
+        # bf16 on the GPU against fp32 on the CPU: greedy continuations agree until a near-tie.
+        reference = [o.outputs[0].token_ids for o in base.generate(prompts, greedy, use_tqdm=False)]
+        got = result["generation"][f"plain_batch{len(prompts)}"]["tokens"]
+        agree = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(reference, got)]
+        result["generation"]["mean_leading_tokens_equal_to_cpu_fp32"] = sum(agree) / len(agree)
     for entry in result["generation"].values():
         if isinstance(entry, dict):
             entry.pop("tokens", None)

@@ -79,13 +79,14 @@ def spec_config(k):
     return {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}}
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_speculative_graphs_equal_eager_token_for_token(k):
+@pytest.mark.parametrize("k, extra", [(1, {}), (2, {}), (3, {}),
+                                      (2, {"num_gpu_blocks_override": 400})])  # preemption under graphs
+def test_speculative_graphs_equal_eager_token_for_token(k, extra):
     """Verify steps (1 + k tokens) and the MTP drafter replay as graphs; on CUDA the eager steps
     are padded the same way, so greedy tokens (and acceptance) must agree exactly."""
     results = {}
     for eager in (True, False):
-        llm = LLM(TINY, enforce_eager=eager, **COMMON, **spec_config(k))
+        llm = LLM(TINY, enforce_eager=eager, **COMMON, **spec_config(k), **extra)
         runner = llm.llm_engine.runner
         if not eager:
             assert sorted(runner.graphs) == [1, 1 + k] and sorted(runner.mtp_graphs) == [1, 1 + k]
@@ -94,6 +95,8 @@ def test_speculative_graphs_equal_eager_token_for_token(k):
         m = llm.llm_engine.spec_metrics
         results[eager] = ([o.outputs[0].token_ids for o in outs], m.num_draft_tokens, m.num_accepted_tokens)
         assert m.num_verify_steps > 0 and llm.llm_engine.all_cache_free()
+        if extra:
+            assert llm.llm_engine.scheduler.num_preemptions > 0
         del llm, runner
         gc.collect()
         torch.cuda.empty_cache()

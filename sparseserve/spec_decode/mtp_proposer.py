@@ -18,6 +18,7 @@ from ..model.batch import SequenceChunk
 from ..model.deepseek_v4 import DeepseekV4ForCausalLM
 from ..model.mtp import MTPModule
 from ..model.state import ModelState
+from ..worker.host_copy import to_device
 from ..worker.sampler import SamplingTensors, filtered_probs, uniform_noise
 
 DRAFT_SALT = 0x5BD1E995
@@ -62,7 +63,7 @@ class MTPProposer:
         offsets = [0]
         for chunk in chunks:
             offsets.append(offsets[-1] + len(chunk.token_ids))
-        rows = torch.tensor([offsets[i] + requests[i].draft_from for i in drafting], device=device)
+        rows = to_device([offsets[i] + requests[i].draft_from for i in drafting], device)
         h = streams[rows]
         positions = [requests[i].chunk.start_pos + requests[i].draft_from for i in drafting]
         drafts, probs = [], []

@@ -6,6 +6,7 @@ import torch
 
 from ..engine.scheduler import SchedulerOutput
 from ..model.batch import SequenceChunk
+from ..worker.host_copy import to_device
 from ..worker.model_runner import SampledToken
 from ..worker.sampler import filtered_probs, uniform_noise
 from .mtp_proposer import DraftRequest
@@ -27,8 +28,8 @@ def verify_drafts(runner, sched: SchedulerOutput, verify_rows: list[tuple[int, i
         # Pad requests with fewer drafts by repeating their last row (their extra drafts are -1).
         rows.append([first + min(j, nd) for j in range(k + 1)])
         drafts[n, :nd] = torch.tensor(reqs[n].draft_token_ids[:nd])
-    rows_t = torch.tensor(rows, device=device)
-    drafts = drafts.to(device)
+    rows_t = to_device(rows, device)
+    drafts = to_device(drafts, device)
     if all(r.params.greedy for r in reqs):
         # Greedy: accept while the draft is the target's argmax; every emitted token is an argmax.
         target_greedy = logits.argmax(dim=-1)[rows_t]  # [B, k+1]
@@ -43,7 +44,7 @@ def verify_drafts(runner, sched: SchedulerOutput, verify_rows: list[tuple[int, i
         emitted = host[n][1:a + 2]
         if want_lp:
             records = runner.sampled_tokens(logits[rows_t[n, :a + 1]],
-                                            torch.tensor(emitted, device=device), [req] * (a + 1))
+                                            to_device(emitted, device), [req] * (a + 1))
         else:
             records = [SampledToken(t) for t in emitted]
         out.sampled[req.request_id] = records

@@ -21,6 +21,7 @@ from ..model.state import ModelState, StateLayout
 from ..model.step_context import TopKFn, default_topk
 from .cuda_graph import (BufferSpec, CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes,
                          logits_mode, pad_chunks, pick_bucket)
+from .host_copy import to_device
 from .sampler import SamplingTensors, sample, token_logprobs
 from .watchdog import StepWatchdog
 
@@ -249,7 +250,10 @@ class ModelRunner:
                 sample_reqs.append(sc.request)
             row += n
         if sample_reqs:
-            self._sample(logits[torch.tensor(sample_rows, device=logits.device)], sample_reqs, out, describe)
+            contiguous = sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows)))
+            rows = (logits[sample_rows[0]:sample_rows[0] + len(sample_rows)] if contiguous
+                    else logits[to_device(sample_rows, logits.device)])
+            self._sample(rows, sample_reqs, out, describe)
         if self.proposer is not None:
             from ..spec_decode.spec_step import draft_next, verify_drafts
 
@@ -331,7 +335,7 @@ class ModelRunner:
 
     def sampling_tensors(self, reqs) -> SamplingTensors:
         def t(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
+            return to_device(values, self.device, dtype)
 
         params = [r.params for r in reqs]
         return SamplingTensors(
@@ -382,7 +386,7 @@ class ModelRunner:
         count = min(logits.shape[0], len(prompt) - 1 - start)
         if count <= 0:
             return
-        targets = torch.tensor(prompt[start + 1:start + 1 + count], device=logits.device)
+        targets = to_device(prompt[start + 1:start + 1 + count], logits.device)
         k = req.params.prompt_logprobs
         chosen, rank, top_ids, top_lp = token_logprobs(logits[:count], targets, k)
         rows = out.prompt_logprobs.setdefault(req.request_id, [])

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A whole GPU session in one call (run from the repo root on the device machine):
 #   bash tools/gpu_session.sh tests   every `gpu` test, then the kernel/graph tests that check on CUDA
-#   bash tools/gpu_session.sh bench   decode graphs, top-k grid, compressor, the seed workload with every backend
+#   bash tools/gpu_session.sh bench   decode and verify steps, top-k grid, compressor, the seed workload with
+#                                     every backend and the transformers baseline (about 10 minutes)
 #   bash tools/gpu_session.sh demo    the demo model: perplexity parity, MTP acceptance, speed with/without speculation
 # Logs and JSON go to $OUT (at most 8 files come back).
 set -u
@@ -14,11 +15,11 @@ case "${1:-tests}" in
       timeout -k 5 60 python -m pytest -q tests/test_mhc_kernel.py tests/test_norm_rope_kernels.py
     } 2>&1 | filter > "$OUT/tests.log"; tail -30 "$OUT/tests.log" ;;
   bench)
-    { timeout -k 5 90 python -m sparseserve.benchmarks.decode_graphs --steps 16 --out "$OUT/decode_graphs.json"
+    { timeout -k 5 150 python -m sparseserve.benchmarks.decode_graphs --steps 16 --spec-k 1,2 --out "$OUT/decode_graphs.json"
       timeout -k 5 200 python -m sparseserve.benchmarks.topk_bench --out "$OUT/topk.json"
       timeout -k 5 60 python -m sparseserve.benchmarks.compressor_bench --out "$OUT/compressor.json"
-      timeout -k 5 200 python benchmarks/run_all.py --engine-flag=--max-model-len=2048 --skip-hf-latency \
-        --budget-s 190 --out-dir "$OUT"
+      timeout -k 5 300 python benchmarks/run_all.py --engine-flag=--max-model-len=2048 --skip-hf-latency \
+        --only graphs,eager,hf,topk-standard,topk-persistent,topk-torch --budget-s 290 --out-dir "$OUT"
     } 2>&1 | filter > "$OUT/bench.log"; tail -40 "$OUT/bench.log" ;;
   demo)
     timeout -k 5 300 python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json" 2>&1 | filter | tail -40 ;;

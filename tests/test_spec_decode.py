@@ -158,3 +158,55 @@ def test_steps_padded_like_graphs_give_the_same_tokens(k, reference):
     assert (1 + k) in {s[1] for s in shapes if s is not None}  # padded steps of the graph query length ran
     assert {s[0] for s in shapes if s is not None} <= {2, 8}
     assert llm.llm_engine.all_cache_free()
+
+
+@pytest.mark.parametrize("k, padded", [(1, False), (3, False), (2, True)])
+def test_fused_greedy_step_equals_the_general_path(k, padded, monkeypatch):
+    """All-greedy verify steps take the device-side path (acceptance, catch-up and drafts with one
+    host read); it must give the general path's tokens and the same drafts (same acceptance)."""
+    import sparseserve.spec_decode.spec_step as spec_step
+
+    def run(fused: bool):
+        calls = []
+        original = spec_step.fused_greedy_step
+
+        def wrapped(*args):
+            took = original(*args) if fused else False
+            calls.append(took)
+            return took
+
+        monkeypatch.setattr(spec_step, "fused_greedy_step", wrapped)
+        llm = spec(k, max_num_seqs=8, cuda_graph_sizes=[2, 8])
+        llm.llm_engine.runner.pad_like_graphs = padded
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+        m = llm.llm_engine.spec_metrics
+        assert llm.llm_engine.all_cache_free()
+        return got, (m.num_verify_steps, m.num_draft_tokens, m.num_accepted_tokens), calls
+
+    fused, fused_metrics, fused_calls = run(True)
+    general, general_metrics, _ = run(False)
+    assert fused == general and fused_metrics == general_metrics
+    assert any(fused_calls)  # the fused path ran
+
+
+def test_fused_greedy_step_with_accepted_drafts_on_the_demo_model(monkeypatch):
+    """The demo checkpoint's MTP layer is trained (about half its drafts are accepted), so this
+    covers the accepted-draft branches of the device-side path: same tokens as plain decoding and
+    the same acceptance as the general path."""
+    import sparseserve.spec_decode.spec_step as spec_step
+
+    texts = ["The return statement", "A class definition", "Exceptions are", "The for statement is used to"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = dict(device="cpu", dtype="float32", max_model_len=256)
+    plain = [o.outputs[0].token_ids for o in LLM("demo", **base).generate(texts, params, use_tqdm=False)]
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(spec_step, "fused_greedy_step", lambda *args: False)
+        llm = LLM("demo", **base, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+        got = [o.outputs[0].token_ids for o in llm.generate(texts, params, use_tqdm=False)]
+        m = llm.llm_engine.spec_metrics
+        results.append((got, m.num_verify_steps, m.num_draft_tokens, m.num_accepted_tokens))
+    assert results[0][0] == plain
+    assert results[0] == results[1]
+    assert results[0][3] > 0

@@ -9,10 +9,55 @@ from ..model.batch import SequenceChunk
 from ..worker.host_copy import to_device
 from ..worker.model_runner import SampledToken
 from ..worker.sampler import filtered_probs, uniform_noise
-from .mtp_proposer import DraftRequest
+from .mtp_proposer import DraftRequest, MTPProposer
 from .rejection_sampler import verify
 
 ACCEPT_SALT = 0x68E31DA4
+
+
+def fused_greedy_step(runner, sched: SchedulerOutput, chunks: list[SequenceChunk], logits: torch.Tensor,
+                      out) -> bool:
+    """A step where every request is greedy and verifies all k drafts: acceptance, the MTP layer's
+    catch-up and the next k drafts are computed on the device from the step's logits, and the host
+    reads everything back once (the general path waits after verifying and again after drafting).
+    Returns False, having done nothing, when the step is not of that kind."""
+    proposer = runner.proposer
+    if not isinstance(proposer, MTPProposer):
+        return False
+    k = proposer.k
+    reqs = [sc.request for sc in sched.chunks]
+    if any(sc.num_draft != k for sc in sched.chunks) or any(
+            not r.params.greedy or r.params.logprobs is not None for r in reqs):
+        return False
+    device = logits.device
+    batch, q = len(reqs), k + 1
+    target = logits[: batch * q].view(batch, q, -1).argmax(dim=-1)  # [B, 1 + k]
+    drafts = to_device([r.draft_token_ids[:k] for r in reqs], device).view(batch, k)
+    accepted = (drafts == target[:, :k]).long().cumprod(dim=1).sum(dim=1)
+    # The token after position start + j: an accepted draft (= the target's argmax) for j < a, the
+    # bonus token at j = a, and a placeholder (re-run later) past it: target[min(j, a)] in all cases.
+    steps = torch.arange(q, device=device).unsqueeze(0)
+    next_tokens = target.gather(1, torch.minimum(steps, accepted.unsqueeze(1)))
+    catch_up = [SequenceChunk(c.slot, c.start_pos, [0] * q, c.block_ids, "none") for c in chunks]
+    streams = runner.mtp_forward(catch_up, runner.last_streams, next_tokens.reshape(-1))
+    h = streams[torch.arange(batch, device=device) * q + accepted]  # each request's last accepted position
+    starts = to_device([c.start_pos for c in chunks], device)
+    new_drafts = []
+    for j in range(k):
+        token = proposer.mtp.compute_logits(h, proposer.target).argmax(dim=-1)
+        new_drafts.append(token)
+        if j + 1 == k:
+            break
+        one = [SequenceChunk(c.slot, c.start_pos, [0], c.block_ids, "last") for c in chunks]
+        h = runner.mtp_forward(one, h, token, positions=starts + accepted + j + 1)[:batch]
+    host = torch.cat([accepted.unsqueeze(1), target, torch.stack(new_drafts, dim=1)], dim=1).tolist()
+    for n, req in enumerate(reqs):
+        a = host[n][0]
+        out.sampled[req.request_id] = [SampledToken(t) for t in host[n][1:a + 2]]
+        out.num_accepted[req.request_id] = a
+        out.drafts[req.request_id] = host[n][1 + q:]
+        runner.draft_probs.pop(req.request_id, None)
+    return True
 
 
 def verify_drafts(runner, sched: SchedulerOutput, verify_rows: list[tuple[int, int]], logits: torch.Tensor,

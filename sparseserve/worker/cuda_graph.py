@@ -84,6 +84,15 @@ def decode_batch(chunks: list[SequenceChunk], rates: list[int], device, max_bloc
     return batch
 
 
+def set_positions(batch: BatchMetadata, positions: torch.Tensor) -> None:
+    """Give the first sequences of a one-token-per-sequence batch device-side positions (the
+    drafter's steps, whose positions follow the acceptance counts still on the device)."""
+    if batch.num_tokens != batch.seq_start.shape[0]:
+        raise ValueError("device-side positions need one token per sequence")
+    batch.positions[: positions.shape[0]].copy_(positions)
+    batch.seq_start[: positions.shape[0]].copy_(positions)
+
+
 class StaticBatch:
     """Device buffers with a fixed address for every tensor of a graph's BatchMetadata.
 
@@ -259,10 +268,12 @@ class CudaGraphRunner:
         return pick_bucket(self.sizes, num_seqs)
 
     def run(self, chunks: list[SequenceChunk], hidden: torch.Tensor | None = None,
-            input_ids: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, ...], CapturedGraph]:
+            input_ids: torch.Tensor | None = None,
+            positions: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, ...], CapturedGraph]:
         """Replay the graph of the smallest bucket holding `chunks` (each of `query_len` tokens).
         `hidden`: the per-token input rows (at least the real tokens'); `input_ids`: device token ids
-        that replace the chunks' first ids. Returns the outputs' rows (padding rows included last)."""
+        that replace the chunks' first ids; `positions`: device positions that replace the chunks'
+        (one-token chunks only). Returns the outputs' rows (padding rows included last)."""
         size = self.bucket_for(len(chunks))
         graph = self.graphs[GraphKey(size, self.query_len)]
         chunks = [c if c.want_logits == self.want_logits else replace(c, want_logits=self.want_logits)
@@ -272,6 +283,8 @@ class CudaGraphRunner:
         graph.static.fill(host)
         if input_ids is not None:
             graph.static.batch.input_ids[: input_ids.shape[0]].copy_(input_ids)
+        if positions is not None:
+            set_positions(graph.static.batch, positions)
         if hidden is not None:
             n = min(hidden.shape[0], size * self.query_len)
             self.hidden[:n].copy_(hidden[:n])

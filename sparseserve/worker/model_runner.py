@@ -20,7 +20,7 @@ from ..model.deepseek_v4 import DeepseekV4ForCausalLM
 from ..model.state import ModelState, StateLayout
 from ..model.step_context import TopKFn, default_topk
 from .cuda_graph import (BufferSpec, CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes,
-                         logits_mode, pad_chunks, pick_bucket)
+                         logits_mode, pad_chunks, pick_bucket, set_positions)
 from .host_copy import to_device
 from .sampler import SamplingTensors, sample, token_logprobs
 from .watchdog import StepWatchdog
@@ -255,8 +255,10 @@ class ModelRunner:
                     else logits[to_device(sample_rows, logits.device)])
             self._sample(rows, sample_reqs, out, describe)
         if self.proposer is not None:
-            from ..spec_decode.spec_step import draft_next, verify_drafts
+            from ..spec_decode.spec_step import draft_next, fused_greedy_step, verify_drafts
 
+            if len(verify) == len(chunks) and fused_greedy_step(self, sched, chunks, logits, out):
+                return out
             if verify:
                 verify_drafts(self, sched, verify, logits, out)
             draft_next(self, sched, chunks, out)
@@ -312,13 +314,14 @@ class ModelRunner:
         return logits, describe
 
     def mtp_forward(self, chunks: list[SequenceChunk], hidden: torch.Tensor,
-                    input_ids: torch.Tensor | None = None) -> torch.Tensor:
+                    input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The MTP block's streams for `chunks` (rows of the real tokens first). `hidden`: the
         per-token input streams (at least the real tokens' rows); `input_ids`: device token ids
-        that replace the chunks' ids (drafts fed back), by graph replay when one holds the step."""
+        that replace the chunks' ids (drafts fed back); `positions`: device positions that replace
+        those of one-token chunks. By graph replay when one holds the step."""
         shape = self.graph_shape(chunks, check_logits=False)
         if shape is not None and shape[1] in self.mtp_graphs:
-            return self.mtp_graphs[shape[1]].run(chunks, hidden, input_ids)[0][0]
+            return self.mtp_graphs[shape[1]].run(chunks, hidden, input_ids, positions)[0][0]
         num_tokens = sum(len(c.token_ids) for c in chunks)
         if shape is not None and self.pad_like_graphs:
             bucket, q = shape
@@ -328,6 +331,8 @@ class ModelRunner:
             batch = build_batch(chunks, self.mtp.config.rates, self.device)
         if input_ids is not None:
             batch.input_ids[: input_ids.shape[0]] = input_ids
+        if positions is not None:
+            set_positions(batch, positions)
         rows = batch.num_tokens
         if hidden.shape[0] < rows:
             hidden = torch.cat([hidden[:num_tokens], hidden.new_zeros(rows - num_tokens, *hidden.shape[1:])])

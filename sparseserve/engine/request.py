@@ -44,6 +44,18 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int, num_draft: int = 0) -> list[int]:
+        """Tokens [start, end) of prompt + output + the first `num_draft` drafts, copying only those
+        (a decode step needs one token of a sequence thousands long)."""
+        prompt, output = self.prompt_token_ids, self.output_token_ids
+        p, o = len(prompt), len(output)
+        tokens = prompt[start:min(end, p)] if start < p else []
+        if end > p and start < p + o:
+            tokens += output[max(start - p, 0):min(end - p, o)]
+        if end > p + o and num_draft:
+            tokens += self.draft_token_ids[max(start - p - o, 0):min(end - p - o, num_draft)]
+        return tokens
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

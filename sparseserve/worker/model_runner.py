@@ -229,7 +229,7 @@ class ModelRunner:
             want_prompt = (req.params.prompt_logprobs is not None and recorded < len(req.prompt_token_ids)
                            and start <= recorded - 1 < start + sc.num_tokens)
             want = "all" if (want_prompt or sc.num_draft) else ("last" if sc.completes else "none")
-            tokens = (req.all_token_ids + req.draft_token_ids[:sc.num_draft])[start:start + sc.num_tokens]
+            tokens = req.token_ids_between(start, start + sc.num_tokens, sc.num_draft)
             chunks.append(SequenceChunk(slot=req.slot, start_pos=start, token_ids=tokens,
                                         block_ids=req.block_ids, want_logits=want))
         logits, describe = self.forward(chunks)

@@ -364,7 +364,10 @@ class ModelRunner:
             self.watchdog.wait(done, describe)
 
     def _sample(self, logits: torch.Tensor, reqs, out: RunnerOutput, describe: Callable[[], str]) -> None:
-        tokens = sample(logits, self.sampling_tensors(reqs))
+        if all(r.params.greedy for r in reqs):
+            tokens = logits.argmax(dim=-1)  # no sampling tensors to build and copy
+        else:
+            tokens = sample(logits, self.sampling_tensors(reqs))
         for req, st in zip(reqs, self.sampled_tokens(logits, tokens, reqs)):
             out.sampled[req.request_id] = [st]
 

@@ -34,9 +34,10 @@ class DraftRequest:
     draft_from: int | None  # index in the chunk of the last accepted position, or None: no draft
 
 
-# forward(chunks, hidden, input_ids=None) -> the MTP block's streams, real tokens' rows first (the
-# runner's `mtp_forward`: graph replay, padded eager, or plain eager).
-MTPForward = Callable[[list[SequenceChunk], torch.Tensor, torch.Tensor | None], torch.Tensor]
+# forward(chunks, hidden, input_ids, positions) -> the MTP block's streams, real tokens' rows first (the
+# runner's `mtp_forward`: graph replay, padded eager, or plain eager; device ids and positions, if
+# given, replace the chunks').
+MTPForward = Callable[[list[SequenceChunk], torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 
 
 class MTPProposer:
@@ -56,31 +57,41 @@ class MTPProposer:
         device = target_streams.device
         chunks = [SequenceChunk(r.chunk.slot, r.chunk.start_pos, r.next_tokens, r.chunk.block_ids, "none")
                   for r in requests]
-        streams = self.forward(chunks, target_streams, None)
         drafting = [i for i, r in enumerate(requests) if r.draft_from is not None]
         if not drafting:
+            self.forward(chunks, target_streams, None, None)  # the window state still follows the target
             return torch.empty(0, self.k, dtype=torch.long, device=device), None, []
         offsets = [0]
         for chunk in chunks:
             offsets.append(offsets[-1] + len(chunk.token_ids))
         rows = to_device([offsets[i] + requests[i].draft_from for i in drafting], device)
-        h = streams[rows]
-        positions = [requests[i].chunk.start_pos + requests[i].draft_from for i in drafting]
+        positions = to_device([requests[i].chunk.start_pos + requests[i].draft_from for i in drafting], device)
+        drafts, probs = self.draft(chunks, target_streams, None, rows, [requests[i].chunk for i in drafting],
+                                   positions, sampling)
+        return drafts, probs, drafting
+
+    @torch.no_grad()
+    def draft(self, chunks: list[SequenceChunk], target_streams: torch.Tensor, input_ids: torch.Tensor | None,
+              rows: torch.Tensor, drafting: list[SequenceChunk], positions: torch.Tensor | None,
+              sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the layer over the step's `chunks` (their next tokens: `input_ids` on the device, or the
+        chunks' own ids), then draft k tokens for the `drafting` sequences (their slots and blocks), from
+        the catch-up rows `rows` at `positions` (both on the device: the general path fills them from
+        the host, the fused greedy path from the acceptance counts). Returns (drafts [D, k], probs
+        [D, k, V] or None when all greedy)."""
+        h = self.forward(chunks, target_streams, input_ids, None)[rows]
+        one_token = [SequenceChunk(c.slot, c.start_pos, [0], c.block_ids, "last") for c in drafting]
         drafts, probs = [], []
         for j in range(self.k):
-            logits = self.mtp.compute_logits(h, self.target)
-            token, p = self._sample(logits, sampling, j)
+            token, p = self._sample(self.mtp.compute_logits(h, self.target), sampling, j)
             drafts.append(token)
             probs.append(p)
             if j + 1 == self.k:
                 break
             # Feed the draft back: position + j + 1 sees the block's own streams as h.
-            step = [SequenceChunk(requests[i].chunk.slot, positions[n] + j + 1, [0], requests[i].chunk.block_ids, "last")
-                    for n, i in enumerate(drafting)]
-            h = self.forward(step, h, token)[: len(drafting)]
+            h = self.forward(one_token, h, token, positions + j + 1)[: len(drafting)]
         all_greedy = sampling is None or sampling.all_greedy
-        stacked_probs = None if all_greedy else torch.stack(probs, dim=1)
-        return torch.stack(drafts, dim=1), stacked_probs, drafting
+        return torch.stack(drafts, dim=1), None if all_greedy else torch.stack(probs, dim=1)
 
     def _sample(self, logits: torch.Tensor, st: SamplingTensors | None, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         greedy = logits.argmax(dim=-1)

@@ -39,18 +39,11 @@ def fused_greedy_step(runner, sched: SchedulerOutput, chunks: list[SequenceChunk
     steps = torch.arange(q, device=device).unsqueeze(0)
     next_tokens = target.gather(1, torch.minimum(steps, accepted.unsqueeze(1)))
     catch_up = [SequenceChunk(c.slot, c.start_pos, [0] * q, c.block_ids, "none") for c in chunks]
-    streams = runner.mtp_forward(catch_up, runner.last_streams, next_tokens.reshape(-1))
-    h = streams[torch.arange(batch, device=device) * q + accepted]  # each request's last accepted position
-    starts = to_device([c.start_pos for c in chunks], device)
-    new_drafts = []
-    for j in range(k):
-        token = proposer.mtp.compute_logits(h, proposer.target).argmax(dim=-1)
-        new_drafts.append(token)
-        if j + 1 == k:
-            break
-        one = [SequenceChunk(c.slot, c.start_pos, [0], c.block_ids, "last") for c in chunks]
-        h = runner.mtp_forward(one, h, token, positions=starts + accepted + j + 1)[:batch]
-    host = torch.cat([accepted.unsqueeze(1), target, torch.stack(new_drafts, dim=1)], dim=1).tolist()
+    rows = torch.arange(batch, device=device) * q + accepted  # each request's last accepted position
+    positions = to_device([c.start_pos for c in chunks], device) + accepted if k > 1 else None
+    new_drafts, _ = proposer.draft(catch_up, runner.last_streams, next_tokens.reshape(-1), rows, chunks,
+                                   positions, None)
+    host = torch.cat([accepted.unsqueeze(1), target, new_drafts], dim=1).tolist()
     for n, req in enumerate(reqs):
         a = host[n][0]
         out.sampled[req.request_id] = [SampledToken(t) for t in host[n][1:a + 2]]
@@ -154,8 +147,8 @@ def draft_next(runner, sched: SchedulerOutput, chunks: list[SequenceChunk], out)
     st = runner.sampling_tensors(drafting_reqs) if drafting_reqs and not greedy else None
     if st is not None:
         # Drafts are the tokens after the ones just emitted.
-        st.counters = st.counters + torch.tensor([len(out.sampled[r.request_id]) for r in drafting_reqs],
-                                                 device=st.counters.device)
+        st.counters = st.counters + to_device([len(out.sampled[r.request_id]) for r in drafting_reqs],
+                                              st.counters.device)
     drafts, probs, drafting = runner.proposer.propose(requests, streams, st)
     draft_list = drafts.tolist()
     for n, i in enumerate(drafting):

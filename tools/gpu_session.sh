@@ -4,6 +4,8 @@
 #   bash tools/gpu_session.sh bench   decode and verify steps, top-k grid, compressor, the seed workload with
 #                                     every backend and the transformers baseline (about 10 minutes)
 #   bash tools/gpu_session.sh demo    the demo model: perplexity parity, MTP acceptance, speed with/without speculation
+#   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
+#                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -23,5 +25,14 @@ case "${1:-tests}" in
     } 2>&1 | filter > "$OUT/bench.log"; tail -40 "$OUT/bench.log" ;;
   demo)
     timeout -k 5 300 python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json" 2>&1 | filter | tail -40 ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|demo" >&2; exit 2 ;;
+  check)
+    { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
+        -k "auto or speculative or speculation or mtp_1"
+      timeout -k 5 ${T_STEPS:-100} python -m sparseserve.benchmarks.decode_graphs --steps 12 --batches 1,8,64 \
+        --spec-k 1,2 --no-eager --out "$OUT/decode_graphs_spec.json"
+      timeout -k 5 ${T_SEED:-100} python benchmarks/run_all.py --only ${SEED_RUNS:-graphs,eager} --skip-hf-latency \
+        --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
+      timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
+    } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|demo|check" >&2; exit 2 ;;
 esac

@@ -20,7 +20,8 @@ import time
 import numpy as np
 import torch
 
-from .throughput import (load_hf_for, run_with_engine, add_workload_args, check_workload, device_name, free_device_memory, jsonable, random_prompts, synchronize, write_json)
+from .throughput import (load_hf_for, run_with_engine, add_workload_args, device_name, free_device_memory, jsonable,
+                         random_prompts, run_and_report, synchronize)
 
 HBM_BYTES_PER_S = 4.23e12  # H200 copy bandwidth (DESIGN.md section 5)
 BF16_FLOPS_PER_S = 790e12  # H200 dense bf16 GEMM rate (DESIGN.md section 5)
@@ -235,10 +236,4 @@ def report_lines(r: dict) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    check_workload(args)
-    result = run_hf(args) if args.backend == "hf" else run_engine(args)
-    for line in report_lines(result):
-        print(line)
-    if args.output_json:
-        write_json(args.output_json, result)
-    return result
+    return run_and_report(args, run_engine, run_hf, report_lines)

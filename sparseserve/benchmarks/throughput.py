@@ -252,9 +252,15 @@ def run_hf(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     """Runs the workload the parsed flags describe; prints vLLM's summary lines; returns the result."""
+    return run_and_report(args, run_engine, run_hf, report_lines)
+
+
+def run_and_report(args: argparse.Namespace, engine_fn, hf_fn, report) -> dict:
+    """The shape of every `bench` command: check the flags, run on the chosen backend, print the
+    summary lines, write the JSON if asked."""
     check_workload(args)
-    result = run_hf(args) if args.backend == "hf" else run_engine(args)
-    for line in report_lines(result):
+    result = hf_fn(args) if args.backend == "hf" else engine_fn(args)
+    for line in report(result):
         print(line)
     if args.output_json:
         write_json(args.output_json, result)

@@ -283,7 +283,7 @@ class ModelRunner:
         rows of padding sequences, if any, follow the real ones)."""
         lengths = [c.start_pos + len(c.token_ids) for c in chunks]
         shape = self.graph_shape(chunks)
-        rows = sum(len(c.token_ids) if c.want_logits == "all" else c.want_logits == "last" for c in chunks)
+        rows = sum({"all": len(c.token_ids), "last": 1, "none": 0}[c.want_logits] for c in chunks)  # real logits rows
         streams = None
         if shape is not None and shape[1] in self.graphs:
             outputs, graph = self.graphs[shape[1]].run(chunks)

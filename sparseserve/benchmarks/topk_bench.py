@@ -159,13 +159,13 @@ def run_sweep(rows_list, widths, ks, warmup_ms, rep_ms, log) -> list[dict]:
 def run_variants(warmup_ms, rep_ms, log) -> list[dict]:
     """Graph-replay times of tile/warp variants (standard BLOCK, persistent CHUNK); each checked exactly."""
     gen = torch.Generator(device="cuda").manual_seed(2)
-    cases = [
-        (64, 262144, 512, "standard", ((8192, 16), (8192, 8), (4096, 8))),
-        (256, 262144, 512, "standard", ((8192, 16), (8192, 8), (4096, 8))),
-        (256, 8192, 512, "standard", ((8192, 16), (8192, 8), (4096, 8))),
-        (1, 262144, 512, "persistent", ((1024, 4), (2048, 4), (2048, 8), (4096, 8))),
-        (8, 65536, 512, "persistent", ((2048, 4), (4096, 8), (8192, 16))),
-        (32, 262144, 512, "persistent", ((4096, 8), (8192, 16), (8192, 8))),
+    cases = [  # the default first
+        (64, 262144, 512, "standard", ((4096, 8), (4096, 16), (8192, 8))),
+        (256, 262144, 512, "standard", ((4096, 8), (4096, 16), (8192, 8))),
+        (256, 8192, 512, "standard", ((4096, 8), (4096, 16), (8192, 8))),
+        (1, 262144, 512, "persistent", ((4096, 8), (2048, 8))),
+        (8, 65536, 512, "persistent", ((4096, 8), (2048, 8), (8192, 8))),
+        (32, 262144, 512, "persistent", ((8192, 8), (4096, 8))),
     ]
     out = []
     for rows, width, k, path, tiles in cases:
@@ -244,15 +244,12 @@ def summary_table(grid: list[dict]) -> str:
 PRECOMPILE = [
     *[("standard", k, w, None, None, None) for k in (512, 1024) for w in (8192, 300001)],
     ("standard", 512, 8192, None, 256, None),
-    ("standard", 512, 4096, None, None, None),
+    ("standard", 512, 262144, 4096, None, 16),
     ("standard", 512, 262144, 8192, None, 8),
-    ("standard", 512, 262144, 4096, None, 8),
-    *[("persistent", 512, 262144, t, None, None) for t in (1024, 2048, 4096, 8192)],
-    *[("persistent", 1024, 262144, t, None, None) for t in (2048, 4096, 8192)],
+    *[("persistent", k, 262144, t, None, None) for k in (512, 1024) for t in (4096, 8192)],
     ("persistent", 1024, 300001, 8192, None, None),
-    ("persistent", 512, 65536, 2048, 256, None),
-    ("persistent", 512, 262144, 2048, None, 8),
-    ("persistent", 512, 262144, 8192, None, 8),
+    ("persistent", 512, 65536, 4096, 256, None),
+    ("persistent", 512, 262144, 2048, None, None),
 ]
 
 

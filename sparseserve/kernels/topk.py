@@ -39,7 +39,9 @@ Algorithm (both paths), for a row of n > k valid scores:
      correct, slow).
 
 * standard: one program per row (grid-stride when rows exceed 2 programs per SM), BLOCK =
-  G = up to 8192 columns, all steps inside one launch. The candidate buffers (one per
+  G = 4096 columns (fewer for narrow rows, more for k > 4096), all steps inside one launch.
+  Loads, scans and scatter stores share one layout (see ONE in the kernel): no shared-memory
+  layout conversions in the per-block loop. The candidate buffers (one per
   program) are shared by every standard-path instance on the device.
 * persistent: a resident grid (one program per SM) that cuts every row into chunks and
   loops over (row, chunk) items, so a few long rows use the whole GPU; G = max(1024, 2k),
@@ -88,10 +90,11 @@ FALLBACK_BLOCK = 1024  # the exact fallback's block (small: its histograms are r
 STD_PROGRAMS_PER_SM = 2  # standard-path grid cap (and candidate buffers) per SM
 KEY_NEG_INF = -2139095041  # the int32 key of -inf
 
-# "auto" crossover (docs/performance.md, measured on one H200, 2026-11-29): the persistent path is
-# picked when a step has at most this many rows for its padded width (width limits ascending;
-# the last is unbounded), i.e. where it was >= 1.3x faster than the standard path in the sweep
-# (graph replay, k = 512; k = 1024 agrees on the grid). Up to 8K columns it never was (1.2x).
+# "auto" crossover (docs/performance.md, measured on one H200, 2026-11-29, with the v3 kernels of
+# commit 0a09b50; RE-MEASURE for these: without layout conversions the standard path is faster, which
+# moves the crossover down): the persistent path is picked when a step has at most this many rows for
+# its padded width (width limits ascending; the last is unbounded), i.e. where it was >= 1.3x faster
+# than the standard path in the sweep (graph replay, k = 512). Up to 8K columns it never was (1.2x).
 _AUTO_MAX_ROWS_PERSISTENT = ((8192, 0), (32768, 32), (1 << 62, 16))
 
 
@@ -205,9 +208,9 @@ if _HAVE_TRITON:
         tl.store(orow + n_gt + rank_eq - 1, idx, mask=(is_eq != 0) & (rank_eq <= need_eq))
 
     @triton.jit
-    def _write_ties(srow, n, thr, slot0, need_eq, orow, BLOCK: tl.constexpr):
-        """orow[slot0 + j] = the j-th column (by index) whose score == thr, j < need_eq."""
-        offs = tl.arange(0, BLOCK)
+    def _write_ties(srow, offs, n, thr, slot0, need_eq, orow, BLOCK: tl.constexpr):
+        """orow[slot0 + j] = the j-th column (by index) whose score == thr, j < need_eq.
+        offs: arange(BLOCK) in the scan/scatter layout (see ONE)."""
         run = 0
         for s in range(0, n, BLOCK):
             if run < need_eq:
@@ -301,20 +304,27 @@ if _HAVE_TRITON:
             rank_gt = gt_run + tl.cumsum(is_gt, axis=0)
             tl.store(orow + rank_gt - 1, c, mask=(is_gt != 0) & (rank_gt <= n_gt))
             gt_run += tl.sum(is_gt, axis=0)
-        _write_ties(srow, n, thr, n_gt, need_eq, orow, BLOCK)
+        _write_ties(srow, tl.arange(0, BLOCK), n, thr, n_gt, need_eq, orow, BLOCK)
 
     # ---- standard path: one program per row (grid-stride when rows exceed the grid)
 
-    @triton.jit(do_not_specialize=["R", "W"])
+    @triton.jit(do_not_specialize=["R", "W", "ONE"])
     def _topk_standard_kernel(
         scores_ptr, stride_s, lengths_ptr, out_ptr, stride_o, cand_v_ptr, cand_i_ptr, R, W,
+        ONE,
         K: tl.constexpr, BLOCK: tl.constexpr, C: tl.constexpr, FB: tl.constexpr, LB_STEPS: tl.constexpr,
         FALLBACK_BLOCK: tl.constexpr,
     ):
+        """ONE: a runtime 1. Offsets multiplied by it look non-contiguous to Triton's axis
+        analysis, so the loads that feed a scan and a scatter store get the scatter's layout
+        (one element per thread) instead of 16-byte vectors: no shared-memory layout
+        conversion per block (on Triton 3.6 those cost several us per 4K block). Pass 1 uses
+        them too: the coalescing pass gives all memory ops of one def-use slice the widest
+        vector found among them."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
-        offs = tl.arange(0, BLOCK)
-        p = tl.arange(0, C)
+        offs1 = tl.arange(0, BLOCK) * ONE
+        p = tl.arange(0, C) * ONE
         cv = cand_v_ptr + tl.cast(pid, tl.int64) * C
         ci = cand_i_ptr + tl.cast(pid, tl.int64) * C
         for row in range(pid, R, nprog):
@@ -327,8 +337,8 @@ if _HAVE_TRITON:
                 # group maximum is a lower bound of the K-th largest score (K groups reach it).
                 gmax = tl.full([BLOCK], float("-inf"), tl.float32)
                 for s in range(0, n, 2 * BLOCK):  # two blocks per step: more loads in flight
-                    x0 = _load_scores(srow, s + offs, s, n, BLOCK)
-                    x1 = _load_scores(srow, s + BLOCK + offs, s + BLOCK, n, BLOCK)
+                    x0 = _load_scores(srow, s + offs1, s, n, BLOCK)
+                    x1 = _load_scores(srow, s + BLOCK + offs1, s + BLOCK, n, BLOCK)
                     gmax = tl.maximum(gmax, tl.maximum(x0, x1))
                 u = _keys(gmax).to(tl.int64) - _KEY_MIN
                 lo = _key_float(_bound_key(_search(u, K, LB_STEPS)))
@@ -336,10 +346,10 @@ if _HAVE_TRITON:
                 total = 0
                 tl.debug_barrier()  # the previous row's reads of the candidate buffer are done
                 for s in range(0, n, 2 * BLOCK):
-                    x0 = _load_scores(srow, s + offs, s, n, BLOCK)
-                    x1 = _load_scores(srow, s + BLOCK + offs, s + BLOCK, n, BLOCK)
-                    total = _compact(x0, s + offs, lo, total, cv, ci, C)
-                    total = _compact(x1, s + BLOCK + offs, lo, total, cv, ci, C)
+                    x0 = _load_scores(srow, s + offs1, s, n, BLOCK)
+                    x1 = _load_scores(srow, s + BLOCK + offs1, s + BLOCK, n, BLOCK)
+                    total = _compact(x0, s + offs1, lo, total, cv, ci, C)
+                    total = _compact(x1, s + BLOCK + offs1, lo, total, cv, ci, C)
                 tl.debug_barrier()
                 pm = p < total
                 if total > C:
@@ -347,7 +357,7 @@ if _HAVE_TRITON:
                 elif total < K:
                     # The K-th score is the bound itself: every candidate, then the first ties.
                     tl.store(orow + p, tl.load(ci + p, mask=pm, other=0), mask=pm)
-                    _write_ties(srow, n, lo, total, K - total, orow, BLOCK)
+                    _write_ties(srow, offs1, n, lo, total, K - total, orow, BLOCK)
                 else:
                     v = tl.load(cv + p, mask=pm, other=float("-inf"))
                     idx = tl.load(ci + p, mask=pm, other=0)
@@ -393,10 +403,11 @@ if _HAVE_TRITON:
                     u = mk.to(tl.int64) * 2
                     tl.store(wrow + _WS_BOUND, _bound_key(_search(u, K, LB_STEPS)))
 
-    @triton.jit(do_not_specialize=["W", "n_items", "CPR"])
+    @triton.jit(do_not_specialize=["W", "n_items", "CPR", "ONE"])
     def _p_select_kernel(
         scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, cand_v_ptr, cand_i_ptr, out_ptr, stride_o,
         W, n_items, CPR,
+        ONE,
         K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr, C: tl.constexpr, CPR_P2: tl.constexpr,
         FB: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
     ):
@@ -405,8 +416,8 @@ if _HAVE_TRITON:
         puts the candidates in index order, selects the K-th score among them and writes the row."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
-        offs = tl.arange(0, CHUNK)
-        p = tl.arange(0, C)
+        offs = tl.arange(0, CHUNK) * ONE  # one layout for load, scan and scatter (see the standard kernel)
+        p = tl.arange(0, C) * ONE
         cidx = tl.arange(0, CPR_P2)
         for item in range(pid, n_items, nprog):
             row = item // CPR
@@ -441,19 +452,22 @@ if _HAVE_TRITON:
                         # Counters were not zero at launch: poison the row (detectable, never a hang).
                         _fill(orow, 0, K, -2, K, FB)
                     else:
-                        total = tl.load(wrow + _WS_TOTAL, cache_modifier=".cg")
+                        # Independent loads first (one round trip): the count, the chunk records
+                        # and the whole buffer (slots past the count are masked below).
                         first = row.to(tl.int64) * CPR
+                        cm = cidx < CPR
+                        total = tl.load(wrow + _WS_TOTAL, cache_modifier=".cg")
+                        cnt = tl.load(cinfo_ptr + (first + cidx) * 4, mask=cm, other=0, cache_modifier=".cg")
+                        bas = tl.load(cinfo_ptr + (first + cidx) * 4 + 1, mask=cm, other=0, cache_modifier=".cg")
+                        v = tl.load(cv + p, cache_modifier=".cg")
+                        idx = tl.load(ci + p, cache_modifier=".cg")
                         if total <= C:
                             # Index-order position of candidate q: its rank in its chunk's run plus
                             # the candidates of the earlier chunks.
-                            cm = cidx < CPR
-                            cnt = tl.load(cinfo_ptr + (first + cidx) * 4, mask=cm, other=0, cache_modifier=".cg")
-                            bas = tl.load(cinfo_ptr + (first + cidx) * 4 + 1, mask=cm, other=0, cache_modifier=".cg")
                             tl.store(cinfo_ptr + (first + cidx) * 4 + 3, tl.cumsum(cnt, axis=0) - cnt - bas, mask=cm)
                             tl.debug_barrier()
                             pm = p < total
-                            v = tl.load(cv + p, mask=pm, other=float("-inf"), cache_modifier=".cg")
-                            idx = tl.load(ci + p, mask=pm, other=0, cache_modifier=".cg")
+                            v = tl.where(pm, v, float("-inf"))
                             pos = p + tl.load(cinfo_ptr + (first + idx // CHUNK) * 4 + 3, mask=pm, other=0,
                                               cache_modifier=".cg")
                             if total < K:
@@ -510,23 +524,23 @@ def _persistent_groups(k: int) -> int:
 
 
 def _warps(tile: int, cap: int) -> int:
-    """Warps per program: 16 for 8K tiles (keeps the kernels near 128 registers a thread)."""
-    if tile >= 8192:
-        return 16
-    return 8 if tile >= 4096 or cap >= 4096 else 4
+    """Warps per program (H200: 8 beat 16 for 4K-8K tiles, and 4 for 2K chunks)."""
+    return 8 if tile >= 2048 or cap >= 4096 else 4
 
 
 def _standard_config(width: int, k: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) for the standard kernel, from the static width (BLOCK = G >= k)."""
-    block = max(min(8192, max(1024, _next_pow2(width))), _next_pow2(k))
+    """(BLOCK, num_warps) for the standard kernel, from the static width (BLOCK = G >= k).
+    4096, not 8192: as fast at 256K columns, faster at 8K (more rows in flight per SM)."""
+    block = max(min(4096, max(1024, _next_pow2(width))), _next_pow2(k))
     return block, _warps(block, _capacity(k))
 
 
 def _persistent_config(rows: int, width: int, num_programs: int, k: int) -> tuple[int, int, int]:
-    """(CHUNK, chunks_per_row, num_warps): about one item per program, chunks of G..8K."""
+    """(CHUNK, chunks_per_row, num_warps): about one item per program, chunks of 4K..8K
+    (4K chunks beat 1K-2K ones at 1 x 256K: fewer items, fewer atomics per row)."""
     groups = _persistent_groups(k)
     target = -(-rows * width // max(1, num_programs))
-    chunk = max(groups, min(8192, max(1024, _next_pow2(target))))
+    chunk = max(groups, min(8192, max(4096, _next_pow2(target))))
     return chunk, -(-width // chunk), _warps(chunk, _capacity(k))
 
 
@@ -616,7 +630,7 @@ def _launch_standard(
     grid = min(rows, programs)
     assert cand_v.shape[0] >= grid and cand_v.shape[1] == cap and cand_i.shape == cand_v.shape
     _topk_standard_kernel[(grid,)](
-        scores, scores.stride(0), lengths, out, out.stride(0), cand_v, cand_i, rows, width,
+        scores, scores.stride(0), lengths, out, out.stride(0), cand_v, cand_i, rows, width, 1,
         K=k, BLOCK=block, C=cap, FB=min(1024, _next_pow2(k)), LB_STEPS=LB_STEPS, FALLBACK_BLOCK=FALLBACK_BLOCK,
         num_warps=warps,
     )
@@ -781,7 +795,7 @@ class IndexerTopK:
         )
         _p_select_kernel[grid](
             scores, scores.stride(0), lengths, ws, self.chunk_info, self.cand_v, self.cand_i, out, out.stride(0),
-            width, n_items, cpr,
+            width, n_items, cpr, 1,
             K=self.k, CHUNK=chunk, WS=self._ws_stride, C=self.cap, CPR_P2=self._cpr_p2,
             FB=min(1024, _next_pow2(self.k)), FALLBACK_BLOCK=FALLBACK_BLOCK, num_warps=warps,
         )

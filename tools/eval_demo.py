@@ -7,9 +7,11 @@ sample continuations.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import gc
 import json
 import math
+import platform
 import sys
 import time
 from pathlib import Path
@@ -59,7 +61,11 @@ def main() -> None:
     tokens = sum(len(c) - 1 for c in chunks)
     ours = nll_engine(base, chunks)
     ref = nll_oracle(args.model, chunks)
-    result = {"held_out_tokens_scored": tokens, "chunk": args.chunk,
+    # The corpus is this Python's `pydoc_data.topics`: another CPython version ships other text, whose
+    # "held-out" paragraphs may be training paragraphs of the checkpoint (trained on Python 3.11's).
+    result = {"python": platform.python_version(),
+              "held_out_sha256": hashlib.sha256(repr(held_docs).encode()).hexdigest()[:16],
+              "held_out_tokens_scored": tokens, "chunk": args.chunk,
               "perplexity_engine": math.exp(ours / tokens), "perplexity_oracle": math.exp(ref / tokens)}
     result["perplexity_rel_diff"] = abs(result["perplexity_engine"] / result["perplexity_oracle"] - 1)
 

@@ -29,10 +29,13 @@ def gpu_busy_by_step(prof, step_kinds: list[str]) -> dict[str, tuple[float, floa
     """Per step kind: (summed CPU span of the steps, GPU busy time inside them), in seconds. Each step
     ends with a synchronize, so its kernels run inside its own CPU range; busy = union of kernel intervals."""
     events = prof.events()
+    # The profiler mirrors each record_function range onto the GPU timeline (a user annotation):
+    # steps are the CPU ranges, kernels the GPU events that are not such mirrors.
+    cuda = torch.autograd.DeviceType.CUDA
     steps = sorted((e.time_range.start, e.time_range.end, int(e.name.rsplit("_", 1)[1])) for e in events
-                   if e.name.startswith("sparseserve_step_"))
+                   if e.name.startswith("sparseserve_step_") and e.device_type != cuda)
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
+                     if e.device_type == cuda and not e.name.startswith("sparseserve_step_"))
     result: dict[str, list[float]] = {}
     k = 0
     for start, end, index in steps:

@@ -95,6 +95,8 @@ class EngineConfig:
     cuda_graph_sizes: list[int] | None = None
     cudagraph_audit: bool = False
     step_timeout_s: float = 60.0
+    # Launch each step before the previous one is read back (None: on for CUDA without speculation).
+    async_scheduling: bool | None = None
     # TEST ONLY: restores the historical top-k bug (workspace zeroing behind a host `if`).
     debug_topk_skip_reset_when_short: bool = False
 

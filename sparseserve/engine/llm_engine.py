@@ -20,11 +20,11 @@ from ..spec_decode.metrics import SpecDecodeMetrics
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import SamplingParams
 from ..worker.graph_audit import audit_graph_replays
-from ..worker.model_runner import ModelRunner, RunnerOptions, RunnerOutput
+from ..worker.model_runner import LaunchedStep, ModelRunner, RunnerOptions, RunnerOutput
 from .detokenizer import detokenize_incrementally
 from .kv_cache import KVCacheManager, KVPlan, RequestTooLargeError, plan_kv
 from .request import Request
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("sparseserve")
 
@@ -80,6 +80,14 @@ class LLMEngine:
                                                 debug_topk_skip_reset_when_short=config.debug_topk_skip_reset_when_short,
                                                 num_speculative_tokens=spec_k))
         self.spec_metrics = SpecDecodeMetrics()
+        # Async scheduling: launch step n + 1 before reading step n back (on by default on CUDA;
+        # speculation verifies and drafts from the step's results, so it stays synchronous).
+        if config.async_scheduling and spec_k:
+            raise ValueError("async_scheduling does not support speculative decoding yet; "
+                             "leave async_scheduling unset or set it to False")
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda" and not spec_k)
+        self._in_flight: LaunchedStep | None = None
         if spec_k:
             self.runner.mtp = self._load_mtp(config)
         num_blocks, cache_bytes = self._size_cache()
@@ -228,24 +236,48 @@ class LLMEngine:
         self.prompts.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- stepping ----
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step, and return the requests it finished. With async scheduling
+        the step launched here is read back by the next call, so the host's bookkeeping and the next
+        schedule overlap the GPU's work (outputs arrive one call later)."""
         sched = self.scheduler.schedule()
-        if not sched.chunks:
-            if self.scheduler.has_unfinished():
+        launched = self._launch(sched) if sched.chunks else None
+        if self.async_scheduling:
+            previous, self._in_flight = self._in_flight, launched
+        else:
+            previous = launched
+        if previous is None:
+            if launched is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could schedule nothing while requests wait; this is a bug")
             return []
+        return self._collect(previous)
+
+    def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
         for req in sched.preempted:
             self.runner.draft_probs.pop(req.request_id, None)
-        result = self.runner.execute(sched)
-        finished_groups: set[str] = set()
+        launched = self.runner.launch(sched)
         for chunk in sched.chunks:
+            # Drafts count once verified (in _collect); a sampled token is pending until read back.
+            chunk.request.num_computed_tokens += chunk.num_tokens - chunk.num_draft
+            if chunk.completes:
+                chunk.request.num_pending_tokens += 1
+        return launched
+
+    def _collect(self, launched: LaunchedStep) -> list[RequestOutput]:
+        result = self.runner.collect(launched)
+        finished_groups: set[str] = set()
+        for chunk in launched.sched.chunks:
             req = chunk.request
+            if chunk.completes:
+                req.num_pending_tokens -= 1
+            if req.is_finished:
+                continue  # finished or aborted while this step ran: what it computed is dropped
             accepted = result.num_accepted.get(req.request_id, 0)
             # Verified drafts that were rejected leave positions to be re-run (position-addressed).
-            req.num_computed_tokens += chunk.num_tokens - chunk.num_draft + accepted
+            req.num_computed_tokens += accepted
             req.draft_token_ids = []
             if chunk.num_draft:
                 self.spec_metrics.record(chunk.num_draft, accepted)

@@ -8,6 +8,9 @@ from ..outputs import Logprob
 from ..sampling_params import SamplingParams
 
 
+PENDING_TOKEN_ID = 0  # stands for a token still on the device; never read as a real token
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -29,6 +32,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     draft_token_ids: list[int] = field(default_factory=list)  # speculative drafts to verify next step
+    # Tokens sampled by a launched step whose values the host has not read yet (async scheduling):
+    # they follow output_token_ids, and the next step takes them from the device.
+    num_pending_tokens: int = 0
     # Output state
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -46,15 +52,34 @@ class Request:
 
     def token_ids_between(self, start: int, end: int, num_draft: int = 0) -> list[int]:
         """Tokens [start, end) of prompt + output + the first `num_draft` drafts, copying only those
-        (a decode step needs one token of a sequence thousands long)."""
+        (a decode step needs one token of a sequence thousands long). Pending tokens (sampled, not
+        yet read back) are given as PENDING_TOKEN_ID: the runner fills them in on the device."""
         prompt, output = self.prompt_token_ids, self.output_token_ids
         p, o = len(prompt), len(output)
         tokens = prompt[start:min(end, p)] if start < p else []
         if end > p and start < p + o:
             tokens += output[max(start - p, 0):min(end - p, o)]
-        if end > p + o and num_draft:
-            tokens += self.draft_token_ids[max(start - p - o, 0):min(end - p - o, num_draft)]
+        if end > p + o:
+            if num_draft:
+                tokens += self.draft_token_ids[max(start - p - o, 0):min(end - p - o, num_draft)]
+            elif self.num_pending_tokens:
+                tokens += [PENDING_TOKEN_ID] * (min(end, p + o + self.num_pending_tokens) - max(start, p + o))
         return tokens
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens the request will have once every launched step is read back."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    def ends_by_length_with_pending(self, max_model_len: int | None) -> bool:
+        """True when the pending tokens surely finish the request (max_tokens or max_model_len), so
+        scheduling another step for it would only compute a token that is thrown away."""
+        if not self.num_pending_tokens:
+            return False
+        max_tokens = self.params.max_tokens
+        if max_tokens is not None and len(self.output_token_ids) + self.num_pending_tokens >= max_tokens:
+            return True
+        return max_model_len is not None and self.num_tokens_with_pending >= max_model_len
 
     @property
     def num_tokens(self) -> int:

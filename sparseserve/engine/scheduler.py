@@ -17,13 +17,16 @@ from .request import Request, RequestStatus
 @dataclass
 class ScheduledChunk:
     request: Request
-    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens (drafts included)
+    num_tokens: int  # tokens computed this step, starting at start_pos (drafts included)
+    start_pos: int  # the request's num_computed_tokens when scheduled
+    completes: bool  # the chunk reaches the request's last token, so a new token is sampled
     num_draft: int = 0  # trailing speculative drafts among them, verified this step
 
-    @property
-    def completes(self) -> bool:
-        """True when this chunk reaches the request's last token, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_tokens - self.num_draft == self.request.num_tokens
+
+def make_chunk(request: Request, num_tokens: int, num_draft: int = 0) -> ScheduledChunk:
+    start = request.num_computed_tokens
+    completes = start + num_tokens - num_draft == request.num_tokens_with_pending
+    return ScheduledChunk(request, num_tokens, start, completes, num_draft)
 
 
 @dataclass
@@ -74,8 +77,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if n <= 0:
+            n = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            if n <= 0 or request.ends_by_length_with_pending(self.max_model_len):
                 continue
             num_draft = 0
             if n == request.num_tokens - request.num_computed_tokens == 1 and request.draft_token_ids:
@@ -94,12 +97,12 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             self.kv.allocate(request, request.num_computed_tokens + n)
-            out.chunks.append(ScheduledChunk(request, n, num_draft))
+            out.chunks.append(make_chunk(request, n, num_draft))
             scheduled.add(request.request_id)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            remaining = request.num_tokens - request.num_computed_tokens
+            remaining = request.num_tokens_with_pending - request.num_computed_tokens
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
                 break
@@ -109,7 +112,7 @@ class Scheduler:
             self.kv.allocate(request, request.num_computed_tokens + n)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, n))
+            out.chunks.append(make_chunk(request, n))
             scheduled.add(request.request_id)
             budget -= n
         return out

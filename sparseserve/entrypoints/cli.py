@@ -41,7 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         hint = str(hints[f.name])
         default = _field_default(f)
         doc = f"LLM({f.name}=...), default {default!r}"
-        if f.type in (bool, "bool") or hint == "<class 'bool'>":
+        if f.type in (bool, "bool") or "bool" in hint:
             group.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=default, help=doc)
         elif "dict" in hint:
             group.add_argument(flag, type=json.loads, default=default, help=doc + " (JSON object)")

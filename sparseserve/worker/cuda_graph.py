@@ -269,11 +269,13 @@ class CudaGraphRunner:
 
     def run(self, chunks: list[SequenceChunk], hidden: torch.Tensor | None = None,
             input_ids: torch.Tensor | None = None,
-            positions: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, ...], CapturedGraph]:
+            positions: torch.Tensor | None = None, fix_inputs: Callable[[torch.Tensor], None] | None = None
+            ) -> tuple[tuple[torch.Tensor, ...], CapturedGraph]:
         """Replay the graph of the smallest bucket holding `chunks` (each of `query_len` tokens).
         `hidden`: the per-token input rows (at least the real tokens'); `input_ids`: device token ids
         that replace the chunks' first ids; `positions`: device positions that replace the chunks'
-        (one-token chunks only). Returns the outputs' rows (padding rows included last)."""
+        (one-token chunks only); `fix_inputs`: writes device-side ids into the flat input ids.
+        Returns the outputs' rows (padding rows included last)."""
         size = self.bucket_for(len(chunks))
         graph = self.graphs[GraphKey(size, self.query_len)]
         chunks = [c if c.want_logits == self.want_logits else replace(c, want_logits=self.want_logits)
@@ -283,6 +285,8 @@ class CudaGraphRunner:
         graph.static.fill(host)
         if input_ids is not None:
             graph.static.batch.input_ids[: input_ids.shape[0]].copy_(input_ids)
+        if fix_inputs is not None:
+            fix_inputs(graph.static.batch.input_ids)
         if positions is not None:
             set_positions(graph.static.batch, positions)
         if hidden is not None:

@@ -17,3 +17,13 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype = torch.int
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def to_host(values: torch.Tensor) -> torch.Tensor:
+    """Queue a device -> host copy of `values` into pinned memory without waiting for it (read the
+    result only after an event recorded later on the stream has completed); on the CPU, `values`."""
+    if values.device.type != "cuda":
+        return values
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host

@@ -21,7 +21,7 @@ from ..model.state import ModelState, StateLayout
 from ..model.step_context import TopKFn, default_topk
 from .cuda_graph import (BufferSpec, CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes,
                          logits_mode, pad_chunks, pick_bucket, set_positions)
-from .host_copy import to_device
+from .host_copy import to_device, to_host
 from .sampler import SamplingTensors, sample, token_logprobs
 from .watchdog import StepWatchdog
 
@@ -44,6 +44,27 @@ class RunnerOutput:
     drafts: dict[str, list[int]] = field(default_factory=dict)  # request_id -> drafts for the next step
     # request_id -> [(position of the predicted prompt token, logprob, rank, top)]
     prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
+
+
+# Logits rows a chunk yields per `want_logits` (0 for "all": one per token).
+LOGITS_ROWS = {"all": 0, "last": 1, "none": 0}
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued; `ModelRunner.collect` reads its results back."""
+
+    sched: SchedulerOutput
+    chunks: list[SequenceChunk]
+    logits: torch.Tensor  # read again only by speculation, which collects right after launching
+    describe: Callable[[], str]
+    verify: list[tuple[int, int]] = field(default_factory=list)  # (chunk index, first logits row)
+    sample_reqs: list = field(default_factory=list)
+    sampled: tuple[torch.Tensor, dict] | None = None  # device tokens, and each sampling request's row
+    host_tokens: torch.Tensor | None = None  # the sampled tokens, copied to pinned host memory
+    host_logprobs: tuple[torch.Tensor, ...] | None = None
+    prompt_logprobs: list = field(default_factory=list)  # (request, start, host tensors)
+    done: torch.cuda.Event | None = None  # recorded after the copies
 
 
 @dataclass
@@ -96,6 +117,9 @@ class ModelRunner:
         self.proposer = None
         self.draft_probs: dict[str, torch.Tensor] = {}  # request_id -> [k, V] q of its pending drafts
         self.last_streams: torch.Tensor | None = None
+        # The last launched step's sampled tokens (device) and each request's row among them:
+        # the next step reads its pending input tokens from there.
+        self._last_sampled: tuple[torch.Tensor, dict] | None = None
 
     # ---- top-k paths: fixed per row bucket from static facts (DESIGN.md invariant 3) ----
     def topk_for(self, max_rows: int) -> tuple[TopKFn, str]:
@@ -216,53 +240,118 @@ class ModelRunner:
     # ---- execution ----
     @torch.no_grad()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        out = RunnerOutput()
-        if not sched.chunks:
-            return out
+        """Run a step and read its results back (the synchronous form of launch + collect)."""
+        return self.collect(self.launch(sched))
+
+    @torch.no_grad()
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Queue a step's device work: metadata, forward, sampling and the copies of its results to
+        pinned host memory; nothing here waits for the GPU. Tokens of earlier steps not yet read back
+        (pending) are taken from the device. Everything that reads the logits is queued here, since
+        the next step's graph replay overwrites the shared logits buffer."""
         chunks: list[SequenceChunk] = []
+        fix_dst: list[int] = []  # flat token index of each pending input token
+        fix_src: list[int] = []  # its row among the last launched step's sampled tokens
+        offset = 0
         for sc in sched.chunks:
             req = sc.request
-            start = req.num_computed_tokens
-            # Prompt logprobs until every prompt position has one (a recompute after preemption
-            # fills in what the first pass had not reached; the engine skips positions it has).
-            recorded = len(req.prompt_logprobs) if req.prompt_logprobs is not None else 1
-            want_prompt = (req.params.prompt_logprobs is not None and recorded < len(req.prompt_token_ids)
-                           and start <= recorded - 1 < start + sc.num_tokens)
+            start = sc.start_pos
+            # Prompt logprobs of every chunk with prompt positions: the engine keeps those it has not
+            # recorded yet (a recompute after preemption repeats some; earlier chunks may still be in flight).
+            want_prompt = req.params.prompt_logprobs is not None and start < len(req.prompt_token_ids) - 1
             want = "all" if (want_prompt or sc.num_draft) else ("last" if sc.completes else "none")
             tokens = req.token_ids_between(start, start + sc.num_tokens, sc.num_draft)
+            if req.num_pending_tokens and start + sc.num_tokens > req.num_tokens:
+                fix_dst.append(offset + req.num_tokens - start)
+                fix_src.append(self._pending_row(req))
             chunks.append(SequenceChunk(slot=req.slot, start_pos=start, token_ids=tokens,
                                         block_ids=req.block_ids, want_logits=want))
-        logits, describe = self.forward(chunks)
-        self.wait(describe)
+            offset += sc.num_tokens
+        logits, describe = self.forward(chunks, self._pending_fix(fix_dst, fix_src))
+        step = LaunchedStep(sched, chunks, logits, describe)
         # Map each chunk to its rows of `logits`.
         row = 0
         sample_rows: list[int] = []
-        sample_reqs = []
-        verify: list[tuple[int, int]] = []  # (chunk index, first logits row)
         for i, (sc, chunk) in enumerate(zip(sched.chunks, chunks)):
-            n = {"all": len(chunk.token_ids), "last": 1, "none": 0}[chunk.want_logits]
+            n = LOGITS_ROWS[chunk.want_logits] or len(chunk.token_ids)
             if chunk.want_logits == "all" and not sc.num_draft:
-                self._prompt_logprobs(sc.request, logits[row:row + n], chunk.start_pos, out)
+                self._queue_prompt_logprobs(sc.request, logits[row:row + n], chunk.start_pos, step)
             if sc.num_draft:
-                verify.append((i, row))
+                step.verify.append((i, row))
             elif sc.completes:
                 sample_rows.append(row + n - 1)
-                sample_reqs.append(sc.request)
+                step.sample_reqs.append(sc.request)
             row += n
-        if sample_reqs:
-            contiguous = sample_rows == list(range(sample_rows[0], sample_rows[0] + len(sample_rows)))
-            rows = (logits[sample_rows[0]:sample_rows[0] + len(sample_rows)] if contiguous
-                    else logits[to_device(sample_rows, logits.device)])
-            self._sample(rows, sample_reqs, out, describe)
+        if step.sample_reqs:
+            first = sample_rows[0]
+            contiguous = sample_rows == list(range(first, first + len(sample_rows)))
+            rows = logits[first:first + len(sample_rows)] if contiguous else logits[to_device(sample_rows, logits.device)]
+            reqs = step.sample_reqs
+            tokens = (rows.argmax(dim=-1) if all(r.params.greedy for r in reqs)  # no sampling tensors to copy
+                      else sample(rows, self.sampling_tensors(reqs)))
+            step.sampled = (tokens, {r: i for i, r in enumerate(reqs)})
+            step.host_tokens = to_host(tokens)
+            lp = self._logprob_tensors(rows, tokens, reqs)
+            step.host_logprobs = tuple(to_host(t) for t in lp) if lp is not None else None
+        self._last_sampled = step.sampled
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
+        return step
+
+    @torch.no_grad()
+    def collect(self, step: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step (with the watchdog's deadline) and read its results."""
+        if step.done is not None:
+            self.watchdog.wait(step.done, step.describe)
+        out = RunnerOutput()
+        for req, start, host in step.prompt_logprobs:
+            chosen, rank, top_ids, top_lp = (t.tolist() for t in host)
+            rows = out.prompt_logprobs.setdefault(req.request_id, [])
+            for j, (lp, rk, ids, lps) in enumerate(zip(chosen, rank, top_ids, top_lp)):
+                rows.append((start + 1 + j, lp, rk, list(zip(ids, lps))))
+        if step.sample_reqs:
+            lp = [t.tolist() for t in step.host_logprobs] if step.host_logprobs is not None else None
+            records = self._records(step.sample_reqs, step.host_tokens.tolist(), lp)
+            for req, st in zip(step.sample_reqs, records):
+                out.sampled[req.request_id] = [st]
         if self.proposer is not None:
             from ..spec_decode.spec_step import draft_next, fused_greedy_step, verify_drafts
 
-            if len(verify) == len(chunks) and fused_greedy_step(self, sched, chunks, logits, out):
+            sched, chunks, logits = step.sched, step.chunks, step.logits
+            if len(step.verify) == len(chunks) and fused_greedy_step(self, sched, chunks, logits, out):
                 return out
-            if verify:
-                verify_drafts(self, sched, verify, logits, out)
+            if step.verify:
+                verify_drafts(self, sched, step.verify, logits, out)
             draft_next(self, sched, chunks, out)
         return out
+
+    def _pending_row(self, req) -> int:
+        """The row of `req`'s pending token among the last launched step's sampled tokens."""
+        rows = self._last_sampled[1] if self._last_sampled is not None else {}
+        if req not in rows:
+            raise RuntimeError(f"request {req.request_id} has a pending token that the last launched step did "
+                               "not sample; this is an engine bug")
+        return rows[req]
+
+    def _pending_fix(self, dst: list[int], src: list[int]) -> Callable[[torch.Tensor], None] | None:
+        """A function that writes pending tokens (sampled by the last launched step, still on the
+        device) into a step's flat input ids: ids[dst[i]] = sampled[src[i]]."""
+        if not dst:
+            return None
+        sampled = self._last_sampled[0]
+        n = len(dst)
+        if dst == list(range(dst[0], dst[0] + n)) and src == list(range(src[0], src[0] + n)):
+            d, s = dst[0], src[0]  # the steady decode case: same requests, same order
+
+            def fix(ids: torch.Tensor) -> None:
+                ids[d:d + n].copy_(sampled[s:s + n])
+        else:
+            dst_t, src_t = to_device(dst, sampled.device), to_device(src, sampled.device)
+
+            def fix(ids: torch.Tensor) -> None:
+                ids.index_copy_(0, dst_t, sampled.index_select(0, src_t))
+        return fix
 
     def graph_shape(self, chunks: list[SequenceChunk], check_logits: bool = True) -> tuple[int, int] | None:
         """(bucket, query_len) when a graph of this step's shape exists: every sequence has the same
@@ -275,18 +364,20 @@ class ModelRunner:
         bucket = pick_bucket(self.graph_sizes_for(q), len(chunks))
         return None if bucket is None else (bucket, q)
 
-    def forward(self, chunks: list[SequenceChunk]) -> tuple[torch.Tensor, Callable[[], str]]:
+    def forward(self, chunks: list[SequenceChunk], fix_inputs: Callable[[torch.Tensor], None] | None = None
+                ) -> tuple[torch.Tensor, Callable[[], str]]:
         """fp32 logits of the chunks' wanted tokens: by graph replay when a graph holds the
         step; otherwise eagerly. On CUDA an eager step of a graph's shape is padded to the same
         bucket and built the same way as the graph's, so both modes compute the same function.
         With speculation on, the step's residual streams are kept for the drafter (`last_streams`;
-        rows of padding sequences, if any, follow the real ones)."""
+        rows of padding sequences, if any, follow the real ones).`fix_inputs` writes device-side
+        input ids (pending tokens) into the step's flat input ids before the forward runs."""
         lengths = [c.start_pos + len(c.token_ids) for c in chunks]
         shape = self.graph_shape(chunks)
-        rows = sum({"all": len(c.token_ids), "last": 1, "none": 0}[c.want_logits] for c in chunks)  # real logits rows
+        rows = sum(LOGITS_ROWS[c.want_logits] or len(c.token_ids) for c in chunks)  # real logits rows
         streams = None
         if shape is not None and shape[1] in self.graphs:
-            outputs, graph = self.graphs[shape[1]].run(chunks)
+            outputs, graph = self.graphs[shape[1]].run(chunks, fix_inputs=fix_inputs)
             logits = outputs[0][:rows]
             streams = outputs[1] if len(outputs) > 1 else None
             mode = f"graph {graph.key}, topk_path={graph.topk_path}"
@@ -296,12 +387,16 @@ class ModelRunner:
             padded = pad_chunks(chunks, bucket, q, self.max_num_seqs, want_logits=logits_mode(q))
             batch = decode_batch(padded, self.model_config.rates, self.device, self.max_blocks_per_seq,
                                  self.decode_entries)
+            if fix_inputs is not None:
+                fix_inputs(batch.input_ids)
             streams = self.model(batch, self.state, topk=topk_fn)
             logits = self.model.compute_logits(streams[batch.logits_indices])[:rows]
             mode = f"eager decode step (bucket {bucket}, query_len {q}), topk_path={path}"
         else:
             topk_fn, path = self.topk_for(self.max_num_batched_tokens)
             batch = build_batch(chunks, self.model_config.rates, self.device, max_blocks=self.max_blocks_per_seq)
+            if fix_inputs is not None:
+                fix_inputs(batch.input_ids)
             streams = self.model(batch, self.state, topk=topk_fn)
             logits = self.model.compute_logits(streams[batch.logits_indices])
             mode = f"eager step, topk_path={path}"
@@ -349,7 +444,8 @@ class ModelRunner:
             top_p=t([p.top_p for p in params], torch.float32),
             min_p=t([p.min_p for p in params], torch.float32),
             seeds=t([r.sample_seed for r in reqs], torch.int64),
-            counters=t([len(r.output_token_ids) for r in reqs], torch.int64),
+            # index of the token being sampled: tokens still pending on the device count too
+            counters=t([len(r.output_token_ids) + r.num_pending_tokens for r in reqs], torch.int64),
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
@@ -363,41 +459,38 @@ class ModelRunner:
             done.record()
             self.watchdog.wait(done, describe)
 
-    def _sample(self, logits: torch.Tensor, reqs, out: RunnerOutput, describe: Callable[[], str]) -> None:
-        if all(r.params.greedy for r in reqs):
-            tokens = logits.argmax(dim=-1)  # no sampling tensors to build and copy
-        else:
-            tokens = sample(logits, self.sampling_tensors(reqs))
-        for req, st in zip(reqs, self.sampled_tokens(logits, tokens, reqs)):
-            out.sampled[req.request_id] = [st]
+    @staticmethod
+    def _logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, reqs) -> tuple[torch.Tensor, ...] | None:
+        """Raw-model logprobs of `tokens` (rank and top entries), on the device; None if nobody asked."""
+        if not any(r.params.logprobs is not None for r in reqs):
+            return None
+        return token_logprobs(logits, tokens, max(r.params.logprobs or 0 for r in reqs))
 
-    def sampled_tokens(self, logits: torch.Tensor, tokens: torch.Tensor, reqs) -> list[SampledToken]:
-        """Host records (with raw-model logprobs when asked) of `tokens` drawn from `logits` rows."""
-        num_top = max((r.params.logprobs or 0) for r in reqs)
-        want_lp = any(r.params.logprobs is not None for r in reqs)
-        if want_lp:
-            chosen, rank, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
-            chosen, rank, top_ids, top_lp = chosen.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist()
+    @staticmethod
+    def _records(reqs, tokens: list[int], logprobs: list[list] | None) -> list[SampledToken]:
+        """Host records of sampled tokens, with their logprobs for the requests that asked."""
         result = []
-        for i, (req, token) in enumerate(zip(reqs, tokens.tolist())):
+        for i, (req, token) in enumerate(zip(reqs, tokens)):
             st = SampledToken(token)
-            if want_lp and req.params.logprobs is not None:
+            if logprobs is not None and req.params.logprobs is not None:
+                chosen, rank, top_ids, top_lp = logprobs
                 k = req.params.logprobs
                 st.logprob, st.rank = chosen[i], rank[i]
                 st.top = list(zip(top_ids[i][:k], top_lp[i][:k]))
             result.append(st)
         return result
 
-    def _prompt_logprobs(self, req, logits: torch.Tensor, start: int, out: RunnerOutput) -> None:
+    def sampled_tokens(self, logits: torch.Tensor, tokens: torch.Tensor, reqs) -> list[SampledToken]:
+        """Host records (with raw-model logprobs when asked) of `tokens` drawn from `logits` rows; waits."""
+        lp = self._logprob_tensors(logits, tokens, reqs)
+        return self._records(reqs, tokens.tolist(), [t.tolist() for t in lp] if lp is not None else None)
+
+    def _queue_prompt_logprobs(self, req, logits: torch.Tensor, start: int, step: LaunchedStep) -> None:
         prompt = req.prompt_token_ids
         # Row j predicts position start + j + 1; keep the ones inside the prompt.
         count = min(logits.shape[0], len(prompt) - 1 - start)
         if count <= 0:
             return
         targets = to_device(prompt[start + 1:start + 1 + count], logits.device)
-        k = req.params.prompt_logprobs
-        chosen, rank, top_ids, top_lp = token_logprobs(logits[:count], targets, k)
-        rows = out.prompt_logprobs.setdefault(req.request_id, [])
-        for j, (lp, rk, ids, lps) in enumerate(zip(chosen.tolist(), rank.tolist(), top_ids.tolist(),
-                                                   top_lp.tolist())):
-            rows.append((start + 1 + j, lp, rk, list(zip(ids, lps))))
+        lp = token_logprobs(logits[:count], targets, req.params.prompt_logprobs)
+        step.prompt_logprobs.append((req, start, tuple(to_host(t) for t in lp)))

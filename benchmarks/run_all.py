@@ -74,6 +74,7 @@ def plan(args) -> list[dict]:
     # one engine between them) after them.
     out = [
         {"name": "graphs", "kind": "throughput", "argv": tput()},
+        {"name": "graphs-sync", "kind": "throughput", "argv": tput("--async-scheduling", "false")},
         {"name": "eager", "kind": "throughput", "argv": tput("--enforce-eager")},
         {"name": "hf", "kind": "throughput", "argv": tput("--backend", "hf", "--hf-batch-size", str(args.hf_batch_size))},
         {"name": "topk-standard", "kind": "throughput", "argv": tput("--topk-backend", "standard")},
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
     p.add_argument("--engine-flag", action="append", default=[],
                    help="extra flag passed to every run, e.g. --engine-flag=--max-num-seqs=256")
-    p.add_argument("--only", default=None, help="comma-separated run names (graphs, eager, hf, topk-standard, "
+    p.add_argument("--only", default=None, help="comma-separated run names (graphs, graphs-sync, eager, hf, topk-standard, "
                    "topk-persistent, topk-torch, latency-b1, ..., hf-latency-b1, hf-latency-b8)")
     p.add_argument("--skip-hf", action="store_true", help="no transformers runs")
     p.add_argument("--skip-hf-latency", action="store_true", help="no transformers latency runs")

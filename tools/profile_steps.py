@@ -89,12 +89,14 @@ def run_seed_pass(engine, prompts, params, profiled: bool):
 
 
 def seed_profile(args, out) -> None:
-    llm = LLM(args.model, load_format="dummy", max_model_len=2048, enforce_eager=args.eager)
+    llm = LLM(args.model, load_format="dummy", max_model_len=2048, enforce_eager=args.eager,
+              async_scheduling=False if args.sync else None)
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     prompts = torch.randint(10, 100000, (args.num_prompts, 1024), generator=gen).tolist()
-    lines = [f"seed-like workload: {args.num_prompts} prompts x 1024 in, {args.output_len} out, eager={args.eager}"]
+    lines = [f"seed-like workload: {args.num_prompts} prompts x 1024 in, {args.output_len} out, eager={args.eager}, "
+             f"async_scheduling={engine.async_scheduling}"]
     # Pass 1 pays compilation at every step shape; pass 2 is the timing; pass 3 (optional) the profile.
     passes = [("first pass (compiles)", False), ("warm, not profiled", False)]
     if args.profiler:
@@ -113,7 +115,7 @@ def seed_profile(args, out) -> None:
             lines.append(kernel_table(prof, 45))
     text = "\n".join(lines)
     print(text[:6000])
-    name = f"profile_seed{'_eager' if args.eager else ''}{'' if args.profiler else '_timing'}.txt"
+    name = f"profile_seed{'_eager' if args.eager else ''}{'_sync' if args.sync else ''}{'' if args.profiler else '_timing'}.txt"
     with open(os.path.join(out, name), "w") as f:
         f.write(text)
     del llm, engine
@@ -156,6 +158,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--sync", action="store_true", help="seed profile with async scheduling off")
     parser.add_argument("--spec-k", type=int, default=0, help="profile speculative (MTP) decode steps, graphs only")
     parser.add_argument("--no-profiler", dest="profiler", action="store_false",
                         help="time the steps only (the profiler's per-op overhead inflates host-bound steps)")

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..worker.host_copy import to_device
+
 
 @dataclass
 class BatchMetadata:
@@ -82,21 +84,24 @@ def build_batch(
     if num_entries is None:
         num_entries = {r: max_end // r for r in rates}
 
-    def t(values) -> torch.Tensor:
-        array = np.asarray(values, dtype=np.int64) if not isinstance(values, np.ndarray) else values
-        return torch.from_numpy(array.astype(np.int64, copy=False)).to(device)
-
+    # Every int64 field goes to the device in one copy, through pinned memory: a copy from pageable
+    # memory would first wait for the GPU to drain, and with async scheduling the GPU is still busy
+    # with the previous step while this one is built.
+    fields = {"input_ids": input_ids, "positions": positions, "token_seq": token_seq,
+              "seq_slots": np.fromiter((c.slot for c in chunks), np.int64, num_seqs), "seq_start": starts,
+              "seq_num_tokens": counts, "seq_token_offset": offsets,
+              "logits_indices": np.asarray(logits, dtype=np.int64)}
+    fields.update({f"emit_{r}": v for r, v in emit.items()})
+    flat = to_device(torch.from_numpy(np.concatenate([v.astype(np.int64, copy=False) for v in fields.values()])),
+                     device)
+    views, offset = {}, 0
+    for name, value in fields.items():
+        views[name] = flat[offset:offset + len(value)]
+        offset += len(value)
     return BatchMetadata(
-        input_ids=t(input_ids),
-        positions=t(positions),
-        token_seq=t(token_seq),
-        seq_slots=t([c.slot for c in chunks]),
-        seq_start=t(starts),
-        seq_num_tokens=t(counts),
-        seq_token_offset=t(offsets),
-        block_table=torch.from_numpy(table).to(device),
-        logits_indices=t(logits),
+        **{name: views[name] for name in fields if not name.startswith("emit_")},
+        block_table=to_device(torch.from_numpy(table), device, torch.int32),
         num_entries=num_entries,
-        emit_tokens={r: t(v) for r, v in emit.items()},
+        emit_tokens={r: views[f"emit_{r}"] for r in emit},
         max_seq_len=max_end,
     )

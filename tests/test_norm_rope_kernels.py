@@ -22,7 +22,9 @@ def test_rms_norm(shape, weighted, dtype):
 
 
 @pytest.mark.parametrize("shape, rope_half, inverse", [((6, 32), 8, False), ((5, 3, 64), 16, True),
-                                                       ((4, 2, 16), 8, False)])
+                                                       ((4, 2, 16), 8, False),
+                                                       ((37, 5, 64), 32, False),  # 185 rows: a ragged last tile
+                                                       ((130, 96), 32, True)])
 def test_rope_in_place(shape, rope_half, inverse):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(shape, generator=gen).to(DEVICE)

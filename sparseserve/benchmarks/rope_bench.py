@@ -15,6 +15,7 @@ import torch
 import triton.testing
 
 from ..kernels.rope import apply_rope_, apply_rope_ref
+from .decode_graphs import hbm_bandwidth
 
 SHAPES = {  # name: (tokens, heads or None, dim)
     "q prefill 8192 x 64 x 512": (8192, 64, 512),
@@ -26,18 +27,11 @@ SHAPES = {  # name: (tokens, heads or None, dim)
 ROPE_HALF = 32
 
 
-def copy_bandwidth() -> float:
-    src = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src))
-    return 2 * src.numel() / (ms * 1e-3)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out")
     args = parser.parse_args()
-    bandwidth = copy_bandwidth()
+    bandwidth = hbm_bandwidth()
     results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "copy_bandwidth_bytes_per_s": bandwidth, "cases": []}
     for name, (tokens, heads, dim) in SHAPES.items():

@@ -123,3 +123,11 @@ def test_async_abort_in_flight_and_max_model_len():
 def test_async_with_speculation_is_refused():
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(TINY, **BASE, async_scheduling=True, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_logits_rows_per_chunk():
+    from sparseserve.model.batch import SequenceChunk
+    from sparseserve.worker.model_runner import logits_rows
+
+    chunk = lambda want: SequenceChunk(slot=0, start_pos=0, token_ids=[1, 2, 3], block_ids=[], want_logits=want)  # noqa: E731
+    assert [logits_rows(chunk(w)) for w in ("all", "last", "none")] == [3, 1, 0]

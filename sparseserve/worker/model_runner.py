@@ -46,8 +46,9 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
 
 
-# Logits rows a chunk yields per `want_logits` (0 for "all": one per token).
-LOGITS_ROWS = {"all": 0, "last": 1, "none": 0}
+def logits_rows(chunk: SequenceChunk) -> int:
+    """Rows of logits a chunk yields: every token's, its last token's, or none."""
+    return len(chunk.token_ids) if chunk.want_logits == "all" else int(chunk.want_logits == "last")
 
 
 @dataclass
@@ -273,7 +274,7 @@ class ModelRunner:
         row = 0
         sample_rows: list[int] = []
         for i, (sc, chunk) in enumerate(zip(sched.chunks, chunks)):
-            n = LOGITS_ROWS[chunk.want_logits] or len(chunk.token_ids)
+            n = logits_rows(chunk)
             if chunk.want_logits == "all" and not sc.num_draft:
                 self._queue_prompt_logprobs(sc.request, logits[row:row + n], chunk.start_pos, step)
             if sc.num_draft:
@@ -374,7 +375,7 @@ class ModelRunner:
         input ids (pending tokens) into the step's flat input ids before the forward runs."""
         lengths = [c.start_pos + len(c.token_ids) for c in chunks]
         shape = self.graph_shape(chunks)
-        rows = sum(LOGITS_ROWS[c.want_logits] or len(c.token_ids) for c in chunks)  # real logits rows
+        rows = sum(logits_rows(c) for c in chunks)  # real logits rows
         streams = None
         if shape is not None and shape[1] in self.graphs:
             outputs, graph = self.graphs[shape[1]].run(chunks, fix_inputs=fix_inputs)

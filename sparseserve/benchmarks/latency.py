@@ -2,7 +2,8 @@
 
 One iteration submits `batch_size` random-token prompts of `input_len` tokens, each asked for
 exactly `output_len` tokens (greedy, `ignore_eos`), and runs `LLMEngine.step()` until all are
-done, reading the clock around every step (after synchronising CUDA). A step that carries any
+done, reading the clock around every step (after synchronising CUDA; steps run synchronously, without
+async scheduling, unless `--async-scheduling` is given). A step that carries any
 prompt tokens is a *prefill* step (with chunked prefill a batch's prompts may take several; the
 last one also samples the first token); every other step is a *decode* step. `--num-iters-warmup`
 iterations run first and are not counted. `--backend hf` times `transformers` `generate` on the
@@ -115,6 +116,18 @@ def _engine_iterations(args, llm, prompts_for) -> tuple[list, list, list, list, 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                             detokenize=not args.disable_detokenize)
+    # Under async scheduling a step launches one step and reads back the one before, so its time would
+    # mix two steps: time synchronous steps unless --async-scheduling was given explicitly.
+    was_async = engine.async_scheduling
+    if getattr(args, "async_scheduling", None) is None:
+        engine.async_scheduling = False
+    try:
+        return _timed_iterations(args, engine, params, prompts_for)
+    finally:
+        engine.async_scheduling = was_async
+
+
+def _timed_iterations(args, engine, params, prompts_for) -> tuple[list, list, list, list, list]:
     prefill, decode, iter_total, iter_prefill, tokens = [], [], [], [], []
     for it in range(args.num_iters_warmup + args.num_iters):
         timed = it >= args.num_iters_warmup

@@ -19,6 +19,7 @@ import time
 import torch
 
 from sparseserve import LLM, SamplingParams
+from sparseserve.benchmarks.throughput import synchronize
 
 
 def hbm_bandwidth() -> float:
@@ -50,14 +51,18 @@ def weight_floor_bytes(llm: LLM, batch: int) -> int:
     return total
 
 
-def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len: int, spec_k: int = 0) -> dict:
+def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len: int, spec_k: int = 0,
+            kv_cache_bytes: int = 8 * 1024**3) -> dict:
     spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": spec_k}} if spec_k else {}
+    # Synchronous steps: "step" is one whole engine step (async scheduling would overlap two).
     llm = LLM(model, load_format="dummy", enforce_eager=enforce_eager, max_model_len=4096, max_num_seqs=max(batch, 1),
-              cuda_graph_sizes=[batch], kv_cache_memory_bytes=8 * 1024**3, **spec)
+              cuda_graph_sizes=[batch], kv_cache_memory_bytes=kv_cache_bytes, async_scheduling=False, **spec)
     engine = llm.llm_engine
+    device = engine.device
+    sync = lambda: synchronize(device)  # noqa: E731
     gen = torch.Generator().manual_seed(0)
     for i in range(batch):
-        ids = torch.randint(10, 100000, (prompt_len,), generator=gen).tolist()
+        ids = torch.randint(10, engine.vocab_size, (prompt_len,), generator=gen).tolist()
         engine.add_request(f"r{i}", {"prompt_token_ids": ids},
                            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
     engine.step()  # prefill
@@ -67,11 +72,11 @@ def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len:
     runner = engine.runner
     original = runner.forward
 
-    def timed_forward(chunks):
-        torch.cuda.synchronize()
+    def timed_forward(chunks, fix_inputs=None):
+        sync()
         t = time.perf_counter()
-        result = original(chunks)
-        torch.cuda.synchronize()
+        result = original(chunks, fix_inputs)
+        sync()
         forward_times.append(time.perf_counter() - t)
         return result
 
@@ -87,7 +92,8 @@ def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len:
         engine.step()
     del llm, engine, runner
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"batch": batch, "mode": "eager" if enforce_eager else "graph", "spec_k": spec_k,
             "acceptance_rate": acceptance,
             "step_ms_median": 1e3 * statistics.median(step_times[2:]),

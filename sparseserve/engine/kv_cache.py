@@ -131,19 +131,23 @@ class KVCacheManager:
         self.free_slots = deque(range(self.num_slots))
 
     def blocks_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
+        return -(-num_tokens // self.block_size)
+
+    def holds(self, request: Request, num_tokens: int) -> bool:
+        """True when the request already has a slot and the blocks for `num_tokens` (most decode steps)."""
+        return request.slot is not None and num_tokens <= len(request.block_ids) * self.block_size
 
     def can_allocate(self, request: Request, num_tokens: int) -> bool:
         need_blocks = self.blocks_for(num_tokens) - len(request.block_ids)
-        need_slot = request.slot is None
-        return need_blocks <= len(self.free_blocks) and (not need_slot or len(self.free_slots) > 0)
+        return need_blocks <= len(self.free_blocks) and (request.slot is not None or len(self.free_slots) > 0)
 
     def allocate(self, request: Request, num_tokens: int) -> None:
-        if not self.can_allocate(request, num_tokens):
+        need_blocks = self.blocks_for(num_tokens) - len(request.block_ids)
+        if need_blocks > len(self.free_blocks) or (request.slot is None and not self.free_slots):
             raise RuntimeError("allocate() called without can_allocate(); this is a scheduler bug")
         if request.slot is None:
             request.slot = self.free_slots.popleft()
-        while len(request.block_ids) < self.blocks_for(num_tokens):
+        for _ in range(need_blocks):
             request.block_ids.append(self.free_blocks.popleft())
 
     def free(self, request: Request) -> None:

@@ -23,10 +23,11 @@ class ScheduledChunk:
     num_draft: int = 0  # trailing speculative drafts among them, verified this step
 
 
-def make_chunk(request: Request, num_tokens: int, num_draft: int = 0) -> ScheduledChunk:
+def make_chunk(request: Request, num_tokens: int, num_draft: int = 0, total: int | None = None) -> ScheduledChunk:
+    """`total`: the request's num_tokens_with_pending, when the caller has it."""
     start = request.num_computed_tokens
-    completes = start + num_tokens - num_draft == request.num_tokens_with_pending
-    return ScheduledChunk(request, num_tokens, start, completes, num_draft)
+    total = request.num_tokens_with_pending if total is None else total
+    return ScheduledChunk(request, num_tokens, start, start + num_tokens - num_draft == total, num_draft)
 
 
 @dataclass
@@ -77,27 +78,30 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            if n <= 0 or request.ends_by_length_with_pending(self.max_model_len):
+            total = request.num_tokens_with_pending
+            n = min(total - request.num_computed_tokens, budget)
+            if n <= 0 or (request.num_pending_tokens and request.ends_by_length_with_pending(self.max_model_len)):
                 continue
             num_draft = 0
-            if n == request.num_tokens - request.num_computed_tokens == 1 and request.draft_token_ids:
+            if request.draft_token_ids and n == request.num_tokens - request.num_computed_tokens == 1:
                 # Verify the drafts too, within the budget and without passing max_model_len.
                 room = (self.max_model_len - request.num_tokens - 1) if self.max_model_len else len(request.draft_token_ids)
                 num_draft = max(0, min(len(request.draft_token_ids), budget - 1, room))
                 n += num_draft
-            while not self.kv.can_allocate(request, request.num_computed_tokens + n):
-                victim = self.running[-1]
-                if victim.request_id in scheduled:
-                    # Never preempt a request already in this step; stop scheduling instead.
-                    victim = request
-                self._preempt(victim, out)
-                if victim is request:
-                    break
-            if request.status != RequestStatus.RUNNING:
-                continue
-            self.kv.allocate(request, request.num_computed_tokens + n)
-            out.chunks.append(make_chunk(request, n, num_draft))
+            need = request.num_computed_tokens + n
+            if not self.kv.holds(request, need):
+                while not self.kv.can_allocate(request, need):
+                    victim = self.running[-1]
+                    if victim.request_id in scheduled:
+                        # Never preempt a request already in this step; stop scheduling instead.
+                        victim = request
+                    self._preempt(victim, out)
+                    if victim is request:
+                        break
+                if request.status != RequestStatus.RUNNING:
+                    continue
+                self.kv.allocate(request, need)
+            out.chunks.append(make_chunk(request, n, num_draft, total))
             scheduled.add(request.request_id)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

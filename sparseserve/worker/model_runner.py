@@ -275,13 +275,14 @@ class ModelRunner:
         sample_rows: list[int] = []
         for i, (sc, chunk) in enumerate(zip(sched.chunks, chunks)):
             n = logits_rows(chunk)
-            if chunk.want_logits == "all" and not sc.num_draft:
-                self._queue_prompt_logprobs(sc.request, logits[row:row + n], chunk.start_pos, step)
             if sc.num_draft:
                 step.verify.append((i, row))
-            elif sc.completes:
-                sample_rows.append(row + n - 1)
-                step.sample_reqs.append(sc.request)
+            else:
+                if chunk.want_logits == "all":
+                    self._queue_prompt_logprobs(sc.request, logits[row:row + n], chunk.start_pos, step)
+                if sc.completes:
+                    sample_rows.append(row + n - 1)
+                    step.sample_reqs.append(sc.request)
             row += n
         if step.sample_reqs:
             first = sample_rows[0]
@@ -373,7 +374,6 @@ class ModelRunner:
         With speculation on, the step's residual streams are kept for the drafter (`last_streams`;
         rows of padding sequences, if any, follow the real ones).`fix_inputs` writes device-side
         input ids (pending tokens) into the step's flat input ids before the forward runs."""
-        lengths = [c.start_pos + len(c.token_ids) for c in chunks]
         shape = self.graph_shape(chunks)
         rows = sum(logits_rows(c) for c in chunks)  # real logits rows
         streams = None
@@ -403,7 +403,8 @@ class ModelRunner:
             mode = f"eager step, topk_path={path}"
         self.last_streams = streams if self.proposer is not None else None
 
-        def describe() -> str:
+        def describe() -> str:  # only called when a step is reported
+            lengths = [c.start_pos + len(c.token_ids) for c in chunks]
             return (f"{mode}, {len(chunks)} sequences, lengths min/max {min(lengths)}/{max(lengths)}, "
                     f"{sum(len(c.token_ids) for c in chunks)} tokens")
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A whole GPU session in one call (run from the repo root on the device machine):
 #   bash tools/gpu_session.sh tests   every `gpu` test, then the kernel/graph tests that check on CUDA
-#   bash tools/gpu_session.sh bench   decode and verify steps, top-k grid, compressor, the seed workload with
-#                                     every backend and the transformers baseline (about 10 minutes)
+#   bash tools/gpu_session.sh bench   decode and verify steps, top-k grid, compressor, rope, the seed workload
+#                                     (two rounds: graphs, graphs without async scheduling, eager, every top-k
+#                                     backend, the transformers baseline) (about 11 minutes)
 #   bash tools/gpu_session.sh demo    the demo model: perplexity parity, MTP acceptance, speed with/without speculation
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
@@ -18,10 +19,14 @@ case "${1:-tests}" in
     } 2>&1 | filter > "$OUT/tests.log"; tail -30 "$OUT/tests.log" ;;
   bench)
     { timeout -k 5 150 python -m sparseserve.benchmarks.decode_graphs --steps 16 --spec-k 1,2 --out "$OUT/decode_graphs.json"
+      timeout -k 5 50 python -m sparseserve.benchmarks.topk_bench --precompile 16 > /dev/null
       timeout -k 5 200 python -m sparseserve.benchmarks.topk_bench --out "$OUT/topk.json"
       timeout -k 5 60 python -m sparseserve.benchmarks.compressor_bench --out "$OUT/compressor.json"
-      timeout -k 5 300 python benchmarks/run_all.py --engine-flag=--max-model-len=2048 --skip-hf-latency \
-        --only graphs,eager,hf,topk-standard,topk-persistent,topk-torch --budget-s 290 --out-dir "$OUT"
+      timeout -k 5 30 python -m sparseserve.benchmarks.rope_bench --out "$OUT/rope.json"
+      # Two rounds: single runs of one configuration vary by ~10%, and a fresh machine's first minutes ran slower.
+      timeout -k 5 300 python benchmarks/run_all.py --engine-flag=--max-model-len=2048 --skip-hf-latency --rounds 2 \
+        --only graphs,graphs-sync,eager,hf,topk-standard,topk-persistent,topk-torch --budget-s 290 --max-run-s 60 \
+        --out-dir "$OUT"
     } 2>&1 | filter > "$OUT/bench.log"; tail -40 "$OUT/bench.log" ;;
   demo)
     timeout -k 5 300 python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json" 2>&1 | filter | tail -40 ;;

@@ -125,6 +125,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
         if self.topk_backend not in ("auto", "standard", "persistent", "torch"):
             raise ValueError(
                 f"topk_backend must be 'auto', 'standard', 'persistent' or 'torch', got {self.topk_backend!r}"

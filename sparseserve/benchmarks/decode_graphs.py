@@ -19,20 +19,8 @@ import time
 import torch
 
 from sparseserve import LLM, SamplingParams
+from sparseserve.benchmarks.ceilings import hbm_bandwidth
 from sparseserve.benchmarks.throughput import synchronize
-
-
-def hbm_bandwidth() -> float:
-    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 2 * 10 / (time.perf_counter() - t)
 
 
 def weight_floor_bytes(llm: LLM, batch: int) -> int:

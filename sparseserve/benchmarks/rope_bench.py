@@ -15,7 +15,7 @@ import torch
 import triton.testing
 
 from ..kernels.rope import apply_rope_, apply_rope_ref
-from .decode_graphs import hbm_bandwidth
+from .ceilings import hbm_bandwidth
 
 SHAPES = {  # name: (tokens, heads or None, dim)
     "q prefill 8192 x 64 x 512": (8192, 64, 512),

@@ -347,9 +347,7 @@ class LLMEngine:
                 if idx != -1:
                     req.text = req.text[:idx]
                     return self._finish(req, "stop", stop)
-        if params.max_tokens is not None and num_out >= params.max_tokens:
-            return self._finish(req, "length", None)
-        if req.num_tokens >= self.max_model_len:
+        if req.reaches_length_limit(self.max_model_len):
             return self._finish(req, "length", None)
         return False
 

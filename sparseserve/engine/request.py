@@ -71,15 +71,18 @@ class Request:
         """Tokens the request will have once every launched step is read back."""
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
-    def ends_by_length_with_pending(self, max_model_len: int | None) -> bool:
-        """True when the pending tokens surely finish the request (max_tokens or max_model_len), so
-        scheduling another step for it would only compute a token that is thrown away."""
-        if not self.num_pending_tokens:
-            return False
+    def reaches_length_limit(self, max_model_len: int | None, extra_tokens: int = 0) -> bool:
+        """True when the outputs (plus `extra_tokens` more) reach max_tokens or the sequence reaches
+        max_model_len: the request finishes with reason "length"."""
         max_tokens = self.params.max_tokens
-        if max_tokens is not None and len(self.output_token_ids) + self.num_pending_tokens >= max_tokens:
+        if max_tokens is not None and len(self.output_token_ids) + extra_tokens >= max_tokens:
             return True
-        return max_model_len is not None and self.num_tokens_with_pending >= max_model_len
+        return max_model_len is not None and self.num_tokens + extra_tokens >= max_model_len
+
+    def ends_by_length_with_pending(self, max_model_len: int | None) -> bool:
+        """True when the pending tokens surely finish the request, so scheduling another step for it
+        would only compute a token that is thrown away."""
+        return self.num_pending_tokens > 0 and self.reaches_length_limit(max_model_len, self.num_pending_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -23,10 +23,9 @@ class ScheduledChunk:
     num_draft: int = 0  # trailing speculative drafts among them, verified this step
 
 
-def make_chunk(request: Request, num_tokens: int, num_draft: int = 0, total: int | None = None) -> ScheduledChunk:
-    """`total`: the request's num_tokens_with_pending, when the caller has it."""
+def make_chunk(request: Request, num_tokens: int, total: int, num_draft: int = 0) -> ScheduledChunk:
+    """`total`: the request's num_tokens_with_pending (its last token closes the chunk that samples)."""
     start = request.num_computed_tokens
-    total = request.num_tokens_with_pending if total is None else total
     return ScheduledChunk(request, num_tokens, start, start + num_tokens - num_draft == total, num_draft)
 
 
@@ -80,7 +79,7 @@ class Scheduler:
                 continue
             total = request.num_tokens_with_pending
             n = min(total - request.num_computed_tokens, budget)
-            if n <= 0 or (request.num_pending_tokens and request.ends_by_length_with_pending(self.max_model_len)):
+            if n <= 0 or request.ends_by_length_with_pending(self.max_model_len):
                 continue
             num_draft = 0
             if request.draft_token_ids and n == request.num_tokens - request.num_computed_tokens == 1:
@@ -101,12 +100,13 @@ class Scheduler:
                 if request.status != RequestStatus.RUNNING:
                     continue
                 self.kv.allocate(request, need)
-            out.chunks.append(make_chunk(request, n, num_draft, total))
+            out.chunks.append(make_chunk(request, n, total, num_draft))
             scheduled.add(request.request_id)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            remaining = request.num_tokens_with_pending - request.num_computed_tokens
+            total = request.num_tokens_with_pending
+            remaining = total - request.num_computed_tokens
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
                 break
@@ -116,7 +116,7 @@ class Scheduler:
             self.kv.allocate(request, request.num_computed_tokens + n)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(make_chunk(request, n))
+            out.chunks.append(make_chunk(request, n, total))
             scheduled.add(request.request_id)
             budget -= n
         return out

@@ -39,6 +39,11 @@ class BatchMetadata:
         return self.input_ids.shape[0]
 
 
+# The per-token and per-sequence int64 fields, in the order build_batch lays them out in one buffer.
+INT64_FIELDS = ("input_ids", "positions", "token_seq", "seq_slots", "seq_start", "seq_num_tokens",
+                "seq_token_offset", "logits_indices")
+
+
 @dataclass
 class SequenceChunk:
     """One sequence's share of a step, as the scheduler hands it to the runner."""
@@ -87,21 +92,16 @@ def build_batch(
     # Every int64 field goes to the device in one copy, through pinned memory: a copy from pageable
     # memory would first wait for the GPU to drain, and with async scheduling the GPU is still busy
     # with the previous step while this one is built.
-    fields = {"input_ids": input_ids, "positions": positions, "token_seq": token_seq,
-              "seq_slots": np.fromiter((c.slot for c in chunks), np.int64, num_seqs), "seq_start": starts,
-              "seq_num_tokens": counts, "seq_token_offset": offsets,
-              "logits_indices": np.asarray(logits, dtype=np.int64)}
-    fields.update({f"emit_{r}": v for r, v in emit.items()})
-    flat = to_device(torch.from_numpy(np.concatenate([v.astype(np.int64, copy=False) for v in fields.values()])),
-                     device)
-    views, offset = {}, 0
-    for name, value in fields.items():
-        views[name] = flat[offset:offset + len(value)]
-        offset += len(value)
+    values = dict(zip(INT64_FIELDS, (input_ids, positions, token_seq,
+                                     np.fromiter((c.slot for c in chunks), np.int64, num_seqs), starts, counts,
+                                     offsets, np.asarray(logits, dtype=np.int64))))
+    parts = list(values.values()) + list(emit.values())
+    flat = to_device(torch.from_numpy(np.concatenate([v.astype(np.int64, copy=False) for v in parts])), device)
+    views = flat.split([len(v) for v in parts])
     return BatchMetadata(
-        **{name: views[name] for name in fields if not name.startswith("emit_")},
+        **dict(zip(INT64_FIELDS, views)),
         block_table=to_device(torch.from_numpy(table), device, torch.int32),
         num_entries=num_entries,
-        emit_tokens={r: views[f"emit_{r}"] for r in emit},
+        emit_tokens=dict(zip(emit, views[len(INT64_FIELDS):])),
         max_seq_len=max_end,
     )

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..model.batch import BatchMetadata, SequenceChunk, build_batch
+from ..model.batch import INT64_FIELDS, BatchMetadata, SequenceChunk, build_batch
 from ..model.state import ModelState
 from ..model.step_context import TopKFn
 
@@ -99,8 +99,7 @@ class StaticBatch:
     The int64 fields are views of one flat device buffer, so a replay's inputs arrive in two
     copies (the flat buffer and the block table) from pinned host memory instead of nine."""
 
-    INT64_FIELDS = ("input_ids", "positions", "token_seq", "seq_slots", "seq_start", "seq_num_tokens",
-                    "seq_token_offset", "logits_indices")
+    INT64_FIELDS = INT64_FIELDS
 
     def __init__(self, template: BatchMetadata) -> None:
         device = template.input_ids.device

@@ -46,6 +46,11 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
 
 
+def is_run(values: list[int]) -> bool:
+    """True when `values` are consecutive integers (a slice can stand for an index list)."""
+    return values == list(range(values[0], values[0] + len(values)))
+
+
 def logits_rows(chunk: SequenceChunk) -> int:
     """Rows of logits a chunk yields: every token's, its last token's, or none."""
     return len(chunk.token_ids) if chunk.want_logits == "all" else int(chunk.want_logits == "last")
@@ -286,8 +291,8 @@ class ModelRunner:
             row += n
         if step.sample_reqs:
             first = sample_rows[0]
-            contiguous = sample_rows == list(range(first, first + len(sample_rows)))
-            rows = logits[first:first + len(sample_rows)] if contiguous else logits[to_device(sample_rows, logits.device)]
+            rows = (logits[first:first + len(sample_rows)] if is_run(sample_rows)
+                    else logits[to_device(sample_rows, logits.device)])
             reqs = step.sample_reqs
             tokens = (rows.argmax(dim=-1) if all(r.params.greedy for r in reqs)  # no sampling tensors to copy
                       else sample(rows, self.sampling_tensors(reqs)))
@@ -343,7 +348,7 @@ class ModelRunner:
             return None
         sampled = self._last_sampled[0]
         n = len(dst)
-        if dst == list(range(dst[0], dst[0] + n)) and src == list(range(src[0], src[0] + n)):
+        if is_run(dst) and is_run(src):
             d, s = dst[0], src[0]  # the steady decode case: same requests, same order
 
             def fix(ids: torch.Tensor) -> None:
@@ -375,8 +380,9 @@ class ModelRunner:
         rows of padding sequences, if any, follow the real ones).`fix_inputs` writes device-side
         input ids (pending tokens) into the step's flat input ids before the forward runs."""
         shape = self.graph_shape(chunks)
-        rows = sum(logits_rows(c) for c in chunks)  # real logits rows
         streams = None
+        if shape is not None:  # every chunk has the shape's query length and its logits mode
+            rows = len(chunks) * (shape[1] if logits_mode(shape[1]) == "all" else 1)  # real logits rows
         if shape is not None and shape[1] in self.graphs:
             outputs, graph = self.graphs[shape[1]].run(chunks, fix_inputs=fix_inputs)
             logits = outputs[0][:rows]

@@ -20,6 +20,7 @@ from sparseserve.model.layers.fused_linear import (
     pack_projections,
     shared_input_linear,
 )
+from sparseserve.model.layers.moe import SharedExpert
 from sparseserve.model.loader import (
     CONFIGS_DIR,
     apply_weights,
@@ -45,6 +46,19 @@ def expected_groups(model):
     return {a.layer_idx: (["x", "q"] if a.is_csa else ["x"]) for a in attentions(model)}
 
 
+def shared_experts(model):
+    return [m for m in model.modules() if isinstance(m, SharedExpert)]
+
+
+def expected_count(model):
+    """Groups packed in a whole model: the attention groups and each shared expert's gate | up."""
+    return sum(len(v) for v in expected_groups(model).values()) + len(shared_experts(model))
+
+
+def shared_experts_packed(model):
+    return all(e._packed is not None and e._packed.holds([e.gate_proj, e.up_proj]) for e in shared_experts(model))
+
+
 def run_plan(model, seqs):
     """Chunked prefill then token-by-token decode of several sequences; per-sequence logits."""
     driver = Driver(model)
@@ -67,9 +81,10 @@ def test_packed_and_unpacked_models_give_the_same_logits():
     cfg = tiny_config()
     oracle, plain = make_pair(cfg, seed=7)
     packed = copy.deepcopy(plain)
-    assert pack_projections(packed) == sum(len(v) for v in expected_groups(packed).values()) == 6
+    assert pack_projections(packed) == expected_count(packed) == 6 + 4
     assert {a.layer_idx: a.packed_groups() for a in attentions(packed)} == expected_groups(packed)
-    assert all(a.packed_groups() == [] for a in attentions(plain))
+    assert shared_experts_packed(packed)
+    assert all(a.packed_groups() == [] for a in attentions(plain)) and not any(e._packed for e in shared_experts(plain))
     gen = torch.Generator().manual_seed(8)
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (45, 26, 70)]
     want = run_plan(plain, seqs)
@@ -144,6 +159,7 @@ def test_checkpoint_loads_packed_and_reloads_into_a_packed_model():
 def test_dummy_weights_are_packed():
     model = load_model(str(TINY), torch.float32, torch.device("cpu"), load_format="dummy")[0]
     assert {a.layer_idx: a.packed_groups() for a in attentions(model)} == expected_groups(model)
+    assert shared_experts_packed(model)
 
 
 def test_undone_packing_falls_back_and_can_be_packed_again(caplog):
@@ -166,7 +182,7 @@ def test_undone_packing_falls_back_and_can_be_packed_again(caplog):
     assert all(a.packed_groups() == [] and not a._packed for a in attentions(packed))
     want = Driver(plain, **driver_kw).step([(0, 0, ids)])[0]
     assert torch.equal(got, want)
-    assert pack_projections(packed) == 6
+    assert pack_projections(packed) == expected_count(packed)
     again = Driver(packed, **driver_kw).step([(0, 0, ids)])[0]
     assert (again - want).abs().max().item() < 1e-10
 
@@ -222,10 +238,12 @@ def test_a_packed_step_runs_one_gemm_per_shared_input_and_no_kv_gate_cats():
             driver.step([(0, 17, [5])])
         counts.append(c.counts)
     gemms = [c["mm"] + c["addmm"] for c in counts]
-    # Layers: sliding (x: 2 linears), CSA (x: 7, q: 2), HCA (x: 4), CSA (x: 7, q: 2).
-    assert gemms[0] - gemms[1] == (2 - 1) + (7 - 1) + (2 - 1) + (4 - 1) + (7 - 1) + (2 - 1)
-    # kv||gate staged straight from the GEMM output: no cat per compressor (2 per CSA, 1 per HCA).
-    assert counts[0]["cat"] - counts[1]["cat"] == 5
+    # Layers: sliding (x: 2 linears), CSA (x: 7, q: 2), HCA (x: 4), CSA (x: 7, q: 2); and in each
+    # of the 4 layers the shared expert's gate and up.
+    assert gemms[0] - gemms[1] == (2 - 1) + (7 - 1) + (2 - 1) + (4 - 1) + (7 - 1) + (2 - 1) + 4 * (2 - 1)
+    # kv||gate staged straight from the GEMM output: no cat per compressor (2 per CSA, 1 per HCA),
+    # nor per shared expert's gate | up (4).
+    assert counts[0]["cat"] - counts[1]["cat"] == 5 + 4
     assert counts[1]["index_select"] == counts[0]["index_select"]
 
 
@@ -238,7 +256,7 @@ def packed_vs_unpacked(monkeypatch, model, device, dtype, num_blocks, block_size
     plain = load_model(model, dtype, torch.device(device), load_format="dummy")[0]
     monkeypatch.undo()
     packed = copy.deepcopy(plain)
-    assert pack_projections(packed) == sum(len(v) for v in expected_groups(packed).values())
+    assert pack_projections(packed) == expected_count(packed)
     vocab = plain.model_config.hf_config.vocab_size
     ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(1)).tolist()
     outs = []

@@ -21,6 +21,25 @@ def test_rms_norm(shape, weighted, dtype):
     assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("view", ["cols", "heads", "transposed"])
+def test_rms_norm_reads_strided_views_in_place(view):
+    """Column slices of a packed projection's output (2-D, and split into heads) are normalised
+    without a copy; other layouts fall back to a contiguous copy. The output is contiguous."""
+    gen = torch.Generator().manual_seed(3)
+    packed = (2 * torch.randn(11, 7 * 32 + 40, generator=gen)).to(DEVICE)
+    w = (1 + 0.3 * torch.randn(32, generator=gen)).to(DEVICE)
+    if view == "cols":
+        x, w = packed[:, 8:8 + 96], torch.cat([w, w, w])
+    elif view == "heads":
+        x = packed[:, 40:].view(11, 7, 32)
+    else:
+        x = packed[:, :32 * 7].view(11, 7, 32).transpose(0, 1)
+    assert not x.is_contiguous()
+    got = rms_norm_triton(x, w, 1e-6)
+    assert got.is_contiguous() and got.shape == x.shape
+    assert torch.allclose(got, rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("shape, rope_half, inverse", [((6, 32), 8, False), ((5, 3, 64), 16, True),
                                                        ((4, 2, 16), 8, False),
                                                        ((37, 5, 64), 32, False),  # 185 rows: a ragged last tile

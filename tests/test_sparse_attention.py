@@ -99,6 +99,31 @@ def test_attention_extreme_logits_and_sinks_cpu():
 
 
 @cpu_interp
+@pytest.mark.parametrize("cfg", [None, AttnConfig(16, 16, 4, 2, 1), AttnConfig(16, 16, 4, 2, 4),
+                                 AttnConfig(16, 16, 4, 1, 3, 2, True)])
+def test_attention_bands_of_valid_rows_cpu(cfg):
+    """Lists shaped like the model's: holes before a sequence's first window row and after its
+    last entry. The kernel streams only the tiles between the first and last valid row, so the
+    band edges sit on, just before and just after tile (16) and split boundaries; a token whose
+    band is empty gives 0, and holes inside the band still count as holes."""
+    gen = torch.Generator().manual_seed(21)
+    L, H, D, pool = 70, 16, 32, 200
+    bands = [(0, 0), (0, 70), (15, 16), (16, 17), (17, 33), (31, 64), (33, 34), (47, 70), (69, 70), (5, 60)]
+    rows = torch.randint(0, pool, (len(bands), L), generator=gen, dtype=torch.int32)
+    for t, (a, b) in enumerate(bands):
+        rows[t, :a] = -1
+        rows[t, b:] = -1
+    rows[9, 20:30] = -1  # a hole run inside a band
+    q = torch.randn(len(bands), H, D, generator=gen)
+    kv = torch.randn(pool, D, generator=gen)
+    sinks = torch.randn(H, generator=gen)
+    out = sparse_mqa_attention_triton(q, kv, rows, sinks, D**-0.5, cfg)
+    ref = sparse_mqa_attention_ref(q, kv, rows, sinks, D**-0.5)
+    assert _rel(out, ref) < 1e-5
+    assert out[0].abs().max().item() == 0.0
+
+
+@cpu_interp
 def test_attention_strided_inputs_cpu():
     """q as a slice of a wider tensor and a pool view with a row stride > D."""
     gen = torch.Generator().manual_seed(11)

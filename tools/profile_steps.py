@@ -10,7 +10,6 @@ graph replay time of the same step). Diagnostic only; the benchmarks hold the re
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import time
@@ -25,8 +24,21 @@ def kernel_table(prof, rows: int) -> str:
     return prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=90)
 
 
-def gpu_busy_by_step(prof, step_kinds: list[str]) -> dict[str, tuple[float, float]]:
-    """Per step kind: (summed CPU span of the steps, GPU busy time inside them), in seconds. Each step
+def shape_table(prof, rows: int) -> str:
+    """Which call each kernel is: aten ops (not the step ranges) by input shape, by device time."""
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.key.startswith("aten::") and e.self_device_time_total > 0]
+    ops.sort(key=lambda e: -e.self_device_time_total)
+    lines = [f"{'op':<28} {'calls':>6} {'self device ms':>15} {'per call us':>12}  input shapes"]
+    for e in ops[:rows]:
+        lines.append(f"{e.key[:28]:<28} {e.count:>6} {e.self_device_time_total / 1e3:>15.3f} "
+                     f"{e.self_device_time_total / e.count:>12.1f}  {str(e.input_shapes)[:150]}")
+    return "\n".join(lines)
+
+
+def gpu_busy_by_step(prof, step_kinds: list[str]) -> dict[str, tuple[float, float, int]]:
+    """Per step kind: (summed CPU span of the recorded steps, GPU busy time inside them, in seconds;
+    the number of recorded steps). Each step
     ends with a synchronize, so its kernels run inside its own CPU range; busy = union of kernel intervals."""
     events = prof.events()
     # The profiler mirrors each record_function range onto the GPU timeline (a user annotation):
@@ -36,7 +48,7 @@ def gpu_busy_by_step(prof, step_kinds: list[str]) -> dict[str, tuple[float, floa
                    if e.name.startswith("sparseserve_step_") and e.device_type != cuda)
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events
                      if e.device_type == cuda and not e.name.startswith("sparseserve_step_"))
-    result: dict[str, list[float]] = {}
+    result: dict[str, list] = {}
     k = 0
     for start, end, index in steps:
         while k < len(kernels) and kernels[k][0] < start:
@@ -49,13 +61,14 @@ def gpu_busy_by_step(prof, step_kinds: list[str]) -> dict[str, tuple[float, floa
                 busy += e - s
                 cursor = e
             j += 1
-        span_busy = result.setdefault(step_kinds[index], [0.0, 0.0])
+        span_busy = result.setdefault(step_kinds[index], [0.0, 0.0, 0])
         span_busy[0] += (end - start) / 1e6
         span_busy[1] += busy / 1e6
-    return {kind: (v[0], v[1]) for kind, v in result.items()}
+        span_busy[2] += 1
+    return {kind: (v[0], v[1], v[2]) for kind, v in result.items()}
 
 
-def run_seed_pass(engine, prompts, params, profiled: bool):
+def run_seed_pass(engine, prompts, params, profiled: bool, shapes: bool = False, decode_only: bool = False):
     """One pass of the workload, step by step; returns (wall, per-kind step times, tokens, kinds, profiler)."""
     for i, ids in enumerate(prompts):
         engine.add_request(f"p{i}-{profiled}", {"prompt_token_ids": ids}, params)
@@ -75,14 +88,20 @@ def run_seed_pass(engine, prompts, params, profiled: bool):
     engine.scheduler.schedule = schedule
     torch.cuda.synchronize()
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profiled \
-            else contextlib.nullcontext() as prof:
-        while engine.has_unfinished_requests():
-            t = time.perf_counter()
-            with torch.profiler.record_function(f"sparseserve_step_{len(step_kinds)}"):
-                engine.step()
-                torch.cuda.synchronize()
-            kinds[step_kinds[-1]].append(time.perf_counter() - t)
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) if profiled else None
+    recording = False
+    while engine.has_unfinished_requests():
+        # decode_only: record from the step after the first pure decode step on (the decode phase).
+        if prof is not None and not recording and (not decode_only or step_kinds[-1:] == ["decode"]):
+            prof.start()
+            recording = True
+        t = time.perf_counter()
+        with torch.profiler.record_function(f"sparseserve_step_{len(step_kinds)}"):
+            engine.step()
+            torch.cuda.synchronize()
+        kinds[step_kinds[-1]].append(time.perf_counter() - t)
+    if recording:
+        prof.stop()
     total = time.perf_counter() - start
     engine.scheduler.schedule = original_schedule
     return total, kinds, scheduled_tokens, step_kinds, prof
@@ -102,20 +121,23 @@ def seed_profile(args, out) -> None:
     if args.profiler:
         passes.append(("warm, profiled", True))
     for label, profiled in passes:
-        total, kinds, tokens, step_kinds, prof = run_seed_pass(engine, prompts, params, profiled)
+        total, kinds, tokens, step_kinds, prof = run_seed_pass(engine, prompts, params, profiled, args.shapes,
+                                                                args.decode_only)
         lines.append(f"{label}: wall {total:.3f} s")
         for kind, times in kinds.items():
             if times:
                 lines.append(f"  {kind}: {len(times)} steps, {sum(times):.3f} s, median "
                              f"{1e3 * statistics.median(times):.2f} ms, {tokens[kind]} tokens")
         if profiled:
-            for kind, (span, busy) in gpu_busy_by_step(prof, step_kinds).items():
-                lines.append(f"  {kind}: GPU busy {busy:.3f} s of {span:.3f} s profiled step time "
-                             f"({busy / len(kinds[kind]) * 1e3:.2f} ms per step)")
+            for kind, (span, busy, count) in gpu_busy_by_step(prof, step_kinds).items():
+                lines.append(f"  {kind}: GPU busy {busy:.3f} s of {span:.3f} s profiled step time over {count} steps "
+                             f"({busy / count * 1e3:.2f} ms per step)")
             lines.append(kernel_table(prof, 45))
+            if args.shapes:
+                lines.append(shape_table(prof, 70))
     text = "\n".join(lines)
     print(text[:6000])
-    name = f"profile_seed{'_eager' if args.eager else ''}{'_sync' if args.sync else ''}{'' if args.profiler else '_timing'}.txt"
+    name = f"profile_seed{'_decode' if args.decode_only else ''}{'_eager' if args.eager else ''}{'_sync' if args.sync else ''}{'' if args.profiler else '_timing'}.txt"
     with open(os.path.join(out, name), "w") as f:
         f.write(text)
     del llm, engine
@@ -162,6 +184,8 @@ def main() -> None:
     parser.add_argument("--spec-k", type=int, default=0, help="profile speculative (MTP) decode steps, graphs only")
     parser.add_argument("--no-profiler", dest="profiler", action="store_false",
                         help="time the steps only (the profiler's per-op overhead inflates host-bound steps)")
+    parser.add_argument("--decode-only", action="store_true", help="seed profile: record only the decode phase")
+    parser.add_argument("--shapes", action="store_true", help="seed profile: also aten ops grouped by input shape")
     parser.add_argument("--only", default="seed,decode")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "."))
     args = parser.parse_args()

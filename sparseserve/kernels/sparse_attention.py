@@ -97,7 +97,7 @@ def _sparse_mqa_fwd_kernel(
     stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
     qk_scale,  # scale * log2(e): logits are kept in base 2
     NUM_SPLITS: tl.constexpr, DV_SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SCAN: tl.constexpr,
 ):
     # One flat grid axis (the y/z axes cap at 65535); head blocks, value halves and splits of
     # one token are adjacent in launch order, so they run together and share rows through L2.
@@ -132,9 +132,21 @@ def _sparse_mqa_fwd_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + (split == 0).to(tl.float32)
     acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
 
-    row_start = split * rows_per_split
-    row_end = tl.minimum(row_start + rows_per_split, num_rows)
+    row_start = tl.minimum(split * rows_per_split, num_rows)  # <= row_end: an empty split scans nothing
+    row_end = tl.minimum(split * rows_per_split + rows_per_split, num_rows)
     rows_base = rows_ptr + tok * stride_rt
+    # Stream only the tiles between the first and the last valid row: holes lead the window
+    # rows of a sequence's first tokens and trail the entries of short sequences (in prefill most
+    # of a CSA list). The scan reads 8 B per row against 2*D B for each row it spares.
+    lo = row_end
+    hi = row_start
+    for s0 in range(row_start, row_end, SCAN):
+        offs_s = s0 + tl.arange(0, SCAN)
+        r_s = tl.load(rows_base + offs_s, mask=offs_s < row_end, other=-1)
+        lo = tl.minimum(lo, tl.min(tl.where(r_s >= 0, offs_s, row_end)))
+        hi = tl.maximum(hi, tl.max(tl.where(r_s >= 0, offs_s + 1, row_start)))
+    row_start = lo
+    row_end = hi
     if PREFETCH:
         # Register double-buffering: the gather of tile i+1 and the index load of tile i+2 are
         # issued before tile i is computed, so their latency overlaps the math. (Triton's own
@@ -312,6 +324,7 @@ def sparse_mqa_attention_triton(
         float(scale) * _LOG2E,
         NUM_SPLITS=splits, DV_SPLIT=dv_split, PREFETCH=cfg.prefetch,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        SCAN=min(256, triton.next_power_of_2(max(rows_per_split, 16))),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.moe import fused_moe, select_experts, swiglu_clamped
+from ...kernels.moe import fused_moe, select_experts, swiglu_fused
+from .fused_linear import PackedWeight, shared_input_linear
 
 
 class Router(nn.Module):
@@ -36,9 +37,21 @@ class SharedExpert(nn.Module):
         self.up_proj = nn.Linear(hf.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, hf.hidden_size, bias=False)
         self.limit = hf.swiglu_limit
+        self._packed: PackedWeight | None = None  # gate | up as one matrix: one GEMM, then one swiglu pass
+
+    def _pack_projections(self) -> int:
+        linears = [self.gate_proj, self.up_proj]
+        if self._packed is not None and self._packed.holds(linears):
+            return 0
+        self._packed = PackedWeight.pack(linears)
+        return int(self._packed is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_clamped(self.gate_proj(x), self.up_proj(x), self.limit))
+        linears = [self.gate_proj, self.up_proj]
+        packed = self._packed if self._packed is not None and self._packed.holds(linears) else None
+        gate_up = shared_input_linear(x, linears, packed, [(0, 2)])[0]
+        return self.down_proj(swiglu_fused(gate_up.reshape(-1, gate_up.shape[-1]), self.limit).view(
+            *x.shape[:-1], -1))
 
 
 class SparseMoE(nn.Module):

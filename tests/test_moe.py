@@ -194,6 +194,35 @@ def test_swiglu_triton_cpu():
     assert torch.allclose(out, ref, atol=1e-6)
 
 
+@triton_needed
+@pytest.mark.parametrize("top_k, hidden, with_shared", [(1, 96, True), (2, 1500, True), (6, 64, False),
+                                                        (6, 2100, True)])
+def test_moe_combine_triton_cpu(top_k, hidden, with_shared):
+    """The combine pass: k slot rows (+ the shared expert's row) per token, hidden sizes that leave
+    a ragged last block; fp32 here, so only the summation order differs from the reference."""
+    gen = torch.Generator().manual_seed(top_k * hidden)
+    y = torch.randn(7 * top_k, hidden, generator=gen) * 3
+    shared = torch.randn(7, hidden, generator=gen) if with_shared else None
+    out = moe.moe_combine_triton(y, top_k, shared)
+    assert out.shape == (7, hidden)
+    assert torch.allclose(out, moe.moe_combine_ref(y, top_k, shared), atol=1e-5)
+
+
+@triton_needed
+def test_triton_adds_the_shared_expert_in_its_combine_cpu():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, CPU_D, generator=gen)
+    w_gate_up, w_down = make_weights(CPU_E, CPU_D, CPU_I, torch.float32, "cpu", gen)
+    ids = random_routing(6, 2, list(range(CPU_E)), gen)
+    weights = torch.rand(6, 2, generator=gen)
+    shared = torch.randn(6, CPU_D, generator=gen)
+    out = moe.fused_moe_triton(x, w_gate_up, w_down, weights, ids, LIMIT, shared=shared)
+    assert rel_err(out, reference(x, w_gate_up, w_down, weights, ids, LIMIT) + shared) < 1e-5
+    empty = moe.fused_moe_triton(torch.empty(0, CPU_D), w_gate_up, w_down, torch.empty(0, 2),
+                                 torch.empty(0, 2, dtype=torch.long), LIMIT, shared=torch.empty(0, CPU_D))
+    assert empty.shape == (0, CPU_D)
+
+
 def test_dispatch_on_cpu_is_reference():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, CPU_D, generator=gen)
@@ -202,6 +231,9 @@ def test_dispatch_on_cpu_is_reference():
     weights = torch.rand(4, 2, generator=gen)
     out = moe.fused_moe(x, w_gate_up, w_down, weights, ids, LIMIT)
     assert torch.equal(out, moe.fused_moe_ref(x, w_gate_up, w_down, weights, ids, LIMIT))
+    shared = torch.randn(4, CPU_D, generator=gen)
+    out = moe.fused_moe(x, w_gate_up, w_down, weights, ids, LIMIT, shared=shared)
+    assert torch.equal(out, moe.fused_moe_ref(x, w_gate_up, w_down, weights, ids, LIMIT) + shared)
     logits = torch.randn(4, CPU_E, generator=gen)
     bias = torch.randn(CPU_E, generator=gen) * 0.1
     for got, want in zip(

@@ -55,3 +55,20 @@ def test_rope_in_place(shape, rope_half, inverse):
     assert torch.allclose(got, ref, atol=1e-5)
     back = apply_rope_(got.clone(), cos, sin, not inverse)
     assert torch.allclose(back, x, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["heads_of_a_column_slice", "rows_of_a_column_slice"])
+def test_rope_rotates_a_strided_view_in_place(layout):
+    """The head-split column slice of a packed projection's output is rotated where it lies:
+    the columns outside the slice are untouched."""
+    gen = torch.Generator().manual_seed(4)
+    packed = torch.randn(9, 24 + 3 * 32 + 8, generator=gen).to(DEVICE)
+    x = packed[:, 24:24 + 96].view(9, 3, 32) if layout == "heads_of_a_column_slice" else packed[:, 24:24 + 96]
+    pos = torch.randint(0, 3000, (9,), generator=gen).float()
+    freqs = pos.unsqueeze(1) * (1.0 / 10000 ** (torch.arange(8) / 8)).unsqueeze(0)
+    cos, sin = freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
+    before = packed.clone()
+    ref = apply_rope_ref(x, cos, sin)
+    assert apply_rope_(x, cos, sin) is x
+    assert torch.allclose(x, ref, atol=1e-5)
+    assert torch.equal(packed[:, :24], before[:, :24]) and torch.equal(packed[:, 120:], before[:, 120:])

@@ -4,6 +4,9 @@
 #   bash tools/gpu_session.sh bench   decode and verify steps, top-k grid, compressor, rope, the seed workload
 #                                     (two rounds: graphs, graphs without async scheduling, eager, every top-k
 #                                     backend, the transformers baseline) (about 11 minutes)
+#   bash tools/gpu_session.sh seed    the kernel/model/graph tests that a model change touches (stops if one fails), decode
+#                                     steps with and without graphs, then the seed workload in two rounds with the
+#                                     transformers baseline (about 9 minutes)
 #   bash tools/gpu_session.sh demo    the demo model: perplexity parity, MTP acceptance, speed with/without speculation
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
@@ -28,6 +31,17 @@ case "${1:-tests}" in
         --only graphs,graphs-sync,eager,hf,topk-standard,topk-persistent,topk-torch --budget-s 290 --max-run-s 60 \
         --out-dir "$OUT"
     } 2>&1 | filter > "$OUT/bench.log"; tail -40 "$OUT/bench.log" ;;
+  seed)
+    { timeout -k 5 170 python -m pytest -q -m gpu tests/test_sparse_attention.py tests/test_model_gpu.py \
+        tests/test_fused_projections.py tests/test_moe.py tests/test_indexer_kernel.py tests/test_cuda_graphs_gpu.py \
+        -k "not speculative and not speculation and not mtp_1 and not watchdog" &&
+      timeout -k 5 60 python -m pytest -q tests/test_norm_rope_kernels.py &&
+      timeout -k 5 100 python -m sparseserve.benchmarks.decode_graphs --steps 12 --batches 1,8,64 \
+        --out "$OUT/decode_graphs.json" &&
+      timeout -k 5 300 python benchmarks/run_all.py --engine-flag=--max-model-len=2048 --skip-hf-latency --rounds 2 \
+        --only graphs,graphs-sync,eager,hf,topk-standard,topk-persistent,topk-torch --budget-s 280 --max-run-s 60 \
+        --out-dir "$OUT"
+    } 2>&1 | filter > "$OUT/seed.log"; tail -40 "$OUT/seed.log" ;;
   demo)
     timeout -k 5 300 python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json" 2>&1 | filter | tail -40 ;;
   check)
@@ -39,5 +53,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|demo|check" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check" >&2; exit 2 ;;
 esac

@@ -11,7 +11,8 @@ GPU path (graph-capturable: static shapes, no host sync, nothing sized by the ro
 2. `_moe_gate_up_kernel`: grouped GEMM x[token] @ w_gate_up[e].T for both halves in one
    program, the clamped SwiGLU in the epilogue; writes act [padded rows, I] in x's dtype.
 3. `_moe_down_kernel`: grouped GEMM act @ w_down[e].T, the routing weight in the epilogue,
-   scattered to y[assignment] (one row per (token, slot)); then out = y.view(T, k, D).sum(1).
+   scattered to y[assignment] (one row per (token, slot)).
+4. `moe_combine`: out[t] = sum of its k rows of y (+ the shared expert's row), fp32, one pass.
    A plain sum, not atomics, keeps the result deterministic (eager == graph replay, bitwise).
 The grid runs N tiles fastest by default: the programs of one M tile (one expert's rows) run
 side by side and share its activation rows in L2, and an expert's few M tiles follow each
@@ -449,23 +450,69 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     swiglu_limit: float,
     config: MoeConfig | None = None,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sorted, padded grouped GEMMs in Triton (same contract as fused_moe_ref, graph-safe)."""
+    """Sorted, padded grouped GEMMs in Triton (same contract as fused_moe_ref, graph-safe);
+    `shared` [T, D] (the shared expert's output) is added in the combine pass."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     if num_tokens == 0:
-        return torch.empty_like(x)
+        return torch.empty_like(x) if shared is None else shared.clone()
     cfg = fit_config(config, hidden, inter) if config else moe_config(num_tokens, top_k, num_experts, hidden, inter)
     x = x.contiguous()
     sorted_ids, block_expert = moe_align(topk_ids, num_experts, cfg.block_m)
     act = moe_gate_up(x, w_gate_up, sorted_ids, block_expert, top_k, swiglu_limit, cfg)
     y = moe_down(act, w_down, sorted_ids, block_expert, topk_weights, cfg)
-    if top_k == 1:
-        return y
-    # Deterministic combine (fp32 accumulation inside the sum), no atomics.
-    return y.view(num_tokens, top_k, hidden).sum(dim=1)
+    return moe_combine(y, top_k, shared)
+
+
+def moe_combine_ref(y: torch.Tensor, top_k: int, shared: torch.Tensor | None) -> torch.Tensor:
+    """out[t] = sum_j y[t*k + j] (+ shared[t]): fp32 sum of the slots rounded once, then the shared add."""
+    out = y.view(-1, top_k, y.shape[1]).sum(dim=1)
+    return out if shared is None else out + shared
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _moe_combine_kernel(y_ptr, shared_ptr, out_ptr, hidden, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        # One pass: the k weighted slot rows and the shared expert's row summed in fp32, rounded once.
+        tok = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < hidden
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            acc += tl.load(y_ptr + (tok * TOP_K + j) * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SHARED:
+            acc += tl.load(shared_ptr + tok * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + tok * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_combine_triton(y: torch.Tensor, top_k: int, shared: torch.Tensor | None) -> torch.Tensor:
+    """Same contract as moe_combine_ref, one launch instead of a strided sum and an add; the sum
+    and the shared add are rounded once (the reference rounds after each)."""
+    hidden = y.shape[1]
+    num_tokens = y.shape[0] // top_k
+    y = y.contiguous()
+    if shared is not None:
+        shared = shared.contiguous()
+    out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
+    if num_tokens:
+        block = min(1024, triton.next_power_of_2(hidden))
+        _moe_combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+            y, shared if shared is not None else y, out, hidden, TOP_K=top_k, HAS_SHARED=shared is not None,
+            BLOCK=block, num_warps=4)
+    return out
+
+
+def moe_combine(y: torch.Tensor, top_k: int, shared: torch.Tensor | None) -> torch.Tensor:
+    """Deterministic combine (no atomics: eager == graph replay, bitwise). Triton where it runs."""
+    if HAS_TRITON and (y.is_cuda or _INTERPRET):
+        return moe_combine_triton(y, top_k, shared)
+    return moe_combine_ref(y, top_k, shared)
 
 
 # ----------------------------------------------------------------------------------------
@@ -571,18 +618,22 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     swiglu_limit: float,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatch: the Triton grouped kernel on CUDA, the reference elsewhere."""
+    """Dispatch: the Triton grouped kernel on CUDA, the reference elsewhere. `shared` [T, D], if
+    given, is added to the result (by the Triton path inside its combine pass)."""
     if not _use_triton(x, w_gate_up):
-        return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
+        routed = fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
+        return routed if shared is None else routed + shared
     if (
         GROUPED_MM_MIN_TOKENS is not None
         and x.shape[0] >= GROUPED_MM_MIN_TOKENS
         and x.dtype == torch.bfloat16
         and grouped_mm_available(x.device)
     ):
-        return fused_moe_grouped(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
-    return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
+        routed = fused_moe_grouped(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
+        return routed if shared is None else routed + shared
+    return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit, shared=shared)
 
 
 _SCORING_IDS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}

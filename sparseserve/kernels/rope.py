@@ -27,7 +27,8 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, invers
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, rows, heads, dim, sign, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, rows, heads, dim, stride_t, stride_h, sign,
+                 HALF: tl.constexpr, BLOCK_R: tl.constexpr):
     # A tile of BLOCK_R rows (token, head) x the 2 * HALF rope channels, loaded contiguously and
     # split into (even, odd) pairs in registers: one program per row of 32 pairs left the loads
     # stride-2 and the grid at T * H tiny programs (~7x the memory floor at 8192 tokens x 64 heads).
@@ -35,7 +36,10 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, rows, heads, dim, sign, HALF: tl.const
     row_ok = (r < rows)[:, None]
     token = r // heads
     channel = tl.arange(0, 2 * HALF)
-    ptrs = x_ptr + r[:, None] * dim + (dim - 2 * HALF) + channel[None, :]
+    # Row (token, head) at token * stride_t + head * stride_h: a head-split slice of a packed
+    # projection's output is rotated where it lies.
+    base = token * stride_t + (r % heads) * stride_h + (dim - 2 * HALF)
+    ptrs = x_ptr + base[:, None] + channel[None, :]
     x = tl.load(ptrs, mask=row_ok, other=0.0).to(tl.float32)
     e, o = tl.split(tl.reshape(x, [BLOCK_R, HALF, 2]))
     i = tl.arange(0, HALF)
@@ -46,23 +50,33 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, rows, heads, dim, sign, HALF: tl.const
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """In place on a contiguous x; returns x. The rope half-width must be a power of two (V4: 32)."""
+    """In place on x ([T, D] or [T, H, D], last dim contiguous, any other strides); returns x.
+    The rope half-width must be a power of two (V4: 32)."""
     half = cos.shape[-1]
     if half & (half - 1):
         raise ValueError(f"the rope kernel needs a power-of-two rope half-width, got {half}")
+    if not _strided_ok(x):
+        raise ValueError(f"the rope kernel needs a 2-D or 3-D x with a contiguous last dim, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
     heads = x.shape[1] if x.dim() == 3 else 1
+    stride_h = x.stride(1) if x.dim() == 3 else 0
     rows = x.shape[0] * heads
     if rows:
         block_r = max(1, min(64, 4096 // (2 * half), triton.next_power_of_2(rows)))
         _rope_kernel[(triton.cdiv(rows, block_r),)](
-            x, cos.float().contiguous(), sin.float().contiguous(), rows, heads, x.shape[-1],
+            x, cos.float().contiguous(), sin.float().contiguous(), rows, heads, x.shape[-1], x.stride(0), stride_h,
             -1.0 if inverse else 1.0, HALF=half, BLOCK_R=block_r, num_warps=4)
     return x
 
 
+def _strided_ok(x: torch.Tensor) -> bool:
+    return x.dim() in (2, 3) and x.stride(-1) == 1
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate x's rope dims. On CUDA this is done in place on x (callers pass fresh tensors)."""
+    """Rotate x's rope dims. On CUDA this is done in place on x (callers pass fresh tensors, or
+    views of one that nothing else reads)."""
     half = cos.shape[-1]
-    if use_triton("rope", x) and x.is_contiguous() and half & (half - 1) == 0:
+    if use_triton("rope", x) and _strided_ok(x) and half & (half - 1) == 0:
         return apply_rope_(x, cos, sin, inverse)
     return apply_rope_ref(x, cos, sin, inverse)

@@ -172,8 +172,11 @@ class Attention(nn.Module):
         num_tokens = out.shape[0]
         grouped = out.reshape(num_tokens, self.o_groups, -1).transpose(0, 1)  # [G, T, in/G]
         w = self.o_a_proj.weight.view(self.o_groups, self.o_lora_rank, -1)  # [G, r, in/G]
-        mid = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(num_tokens, -1)
-        return self.o_b_proj(mid)
+        # The batched GEMM writes each group's [T, r] block straight into its columns of mid
+        # (cuBLAS takes the row stride G*r), instead of a [G, T, r] result copied across.
+        mid = torch.empty(num_tokens, self.o_groups, self.o_lora_rank, dtype=out.dtype, device=out.device)
+        torch.bmm(grouped, w.transpose(1, 2), out=mid.transpose(0, 1))
+        return self.o_b_proj(mid.view(num_tokens, -1))
 
     def _compressed_rows(self, x_proj: list[torch.Tensor], q_proj: list[torch.Tensor], ctx: StepContext,
                          state: LayerState) -> torch.Tensor:
@@ -197,8 +200,8 @@ class Attention(nn.Module):
                              idx.kv_norm.weight, self.eps, rate_addr.emit_cos, rate_addr.emit_sin,
                              state.index_pool, rate_addr.emit_index_rows)
             cos, sin = ctx.rope["compress"]
-            # contiguous(): a no-op unpacked or for one token; the rope kernel rotates in place.
-            iq = apply_rope(q_proj[0].view(num_tokens, idx.num_heads, idx.head_dim).contiguous(), cos, sin)
+            # Rotated in place in the GEMM output (packed: a column slice; the indexer reads strides).
+            iq = apply_rope(q_proj[0].view(num_tokens, idx.num_heads, idx.head_dim), cos, sin)
             weights = x_proj[2].float() * idx.weights_scale
             scores = indexer_scores(iq, weights, state.index_pool, batch.block_table, batch.token_seq,
                                     batch.positions, self.rate, ctx.layout.entries_per_block(self.rate),

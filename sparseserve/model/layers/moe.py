@@ -74,5 +74,5 @@ class SparseMoE(nn.Module):
         else:
             weights, ids = select_experts(logits, self.top_k, self.scoring_func, self.routed_scaling_factor,
                                           correction_bias=self.gate.e_score_correction_bias)
-        routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.limit)
-        return routed + self.shared_experts(x)
+        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.limit,
+                         shared=self.shared_experts(x))

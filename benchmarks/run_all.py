@@ -315,6 +315,16 @@ def environment() -> dict:
     return env
 
 
+def record_skip(section: dict, name: str, command: str) -> None:
+    """A run cut by the budget: recorded as skipped, unless an earlier round of it has a result,
+    which is kept (and counts the skipped later rounds)."""
+    earlier = section.get(name)
+    if earlier is not None and earlier.get("status") not in (None, "skipped"):
+        earlier["later_rounds_skipped"] = earlier.get("later_rounds_skipped", 0) + 1
+    else:
+        section[name] = {"status": "skipped", "error": "out of time (--budget-s)", "command": command}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="50 prompts, output 64; shorter latency runs")
@@ -403,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             remaining = deadline - time.perf_counter() - reserve_s
             limit = min(args.max_run_s, remaining)
             if limit < 20:
-                section[run["name"]] = {"status": "skipped", "error": "out of time (--budget-s)", "command": command}
+                record_skip(section, run["name"], command)
                 print(f"[run_all] {run['name']}: skipped, {remaining:.0f} s left")
                 save()
                 continue

@@ -220,6 +220,22 @@ def test_run_all_smoke(tmp_path, capsys):
     assert "graphs vs transformers:" in out and "graphs vs eager:" in out
 
 
+def test_run_all_keeps_an_earlier_round_when_a_later_one_is_skipped():
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    section = {"graphs": {"status": "ok", "round": 1, "output_tokens_per_second": 123.0}}
+    run_all.record_skip(section, "graphs", "cmd")
+    run_all.record_skip(section, "graphs", "cmd")
+    run_all.record_skip(section, "eager", "cmd")
+    assert section["graphs"]["status"] == "ok" and section["graphs"]["output_tokens_per_second"] == 123.0
+    assert section["graphs"]["later_rounds_skipped"] == 2
+    assert section["eager"]["status"] == "skipped"
+    section["hf"] = {"status": "timeout", "round": 1}
+    run_all.record_skip(section, "hf", "cmd")
+    assert section["hf"]["status"] == "timeout" and section["hf"]["later_rounds_skipped"] == 1
+
+
 def test_console_script_subprocess(tmp_path):
     """The installed `sparseserve` script when it is on PATH, else the same entry point via -m."""
     exe = shutil.which("sparseserve")

@@ -14,7 +14,9 @@ running max starts at the sink logit, so the sink is in the denominator from the
 the running max is always finite (a token whose rows are all -1 gets exactly 0). Small
 batches split the row list across programs (flash-decoding) and a second kernel merges the
 partial results. Every choice (block sizes, splits) comes from static shapes only, so the
-launch is safe to capture in a CUDA graph.
+launch is safe to capture in a CUDA graph. Inside, each program scans its row indices and
+streams only the tiles from its first to its last valid row (a device-side loop bound, so
+still graph-safe): the work follows the rows a token sees, not the list's static width.
 """
 from __future__ import annotations
 

@@ -18,22 +18,14 @@ import torch
 from safetensors.torch import save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from train_tiny import make_tokenizer  # noqa: E402  (tools/ is on sys.path when run as a script)
+from train_tiny import SMALL_LAYOUT, make_tokenizer  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 from sparseserve.config import ModelConfig
 from sparseserve.model.mtp import MTPModule, module_to_checkpoint_name
 
 TINY_CONFIG = dict(
-    vocab_size=512, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=4,
-    num_attention_heads=4, head_dim=64, q_lora_rank=64, qk_rope_head_dim=16,
-    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, o_groups=2, o_lora_rank=32,
-    index_n_heads=16, index_head_dim=32, index_topk=8, sliding_window=16,
-    layer_types=["sliding_attention", "compressed_sparse_attention",
-                 "heavily_compressed_attention", "compressed_sparse_attention"],
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-    num_hash_layers=1, hc_mult=2, hc_sinkhorn_iters=20, max_position_embeddings=4096,
-    num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=1, rope_theta=10000.0,
-    compress_rope_theta=160000.0,
+    SMALL_LAYOUT, vocab_size=512, hidden_size=128, moe_intermediate_size=64, q_lora_rank=64, o_lora_rank=32,
+    index_topk=8, sliding_window=16, rope_theta=10000.0, compress_rope_theta=160000.0,
 )
 
 

@@ -34,16 +34,20 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>"]
-DEMO_CONFIG = dict(
-    vocab_size=2048, hidden_size=192, moe_intermediate_size=128, num_hidden_layers=4,
-    num_attention_heads=4, head_dim=64, q_lora_rank=96, qk_rope_head_dim=16,
-    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, o_groups=2, o_lora_rank=64,
-    index_n_heads=16, index_head_dim=32, index_topk=16, sliding_window=32,
+# The four-layer layout (every layer kind, a hash layer, one MTP layer) the tiny and demo models share.
+SMALL_LAYOUT = dict(
+    num_hidden_layers=4, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16,
+    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, o_groups=2,
+    index_n_heads=16, index_head_dim=32,
     layer_types=["sliding_attention", "compressed_sparse_attention",
                  "heavily_compressed_attention", "compressed_sparse_attention"],
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
     num_hash_layers=1, hc_mult=2, hc_sinkhorn_iters=20, max_position_embeddings=4096,
     num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=1,
+)
+DEMO_CONFIG = dict(
+    SMALL_LAYOUT, vocab_size=2048, hidden_size=192, moe_intermediate_size=128, q_lora_rank=96, o_lora_rank=64,
+    index_topk=16, sliding_window=32,
 )
 
 

@@ -510,6 +510,8 @@ def moe_combine_triton(y: torch.Tensor, top_k: int, shared: torch.Tensor | None)
 
 def moe_combine(y: torch.Tensor, top_k: int, shared: torch.Tensor | None) -> torch.Tensor:
     """Deterministic combine (no atomics: eager == graph replay, bitwise). Triton where it runs."""
+    if top_k == 1 and shared is None:
+        return y  # y already holds one weighted row per token
     if HAS_TRITON and (y.is_cuda or _INTERPRET):
         return moe_combine_triton(y, top_k, shared)
     return moe_combine_ref(y, top_k, shared)
@@ -622,18 +624,19 @@ def fused_moe(
 ) -> torch.Tensor:
     """Dispatch: the Triton grouped kernel on CUDA, the reference elsewhere. `shared` [T, D], if
     given, is added to the result (by the Triton path inside its combine pass)."""
+    args = (x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
     if not _use_triton(x, w_gate_up):
-        routed = fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
-        return routed if shared is None else routed + shared
-    if (
+        routed = fused_moe_ref(*args)
+    elif (
         GROUPED_MM_MIN_TOKENS is not None
         and x.shape[0] >= GROUPED_MM_MIN_TOKENS
         and x.dtype == torch.bfloat16
         and grouped_mm_available(x.device)
     ):
-        routed = fused_moe_grouped(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
-        return routed if shared is None else routed + shared
-    return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit, shared=shared)
+        routed = fused_moe_grouped(*args)
+    else:
+        return fused_moe_triton(*args, shared=shared)
+    return routed if shared is None else routed + shared
 
 
 _SCORING_IDS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}

@@ -49,6 +49,10 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, rows, heads, dim, stride_t, stride_h, 
     tl.store(ptrs, out.to(x_ptr.dtype.element_ty), mask=row_ok)
 
 
+def _strided_ok(x: torch.Tensor) -> bool:
+    return x.dim() in (2, 3) and x.stride(-1) == 1
+
+
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """In place on x ([T, D] or [T, H, D], last dim contiguous, any other strides); returns x.
     The rope half-width must be a power of two (V4: 32)."""
@@ -67,10 +71,6 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
             x, cos.float().contiguous(), sin.float().contiguous(), rows, heads, x.shape[-1], x.stride(0), stride_h,
             -1.0 if inverse else 1.0, HALF=half, BLOCK_R=block_r, num_warps=4)
     return x
-
-
-def _strided_ok(x: torch.Tensor) -> bool:
-    return x.dim() in (2, 3) and x.stride(-1) == 1
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

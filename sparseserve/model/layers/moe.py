@@ -39,19 +39,21 @@ class SharedExpert(nn.Module):
         self.limit = hf.swiglu_limit
         self._packed: PackedWeight | None = None  # gate | up as one matrix: one GEMM, then one swiglu pass
 
+    def _gate_up(self) -> list[nn.Linear]:
+        return [self.gate_proj, self.up_proj]
+
     def _pack_projections(self) -> int:
-        linears = [self.gate_proj, self.up_proj]
-        if self._packed is not None and self._packed.holds(linears):
+        if self._packed is not None and self._packed.holds(self._gate_up()):
             return 0
-        self._packed = PackedWeight.pack(linears)
+        self._packed = PackedWeight.pack(self._gate_up())
         return int(self._packed is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linears = [self.gate_proj, self.up_proj]
+        """x [T, D] -> [T, D]."""
+        linears = self._gate_up()
         packed = self._packed if self._packed is not None and self._packed.holds(linears) else None
         gate_up = shared_input_linear(x, linears, packed, [(0, 2)])[0]
-        return self.down_proj(swiglu_fused(gate_up.reshape(-1, gate_up.shape[-1]), self.limit).view(
-            *x.shape[:-1], -1))
+        return self.down_proj(swiglu_fused(gate_up, self.limit))
 
 
 class SparseMoE(nn.Module):

@@ -143,6 +143,25 @@ def seed_profile(args, out) -> None:
     del llm, engine
 
 
+def kernel_timeline(events, steps: int) -> str:
+    """The GPU ops of the last recorded step in launch order: start offset, duration and the idle gap
+    before each, so a replay's time splits into kernel time and the gaps between kernels."""
+    ops = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    per_step = len(ops) // steps
+    last = ops[-per_step:]
+    t0 = last[0][0]
+    busy = sum(end - start for start, end, _ in last)
+    span = last[-1][1] - t0
+    lines = [f"last step: {len(last)} GPU ops, span {span:.1f} us, kernel time {busy:.1f} us, "
+             f"gaps {span - busy:.1f} us",
+             f"{'start us':>9} {'dur us':>8} {'gap us':>7}  name"]
+    prev_end = t0
+    for start, end, name in last:
+        lines.append(f"{start - t0:>9.1f} {end - start:>8.1f} {start - prev_end:>7.1f}  {name[:110]}")
+        prev_end = max(prev_end, end)
+    return "\n".join(lines)
+
+
 def decode_profile(args, out) -> None:
     lines = []
     spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": args.spec_k}} if args.spec_k else {}
@@ -166,12 +185,108 @@ def decode_profile(args, out) -> None:
                      f"summed GPU op time {kernel_us / 5 / 1e3:.3f} ms per step")
         lines.append(kernel_table(prof, 60))
         lines.append(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=90))
+        if not eager:
+            lines.append(kernel_timeline(events, steps=5))
         del llm, engine
         torch.cuda.empty_cache()
     text = "\n".join(lines)
     print(text[:8000])
     with open(os.path.join(out, f"profile_decode{f'_spec{args.spec_k}' if args.spec_k else ''}.txt"), "w") as f:
         f.write(text)
+
+
+def phase_timers(engine) -> tuple[dict[str, list[float]], list[bool]]:
+    """Wrap the engine's host phases with timers that record while timing[0] is True."""
+    from sparseserve.worker import cuda_graph, model_runner
+
+    phases: dict[str, list[float]] = {}
+    timing = [False]
+
+    def wrap(owner, name: str, key: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            if not timing[0]:
+                return original(*a, **k)
+            t = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                phases.setdefault(key, []).append(time.perf_counter() - t)
+
+        setattr(owner, name, wrapper)
+
+    runner = engine.runner
+    wrap(engine.scheduler, "schedule", "schedule")
+    wrap(engine, "_launch", "engine._launch")
+    wrap(runner, "launch", "  runner.launch")
+    wrap(runner, "forward", "    runner.forward")
+    wrap(cuda_graph, "build_batch", "      graph: build_batch")
+    wrap(cuda_graph.StaticBatch, "fill", "      graph: StaticBatch.fill")
+    wrap(torch.cuda.CUDAGraph, "replay", "      graph: CUDAGraph.replay")
+    wrap(model_runner, "to_host", "    to_host copies")
+    wrap(engine, "_collect", "engine._collect")
+    wrap(runner, "collect", "  runner.collect")
+    wrap(runner.watchdog, "wait", "    watchdog.wait (GPU)")
+    return phases, timing
+
+
+def async_timing(args, out) -> None:
+    """The seed-like workload as the benchmark runs it (async scheduling, no per-step sync): the
+    interval between successive step() returns, by the kind of step each call launched, and a
+    cProfile of the host during the decode phase. Shows whether decode is host- or GPU-bound."""
+    import cProfile
+    import io
+    import pstats
+
+    llm = LLM(args.model, load_format="dummy", max_model_len=2048, enforce_eager=args.eager)
+    engine = llm.llm_engine
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    prompts = torch.randint(10, min(100000, engine.vocab_size), (args.num_prompts, 1024), generator=gen).tolist()
+    lines = [f"async timing: {args.num_prompts} prompts x 1024 in, {args.output_len} out, eager={args.eager}, "
+             f"async_scheduling={engine.async_scheduling}"]
+    phases, timing = phase_timers(engine)
+    for label in ("first pass (compiles)", "warm", "warm, host profiled in decode"):
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"{label}-{i}", {"prompt_token_ids": ids}, params)
+        intervals: dict[str, list[float]] = {"prefill/mixed": [], "decode": []}
+        profiler = cProfile.Profile() if "profiled" in label else None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = last = time.perf_counter()
+        while engine.has_unfinished_requests():
+            decode = all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in engine.scheduler.running) \
+                and not engine.scheduler.waiting
+            if profiler is not None and decode:
+                profiler.enable()
+            timing[0] = decode and label == "warm"
+            engine.step()
+            if profiler is not None:
+                profiler.disable()
+            now = time.perf_counter()
+            intervals["decode" if decode else "prefill/mixed"].append(now - last)
+            last = now
+        total = time.perf_counter() - start
+        lines.append(f"{label}: wall {total:.3f} s")
+        for kind, times in intervals.items():
+            if times:
+                lines.append(f"  {kind}: {len(times)} steps, {sum(times):.3f} s, median "
+                             f"{1e3 * statistics.median(times):.2f} ms")
+        if label == "warm":
+            lines.append("  host phases of the decode steps (median ms per step; calls per step):")
+            steps = max(len(intervals["decode"]), 1)
+            for key, times in phases.items():
+                lines.append(f"    {key:<44} {1e3 * statistics.median(times):8.3f}  {len(times) / steps:5.2f}")
+        if profiler is not None:
+            buf = io.StringIO()
+            pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(40)
+            lines.append(buf.getvalue())
+    text = "\n".join(lines)
+    print(text[:6000])
+    with open(os.path.join(out, f"profile_async{'_eager' if args.eager else ''}.txt"), "w") as f:
+        f.write(text)
+    del llm, engine
 
 
 def main() -> None:
@@ -193,6 +308,8 @@ def main() -> None:
         decode_profile(args, args.out_dir)
     if "seed" in args.only:
         seed_profile(args, args.out_dir)
+    if "async" in args.only:
+        async_timing(args, args.out_dir)
 
 
 if __name__ == "__main__":

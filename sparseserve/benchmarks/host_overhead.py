@@ -50,7 +50,7 @@ def timed(phases: dict, owner, name: str, key: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def measure(batch: int, steps: int, async_scheduling: bool) -> dict:
+def measure(batch: int, steps: int, async_scheduling: bool, prompt_len: int = 20) -> dict:
     llm = LLM(str(CONFIGS_DIR / "tiny"), device="cpu", max_model_len=2048, max_num_seqs=max(batch, 1),
               skip_tokenizer_init=True, async_scheduling=async_scheduling)
     engine = llm.llm_engine
@@ -58,7 +58,7 @@ def measure(batch: int, steps: int, async_scheduling: bool) -> dict:
     runner.pad_like_graphs = True  # decode steps built as on CUDA (padded to a bucket)
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(10, 30))}, params)
+        engine.add_request(f"r{i}", {"prompt_token_ids": [10 + (i + j) % 400 for j in range(prompt_len)]}, params)
     while not any(r.output_token_ids for r in engine.requests.values()):
         engine.step()  # the prefill, with the real model
     runner.model = FixedLogitsModel(runner.model_config.hf_config, max(batch, 1))
@@ -73,7 +73,7 @@ def measure(batch: int, steps: int, async_scheduling: bool) -> dict:
         t = time.perf_counter()
         engine.step()
         step_times.append(time.perf_counter() - t)
-    result = {"batch": batch, "decode_steps": len(step_times), "async_scheduling": async_scheduling,
+    result = {"batch": batch, "prompt_len": prompt_len, "decode_steps": len(step_times), "async_scheduling": async_scheduling,
               "step_ms_median": 1e3 * statistics.median(step_times)}
     result["phases_ms_median"] = {k: 1e3 * statistics.median(v) for k, v in phases.items()}
     return result
@@ -84,10 +84,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=200)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--prompt-len", type=int, default=20,
+                        help="prompt tokens per request (1024 for the seed workload: long block tables)")
     parser.add_argument("--out")
     args = parser.parse_args()
-    result = measure(args.batch, args.steps, args.async_scheduling)
-    print(f"batch {result['batch']}: {result['decode_steps']} decode steps, host time per step "
+    result = measure(args.batch, args.steps, args.async_scheduling, args.prompt_len)
+    print(f"batch {result['batch']}, prompts of {result['prompt_len']}: {result['decode_steps']} decode steps, host time per step "
           f"{result['step_ms_median']:.3f} ms (median)")
     for name, ms in result["phases_ms_median"].items():
         print(f"  {name}: {ms:.3f} ms")

@@ -23,7 +23,7 @@ from ..worker.graph_audit import audit_graph_replays
 from ..worker.model_runner import LaunchedStep, ModelRunner, RunnerOptions, RunnerOutput
 from .detokenizer import detokenize_incrementally
 from .kv_cache import KVCacheManager, KVPlan, RequestTooLargeError, plan_kv
-from .request import Request
+from .request import Request, RequestStatus
 from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("sparseserve")
@@ -269,21 +269,27 @@ class LLMEngine:
     def _collect(self, launched: LaunchedStep) -> list[RequestOutput]:
         result = self.runner.collect(launched)
         finished_groups: set[str] = set()
+        # Speculation and prompt logprobs need the full bookkeeping below; plain steps skip it.
+        plain = not (result.num_accepted or result.drafts or result.prompt_logprobs)
+        sampled_by_id = result.sampled
         for chunk in launched.sched.chunks:
             req = chunk.request
             if chunk.completes:
                 req.num_pending_tokens -= 1
-            if req.is_finished:
+            if req.status is RequestStatus.FINISHED:
                 continue  # finished or aborted while this step ran: what it computed is dropped
-            accepted = result.num_accepted.get(req.request_id, 0)
-            # Verified drafts that were rejected leave positions to be re-run (position-addressed).
-            req.num_computed_tokens += accepted
-            req.draft_token_ids = []
-            if chunk.num_draft:
-                self.spec_metrics.record(chunk.num_draft, accepted)
-            self._record_prompt_logprobs(req, result)
+            if chunk.num_draft or not plain:
+                accepted = result.num_accepted.get(req.request_id, 0)
+                # Verified drafts that were rejected leave positions to be re-run (position-addressed).
+                req.num_computed_tokens += accepted
+                req.draft_token_ids = []
+                if chunk.num_draft:
+                    self.spec_metrics.record(chunk.num_draft, accepted)
+                self._record_prompt_logprobs(req, result)
+            elif req.draft_token_ids:
+                req.draft_token_ids = []
             finished = False
-            for sampled in result.sampled.get(req.request_id, []):
+            for sampled in sampled_by_id.get(req.request_id, ()):
                 new_text = self._append_token(req, sampled)
                 if self._check_stop(req, len(new_text)):
                     finished = True
@@ -292,7 +298,7 @@ class LLMEngine:
                 self.scheduler.finish(req)
                 self.runner.draft_probs.pop(req.request_id, None)
                 finished_groups.add(self._group_of(req))
-            else:
+            elif not plain:
                 req.draft_token_ids = result.drafts.get(req.request_id, [])
         self.spec_metrics.maybe_log()
         outputs = []
@@ -347,7 +353,9 @@ class LLMEngine:
                 if idx != -1:
                     req.text = req.text[:idx]
                     return self._finish(req, "stop", stop)
-        if req.reaches_length_limit(self.max_model_len):
+        # reaches_length_limit, inline (this runs for every sampled token)
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or (
+                self.max_model_len is not None and len(req.prompt_token_ids) + num_out >= self.max_model_len):
             return self._finish(req, "length", None)
         return False
 

@@ -14,7 +14,7 @@ from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     request: Request
     num_tokens: int  # tokens computed this step, starting at start_pos (drafts included)
@@ -71,37 +71,50 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: set[str] = set()
+        max_len = self.max_model_len
+        block_size = self.kv.block_size
+        chunks = out.chunks
+        # This loop runs for every running request at every step while the GPU may be waiting, so
+        # it reads fields directly instead of calling Request's helpers (same rules, spelled inline):
+        # num_tokens_with_pending, ends_by_length_with_pending, KVCacheManager.holds, make_chunk.
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            total = request.num_tokens_with_pending
-            n = min(total - request.num_computed_tokens, budget)
-            if n <= 0 or request.ends_by_length_with_pending(self.max_model_len):
+            computed = request.num_computed_tokens
+            num_out = len(request.output_token_ids)
+            pending = request.num_pending_tokens
+            known = len(request.prompt_token_ids) + num_out
+            total = known + pending
+            n = min(total - computed, budget)
+            if n <= 0:
                 continue
+            if pending:  # the pending tokens surely finish the request: a step more would be thrown away
+                max_tokens = request.params.max_tokens
+                if (max_tokens is not None and num_out + pending >= max_tokens) or (
+                        max_len is not None and total >= max_len):
+                    continue
             num_draft = 0
-            if request.draft_token_ids and n == request.num_tokens - request.num_computed_tokens == 1:
+            if request.draft_token_ids and n == known - computed == 1:
                 # Verify the drafts too, within the budget and without passing max_model_len.
-                room = (self.max_model_len - request.num_tokens - 1) if self.max_model_len else len(request.draft_token_ids)
+                room = (max_len - known - 1) if max_len else len(request.draft_token_ids)
                 num_draft = max(0, min(len(request.draft_token_ids), budget - 1, room))
                 n += num_draft
-            need = request.num_computed_tokens + n
-            if not self.kv.holds(request, need):
+            need = computed + n
+            if request.slot is None or need > len(request.block_ids) * block_size:
                 while not self.kv.can_allocate(request, need):
                     victim = self.running[-1]
-                    if victim.request_id in scheduled:
+                    if any(c.request is victim for c in chunks):
                         # Never preempt a request already in this step; stop scheduling instead.
                         victim = request
                     self._preempt(victim, out)
                     if victim is request:
                         break
-                if request.status != RequestStatus.RUNNING:
+                if request.status is not RequestStatus.RUNNING:
                     continue
                 self.kv.allocate(request, need)
-            out.chunks.append(make_chunk(request, n, total, num_draft))
-            scheduled.add(request.request_id)
+            chunks.append(ScheduledChunk(request, n, computed, computed + n - num_draft == total, num_draft))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -117,7 +130,6 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(make_chunk(request, n, total))
-            scheduled.add(request.request_id)
             budget -= n
         return out
 

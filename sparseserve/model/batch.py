@@ -44,7 +44,7 @@ INT64_FIELDS = ("input_ids", "positions", "token_seq", "seq_slots", "seq_start",
                 "seq_token_offset", "logits_indices")
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceChunk:
     """One sequence's share of a step, as the scheduler hands it to the runner."""
 
@@ -55,36 +55,88 @@ class SequenceChunk:
     want_logits: str = "last"  # "last", "all" or "none"
 
 
+class BlockTableCache:
+    """Host block-table rows by slot, each refreshed only when its slot's block list changed.
+
+    Copying every sequence's block ids into a fresh table each step costs more host time than
+    the rest of a decode step's metadata at long contexts. A request's block list only grows
+    while it holds its slot (KVCacheManager.allocate appends) and a freed request gets a new
+    list (KVCacheManager.free), so the same list object with the same length holds the same ids,
+    and only the appended tail needs copying."""
+
+    def __init__(self, num_slots: int, width: int) -> None:
+        self.width = width
+        self.rows = np.full((num_slots, max(width, 1)), -1, dtype=np.int32)
+        self.lists: list[list[int] | None] = [None] * num_slots  # the list each row was copied from
+        self.lengths = [0] * num_slots
+
+    def table(self, chunks: list[SequenceChunk]) -> np.ndarray:
+        rows, lists, lengths = self.rows, self.lists, self.lengths
+        for chunk in chunks:
+            slot, blocks = chunk.slot, chunk.block_ids
+            n = len(blocks)
+            if lists[slot] is blocks:
+                if lengths[slot] == n:
+                    continue
+                rows[slot, lengths[slot]:n] = blocks[lengths[slot]:]
+            else:
+                if n > self.width:
+                    raise ValueError(f"a sequence holds {n} blocks; the block table has {self.width} columns")
+                rows[slot, :n] = blocks
+                rows[slot, n:] = -1
+                lists[slot] = blocks
+            lengths[slot] = n
+        return rows[[chunk.slot for chunk in chunks]]
+
+
 def build_batch(
     chunks: list[SequenceChunk],
     rates: list[int],
     device: torch.device | str = "cpu",
     max_blocks: int | None = None,
     num_entries: dict[int, int] | None = None,
+    tables: BlockTableCache | None = None,
 ) -> BatchMetadata:
     """Host-side construction of the metadata for a step, in numpy (vectorised for prefill
     steps of thousands of tokens, and cheap per call for small decode steps: this runs while
-    the GPU waits)."""
+    the GPU waits). `tables` (of width `max_blocks`) supplies the block-table rows by slot."""
     num_seqs = len(chunks)
-    counts = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_seqs)
-    starts = np.fromiter((c.start_pos for c in chunks), np.int64, num_seqs)
+    counts = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+    starts = np.array([c.start_pos for c in chunks], dtype=np.int64)
     offsets = np.cumsum(counts) - counts
     num_tokens = int(counts.sum())
-    token_seq = np.repeat(np.arange(num_seqs, dtype=np.int64), counts)
-    positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - offsets, counts)
-    input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, num_tokens)
-    logits: list[int] = []
-    for chunk, first, n in zip(chunks, offsets.tolist(), counts.tolist()):
-        if chunk.want_logits == "last":
-            logits.append(first + n - 1)
-        elif chunk.want_logits == "all":
-            logits.extend(range(first, first + n))
+    if num_tokens == num_seqs and bool((counts == 1).all()):  # one token per sequence (decode)
+        token_seq = np.arange(num_seqs, dtype=np.int64)
+        positions = starts
+        input_ids = np.array([c.token_ids[0] for c in chunks], dtype=np.int64)
+    else:
+        token_seq = np.repeat(np.arange(num_seqs, dtype=np.int64), counts)
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - offsets, counts)
+        input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, num_tokens)
+    wants = {c.want_logits for c in chunks}
+    if wants == {"last"}:
+        logits = offsets + counts - 1
+    elif wants == {"all"}:
+        logits = np.arange(num_tokens, dtype=np.int64)
+    else:
+        rows: list[int] = []
+        for chunk, first, n in zip(chunks, offsets.tolist(), counts.tolist()):
+            if chunk.want_logits == "last":
+                rows.append(first + n - 1)
+            elif chunk.want_logits == "all":
+                rows.extend(range(first, first + n))
+        logits = np.asarray(rows, dtype=np.int64)
     emit = {r: np.flatnonzero((positions + 1) % r == 0) for r in rates}
-    width = max_blocks if max_blocks is not None else max((len(c.block_ids) for c in chunks), default=1)
-    table = np.full((num_seqs, max(width, 1)), -1, dtype=np.int32)
-    for b, chunk in enumerate(chunks):
-        if chunk.block_ids:
-            table[b, : len(chunk.block_ids)] = chunk.block_ids
+    if tables is not None:
+        if tables.width != max_blocks:
+            raise ValueError(f"the block-table cache has {tables.width} columns, the step wants {max_blocks}")
+        table = tables.table(chunks)
+    else:
+        width = max_blocks if max_blocks is not None else max((len(c.block_ids) for c in chunks), default=1)
+        table = np.full((num_seqs, max(width, 1)), -1, dtype=np.int32)
+        for b, chunk in enumerate(chunks):
+            if chunk.block_ids:
+                table[b, : len(chunk.block_ids)] = chunk.block_ids
     max_end = int((starts + counts).max()) if num_seqs else 0
     if num_entries is None:
         num_entries = {r: max_end // r for r in rates}
@@ -93,8 +145,8 @@ def build_batch(
     # memory would first wait for the GPU to drain, and with async scheduling the GPU is still busy
     # with the previous step while this one is built.
     values = dict(zip(INT64_FIELDS, (input_ids, positions, token_seq,
-                                     np.fromiter((c.slot for c in chunks), np.int64, num_seqs), starts, counts,
-                                     offsets, np.asarray(logits, dtype=np.int64))))
+                                     np.array([c.slot for c in chunks], dtype=np.int64), starts, counts,
+                                     offsets, logits)))
     parts = list(values.values()) + list(emit.values())
     flat = to_device(torch.from_numpy(np.concatenate([v.astype(np.int64, copy=False) for v in parts])), device)
     views = flat.split([len(v) for v in parts])

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..model.batch import INT64_FIELDS, BatchMetadata, SequenceChunk, build_batch
+from ..model.batch import INT64_FIELDS, BatchMetadata, BlockTableCache, SequenceChunk, build_batch
 from ..model.state import ModelState
 from ..model.step_context import TopKFn
 
@@ -74,11 +74,11 @@ def logits_mode(query_len: int) -> str:
 
 
 def decode_batch(chunks: list[SequenceChunk], rates: list[int], device, max_blocks: int,
-                 num_entries: dict[int, int]) -> BatchMetadata:
+                 num_entries: dict[int, int], tables: BlockTableCache | None = None) -> BatchMetadata:
     """The metadata of a (padded) decode step, built the same way for eager and graph runs so
     that both compute the same function on the same shapes (DESIGN.md invariant 5): static
     row widths, and every token treated as possibly closing a window (kernels mask the rest)."""
-    batch = build_batch(chunks, rates, device, max_blocks=max_blocks, num_entries=num_entries)
+    batch = build_batch(chunks, rates, device, max_blocks=max_blocks, num_entries=num_entries, tables=tables)
     all_tokens = torch.arange(batch.num_tokens, device=device)
     batch.emit_tokens = {r: all_tokens for r in rates}
     return batch
@@ -192,13 +192,14 @@ class CudaGraphRunner:
     def __init__(self, name: str, step: StepFn, outputs: list[BufferSpec], state: ModelState, rates: list[int],
                  sizes: list[int], query_len: int, max_blocks: int, num_entries: dict[int, int], dummy_slot: int,
                  topk_for: Callable[[int], tuple[TopKFn, str]] | None, short_len: int,
-                 hidden: BufferSpec | None = None, pool=None) -> None:
+                 hidden: BufferSpec | None = None, pool=None, block_tables: BlockTableCache | None = None) -> None:
         self.name = name
         self.step = step
         self.sizes = sorted(sizes)
         self.query_len = query_len
         self.want_logits = logits_mode(query_len)
         self.max_blocks = max_blocks
+        self.block_tables = block_tables
         self.num_entries = dict(num_entries)
         self.dummy_slot = dummy_slot
         self.topk_for = topk_for
@@ -280,7 +281,8 @@ class CudaGraphRunner:
         chunks = [c if c.want_logits == self.want_logits else replace(c, want_logits=self.want_logits)
                   for c in chunks]
         padded = pad_chunks(chunks, size, self.query_len, self.dummy_slot, want_logits=self.want_logits)
-        host = build_batch(padded, self.rates, "cpu", max_blocks=self.max_blocks, num_entries=self.num_entries)
+        host = build_batch(padded, self.rates, "cpu", max_blocks=self.max_blocks, num_entries=self.num_entries,
+                           tables=self.block_tables)
         graph.static.fill(host)
         if input_ids is not None:
             graph.static.batch.input_ids[: input_ids.shape[0]].copy_(input_ids)

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
+from ..engine.request import PENDING_TOKEN_ID
 from ..engine.scheduler import SchedulerOutput
 from ..kernels.topk import IndexerTopK
-from ..model.batch import SequenceChunk, build_batch
+from ..model.batch import BlockTableCache, SequenceChunk, build_batch
 from ..model.deepseek_v4 import DeepseekV4ForCausalLM
 from ..model.state import ModelState, StateLayout
 from ..model.step_context import TopKFn, default_topk
@@ -28,7 +29,7 @@ from .watchdog import StepWatchdog
 logger = logging.getLogger("sparseserve")
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     token_id: int
     logprob: float | None = None
@@ -98,6 +99,8 @@ class ModelRunner:
         self.options = options or RunnerOptions()
         self.state: ModelState | None = None
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # Block-table rows by slot (the dummy slot of padding sequences included), kept across steps.
+        self.block_tables = BlockTableCache(max_num_seqs + 1, self.max_blocks_per_seq)
         # Static row widths of decode steps (eager and graph alike, so both compute the same).
         self.decode_entries = {r: max_model_len // r for r in model_config.rates}
         self.csa_rates = sorted({model_config.compress_rate(i) for i in range(model_config.num_layers)
@@ -200,7 +203,8 @@ class ModelRunner:
         hf = self.model_config.hf_config
         streams = BufferSpec((hf.hc_mult, hf.hidden_size), self.dtype)
         logits = BufferSpec((hf.vocab_size,), torch.float32)
-        common = dict(state=self.state, max_blocks=self.max_blocks_per_seq, dummy_slot=self.max_num_seqs,
+        common = dict(state=self.state, max_blocks=self.max_blocks_per_seq, block_tables=self.block_tables,
+                      dummy_slot=self.max_num_seqs,
                       short_len=2)
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         runners = []
@@ -258,47 +262,60 @@ class ModelRunner:
         chunks: list[SequenceChunk] = []
         fix_dst: list[int] = []  # flat token index of each pending input token
         fix_src: list[int] = []  # its row among the last launched step's sampled tokens
-        offset = 0
-        for sc in sched.chunks:
+        last_rows = self._last_sampled[1] if self._last_sampled is not None else {}
+        sample_rows: list[int] = []
+        sample_reqs: list = []
+        verify: list[tuple[int, int]] = []
+        prompt_rows: list[tuple] = []  # (request, first row, rows, start): prompt logprobs to queue
+        offset = row = 0
+        all_greedy, any_logprobs = True, False
+        # One pass over the chunks, reading fields directly: at batch 200 this loop is a good part of
+        # a decode step's host time, which bounds the step when the GPU is faster.
+        for i, sc in enumerate(sched.chunks):
             req = sc.request
-            start = sc.start_pos
-            # Prompt logprobs of every chunk with prompt positions: the engine keeps those it has not
-            # recorded yet (a recompute after preemption repeats some; earlier chunks may still be in flight).
+            start, n, num_draft = sc.start_pos, sc.num_tokens, sc.num_draft
             want_prompt = req.params.prompt_logprobs is not None and start < len(req.prompt_token_ids) - 1
-            want = "all" if (want_prompt or sc.num_draft) else ("last" if sc.completes else "none")
-            tokens = req.token_ids_between(start, start + sc.num_tokens, sc.num_draft)
-            if req.num_pending_tokens and start + sc.num_tokens > req.num_tokens:
-                fix_dst.append(offset + req.num_tokens - start)
-                fix_src.append(self._pending_row(req))
+            known = len(req.prompt_token_ids) + len(req.output_token_ids)
+            if n == 1 and start == known and not num_draft:
+                tokens = [PENDING_TOKEN_ID]  # the steady decode case: the input is the token sampled last step
+            else:
+                tokens = req.token_ids_between(start, start + n, num_draft)
+            if req.num_pending_tokens and start + n > known:
+                if req not in last_rows:
+                    raise RuntimeError(f"request {req.request_id} has a pending token that the last launched "
+                                       "step did not sample; this is an engine bug")
+                fix_dst.append(offset + known - start)
+                fix_src.append(last_rows[req])
+            want = "all" if (want_prompt or num_draft) else ("last" if sc.completes else "none")
             chunks.append(SequenceChunk(slot=req.slot, start_pos=start, token_ids=tokens,
                                         block_ids=req.block_ids, want_logits=want))
-            offset += sc.num_tokens
-        logits, describe = self.forward(chunks, self._pending_fix(fix_dst, fix_src))
-        step = LaunchedStep(sched, chunks, logits, describe)
-        # Map each chunk to its rows of `logits`.
-        row = 0
-        sample_rows: list[int] = []
-        for i, (sc, chunk) in enumerate(zip(sched.chunks, chunks)):
-            n = logits_rows(chunk)
-            if sc.num_draft:
-                step.verify.append((i, row))
+            rows = n if want == "all" else int(want == "last")
+            if num_draft:
+                verify.append((i, row))
             else:
-                if chunk.want_logits == "all":
-                    self._queue_prompt_logprobs(sc.request, logits[row:row + n], chunk.start_pos, step)
+                if want == "all":
+                    prompt_rows.append((req, row, rows, start))
                 if sc.completes:
-                    sample_rows.append(row + n - 1)
-                    step.sample_reqs.append(sc.request)
-            row += n
-        if step.sample_reqs:
+                    sample_rows.append(row + rows - 1)
+                    sample_reqs.append(req)
+                    params = req.params
+                    all_greedy = all_greedy and params.greedy
+                    any_logprobs = any_logprobs or params.logprobs is not None
+            offset += n
+            row += rows
+        logits, describe = self.forward(chunks, self._pending_fix(fix_dst, fix_src))
+        step = LaunchedStep(sched, chunks, logits, describe, verify=verify, sample_reqs=sample_reqs)
+        for req, first, rows, start in prompt_rows:
+            self._queue_prompt_logprobs(req, logits[first:first + rows], start, step)
+        if sample_reqs:
             first = sample_rows[0]
             rows = (logits[first:first + len(sample_rows)] if is_run(sample_rows)
                     else logits[to_device(sample_rows, logits.device)])
-            reqs = step.sample_reqs
-            tokens = (rows.argmax(dim=-1) if all(r.params.greedy for r in reqs)  # no sampling tensors to copy
-                      else sample(rows, self.sampling_tensors(reqs)))
-            step.sampled = (tokens, {r: i for i, r in enumerate(reqs)})
+            tokens = (rows.argmax(dim=-1) if all_greedy  # no sampling tensors to copy
+                      else sample(rows, self.sampling_tensors(sample_reqs)))
+            step.sampled = (tokens, {r: i for i, r in enumerate(sample_reqs)})
             step.host_tokens = to_host(tokens)
-            lp = self._logprob_tensors(rows, tokens, reqs)
+            lp = self._logprob_tensors(rows, tokens, sample_reqs) if any_logprobs else None
             step.host_logprobs = tuple(to_host(t) for t in lp) if lp is not None else None
         self._last_sampled = step.sampled
         if self.device.type == "cuda":
@@ -318,10 +335,13 @@ class ModelRunner:
             for j, (lp, rk, ids, lps) in enumerate(zip(chosen, rank, top_ids, top_lp)):
                 rows.append((start + 1 + j, lp, rk, list(zip(ids, lps))))
         if step.sample_reqs:
-            lp = [t.tolist() for t in step.host_logprobs] if step.host_logprobs is not None else None
-            records = self._records(step.sample_reqs, step.host_tokens.tolist(), lp)
-            for req, st in zip(step.sample_reqs, records):
-                out.sampled[req.request_id] = [st]
+            tokens = step.host_tokens.tolist()
+            if step.host_logprobs is None:
+                out.sampled.update({req.request_id: [SampledToken(t)] for req, t in zip(step.sample_reqs, tokens)})
+            else:
+                lp = [t.tolist() for t in step.host_logprobs]
+                for req, st in zip(step.sample_reqs, self._records(step.sample_reqs, tokens, lp)):
+                    out.sampled[req.request_id] = [st]
         if self.proposer is not None:
             from ..spec_decode.spec_step import draft_next, fused_greedy_step, verify_drafts
 
@@ -332,14 +352,6 @@ class ModelRunner:
                 verify_drafts(self, sched, step.verify, logits, out)
             draft_next(self, sched, chunks, out)
         return out
-
-    def _pending_row(self, req) -> int:
-        """The row of `req`'s pending token among the last launched step's sampled tokens."""
-        rows = self._last_sampled[1] if self._last_sampled is not None else {}
-        if req not in rows:
-            raise RuntimeError(f"request {req.request_id} has a pending token that the last launched step did "
-                               "not sample; this is an engine bug")
-        return rows[req]
 
     def _pending_fix(self, dst: list[int], src: list[int]) -> Callable[[torch.Tensor], None] | None:
         """A function that writes pending tokens (sampled by the last launched step, still on the
@@ -364,9 +376,9 @@ class ModelRunner:
         """(bucket, query_len) when a graph of this step's shape exists: every sequence has the same
         number of tokens, a graph query length, and wants that length's logits; else None."""
         q = len(chunks[0].token_ids)
-        if q not in self.query_lens or any(len(c.token_ids) != q for c in chunks):
+        if q not in self.query_lens or {len(c.token_ids) for c in chunks} != {q}:
             return None
-        if check_logits and any(c.want_logits != logits_mode(q) for c in chunks):
+        if check_logits and {c.want_logits for c in chunks} != {logits_mode(q)}:
             return None
         bucket = pick_bucket(self.graph_sizes_for(q), len(chunks))
         return None if bucket is None else (bucket, q)
@@ -393,7 +405,7 @@ class ModelRunner:
             topk_fn, path = self.topk_for(bucket * q)
             padded = pad_chunks(chunks, bucket, q, self.max_num_seqs, want_logits=logits_mode(q))
             batch = decode_batch(padded, self.model_config.rates, self.device, self.max_blocks_per_seq,
-                                 self.decode_entries)
+                                 self.decode_entries, self.block_tables)
             if fix_inputs is not None:
                 fix_inputs(batch.input_ids)
             streams = self.model(batch, self.state, topk=topk_fn)
@@ -401,7 +413,8 @@ class ModelRunner:
             mode = f"eager decode step (bucket {bucket}, query_len {q}), topk_path={path}"
         else:
             topk_fn, path = self.topk_for(self.max_num_batched_tokens)
-            batch = build_batch(chunks, self.model_config.rates, self.device, max_blocks=self.max_blocks_per_seq)
+            batch = build_batch(chunks, self.model_config.rates, self.device, max_blocks=self.max_blocks_per_seq,
+                                tables=self.block_tables)
             if fix_inputs is not None:
                 fix_inputs(batch.input_ids)
             streams = self.model(batch, self.state, topk=topk_fn)
@@ -477,10 +490,12 @@ class ModelRunner:
     @staticmethod
     def _records(reqs, tokens: list[int], logprobs: list[list] | None) -> list[SampledToken]:
         """Host records of sampled tokens, with their logprobs for the requests that asked."""
+        if logprobs is None:
+            return [SampledToken(token) for token in tokens]
         result = []
         for i, (req, token) in enumerate(zip(reqs, tokens)):
             st = SampledToken(token)
-            if logprobs is not None and req.params.logprobs is not None:
+            if req.params.logprobs is not None:
                 chosen, rank, top_ids, top_lp = logprobs
                 k = req.params.logprobs
                 st.logprob, st.rank = chosen[i], rank[i]

@@ -310,6 +310,10 @@ def environment() -> dict:
     try:
         env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                            timeout=10).stdout.strip() or None
+        # A copied working tree (the device machine's) can differ from its HEAD: say so.
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=10).stdout
+        env["git_tree_differs_from_commit"] = bool(status.strip())
     except Exception:
         env["git_commit"] = None
     return env

@@ -87,3 +87,24 @@ def test_static_batch_fill_reproduces_a_verify_step_batch():
         assert torch.equal(getattr(static.batch, name), getattr(step, name)), name
     assert static.batch.input_ids.tolist() == [11, 12, 13, 14, 0, 0, 0, 0]
     assert static.batch.logits_indices.tolist() == list(range(8))
+
+
+def test_padded_decode_steps_equal_plain_steps():
+    """Decode steps built as graphs build them (padded to a bucket, every token a possible window
+    closer, the per-slot block-table cache, async scheduling) give the tokens of plain eager steps,
+    over lengths that cross compress windows and block boundaries, with requests finishing and
+    their slots reused mid-run."""
+    from sparseserve import LLM, SamplingParams
+    from sparseserve.model.loader import CONFIGS_DIR
+
+    prompts = [{"prompt_token_ids": [(3 + 11 * i + 5 * j) % 500 + 2 for i in range(n)]}
+               for j, n in enumerate([3, 15, 16, 17, 62, 127, 129, 40, 7])]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (21, 9, 30, 14, 25, 5, 18, 33, 12)]
+    results = []
+    for padded in (False, True):
+        llm = LLM(str(CONFIGS_DIR / "tiny"), device="cpu", dtype="float32", max_model_len=256, max_num_seqs=4,
+                  cuda_graph_sizes=[1, 2, 4], async_scheduling=True)
+        llm.llm_engine.runner.pad_like_graphs = padded
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert llm.llm_engine.all_cache_free()
+    assert results[0] == results[1]

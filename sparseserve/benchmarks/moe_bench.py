@@ -134,6 +134,30 @@ def routing(num_tokens: int, num_experts: int, top_k: int, device) -> tuple[torc
     return weights / weights.sum(-1, keepdim=True), ids
 
 
+def align_crossover(out: str) -> None:
+    """Alignment alone, one-program Triton kernel vs the torch ops, inside CUDA graphs (as decode runs
+    it), for decode-sized assignment counts: where ALIGN_KERNEL_MAX_ASSIGN should sit."""
+    rows = []
+    for num_experts in (16, 256):
+        for num_tokens in (64, 85, 128, 170, 200, 256, 341, 512, 683):
+            _, ids = routing(num_tokens, num_experts, 6, "cuda")
+            block_m = moe.moe_config(num_tokens, 6, num_experts, 4096, 2048).block_m
+            row = {"experts": num_experts, "tokens": num_tokens, "assignments": num_tokens * 6, "block_m": block_m,
+                   "triton_us": 1e3 * time_graph(lambda: moe.moe_align_triton(ids, num_experts, block_m), 50),
+                   "torch_us": 1e3 * time_graph(lambda: moe.moe_align_torch(ids, num_experts, block_m), 50)}
+            a, b = moe.moe_align_triton(ids, num_experts, block_m), moe.moe_align_torch(ids, num_experts, block_m)
+            row["equal"] = all(torch.equal(x, y) for x, y in zip(a, b))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump({"card": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": __import__("triton").__version__,
+                       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                       "command": "PYTHONPATH=. python -m sparseserve.benchmarks.moe_bench --align", "rows": rows},
+                      f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 64, 512, 1024, 2048, 4096])
@@ -141,7 +165,10 @@ def main() -> None:
     parser.add_argument("--no-ref", action="store_true")
     parser.add_argument("--shape", default="flash", choices=["flash", "pro", "tiny"])
     parser.add_argument("--out", default="")
+    parser.add_argument("--align", action="store_true", help="only the alignment crossover (CUDA)")
     args = parser.parse_args()
+    if args.align:
+        return align_crossover(args.out)
 
     cuda = torch.cuda.is_available()
     if not cuda and not moe._INTERPRET:

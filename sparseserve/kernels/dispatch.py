@@ -1,6 +1,7 @@
 """Which kernels run as Triton: all of them on CUDA, none on the CPU. For diagnosis,
 SPARSESERVE_DISABLE_KERNELS=name[,name...] (or `all`) sends the named ones to their
-plain-PyTorch references on CUDA too: attention, indexer, compressor, rows, mhc, rmsnorm, rope."""
+plain-PyTorch references on CUDA too: attention, indexer, compressor, rows, mhc, rmsnorm, rope,
+argmax."""
 from __future__ import annotations
 
 import os

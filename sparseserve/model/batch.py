@@ -30,6 +30,9 @@ class BatchMetadata:
     # Tokens that may close a compress window, per rate (all tokens in a captured step,
     # only the closing ones in an eager step); kernels mask the rest.
     emit_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Static fact: emit_tokens[r] lists every token in order (decode steps), so gathers by it
+    # can be skipped.
+    emit_all_tokens: bool = False
     # Host fact: the longest sequence (positions + 1) in the step. Only the test-only top-k
     # bug switch reads it; nothing real may branch on it (DESIGN.md invariant 1).
     max_seq_len: int = 0

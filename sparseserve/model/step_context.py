@@ -93,6 +93,7 @@ def build_step_context(
     comp_base = layout.comp_base()
     hca_rates = {model_config.compress_rate(i) for i in range(model_config.num_layers)
                  if model_config.compress_rate(i) and not model_config.is_csa(i)}
+    emit_pos_seq: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rate -> positions, sequences of emit_tokens
     for layer_idx in range(model_config.num_layers):
         rate = model_config.compress_rate(layer_idx)
         if rate == 0:
@@ -100,10 +101,12 @@ def build_step_context(
         overlap = model_config.is_csa(layer_idx)
         if rate not in ctx.rates:
             emit_tokens = batch.emit_tokens[rate]
-            emit_pos, emit_seq = pos[emit_tokens], seq[emit_tokens]
+            # Decode steps list every token (a static fact of the step's kind): no gather needed.
+            emit_pos, emit_seq = (pos, seq) if batch.emit_all_tokens else (pos[emit_tokens], seq[emit_tokens])
+            emit_pos_seq[rate] = emit_pos, emit_seq
             epb = layout.entries_per_block(rate)
             num_entries = batch.num_entries[rate]
-            cos, sin = rope_cos_sin(emit_pos + 1 - rate, inv_freq["compress"])
+            cos, sin = rope_cos_sin(emit_pos + (1 - rate), inv_freq["compress"])  # one add, not two
             visible = None
             if rate in hca_rates:
                 visible = R.visible_pool_rows(pos, seq, batch.block_table, rate, num_entries, epb, comp_base)
@@ -122,7 +125,7 @@ def build_step_context(
         if key not in ctx.compressors:
             comp_ring = layout.compressor_ring_rows(rate, overlap)
             span = (2 if overlap else 1) * rate
-            emit_tokens = ctx.rates[rate].emit_tokens
+            emit_pos, emit_seq = emit_pos_seq[rate]
             ctx.compressors[key] = CompressorAddresses(
                 staging_rows=layout.staging_base(comp_ring) + token_idx,
                 ring_write_rows=R.ring_write_rows(
@@ -130,7 +133,7 @@ def build_step_context(
                     layout.trash_row(comp_ring),
                 ),
                 emit_src_rows=R.source_rows(
-                    pos[emit_tokens], seq[emit_tokens], batch.seq_start, batch.seq_token_offset, batch.seq_slots,
+                    emit_pos, emit_seq, batch.seq_start, batch.seq_token_offset, batch.seq_slots,
                     torch.arange(-span + 1, 1, device=device), comp_ring, layout.staging_base(comp_ring),
                 ),
             )

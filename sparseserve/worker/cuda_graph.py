@@ -81,6 +81,7 @@ def decode_batch(chunks: list[SequenceChunk], rates: list[int], device, max_bloc
     batch = build_batch(chunks, rates, device, max_blocks=max_blocks, num_entries=num_entries, tables=tables)
     all_tokens = torch.arange(batch.num_tokens, device=device)
     batch.emit_tokens = {r: all_tokens for r in rates}
+    batch.emit_all_tokens = True
     return batch
 
 
@@ -116,6 +117,7 @@ class StaticBatch:
         self.batch = BatchMetadata(
             block_table=template.block_table.clone(), num_entries=dict(template.num_entries),
             emit_tokens={r: t.clone() for r, t in template.emit_tokens.items()},
+            emit_all_tokens=template.emit_all_tokens,
             max_seq_len=template.max_seq_len, **views)
 
     def fill(self, src: BatchMetadata) -> None:

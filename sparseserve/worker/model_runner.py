@@ -15,6 +15,7 @@ import torch
 from ..config import ModelConfig
 from ..engine.request import PENDING_TOKEN_ID
 from ..engine.scheduler import SchedulerOutput
+from ..kernels.argmax import greedy_tokens
 from ..kernels.topk import IndexerTopK
 from ..model.batch import BlockTableCache, SequenceChunk, build_batch
 from ..model.deepseek_v4 import DeepseekV4ForCausalLM
@@ -311,7 +312,7 @@ class ModelRunner:
             first = sample_rows[0]
             rows = (logits[first:first + len(sample_rows)] if is_run(sample_rows)
                     else logits[to_device(sample_rows, logits.device)])
-            tokens = (rows.argmax(dim=-1) if all_greedy  # no sampling tensors to copy
+            tokens = (greedy_tokens(rows) if all_greedy  # no sampling tensors to copy
                       else sample(rows, self.sampling_tensors(sample_reqs)))
             step.sampled = (tokens, {r: i for i, r in enumerate(sample_reqs)})
             step.host_tokens = to_host(tokens)

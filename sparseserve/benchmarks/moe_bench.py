@@ -136,7 +136,7 @@ def routing(num_tokens: int, num_experts: int, top_k: int, device) -> tuple[torc
 
 def align_crossover(out: str) -> None:
     """Alignment alone, one-program Triton kernel vs the torch ops, inside CUDA graphs (as decode runs
-    it), for decode-sized assignment counts: where ALIGN_KERNEL_MAX_ASSIGN should sit."""
+    it), for decode-sized assignment counts: the data behind moe.align_kernel_max_assign."""
     rows = []
     for num_experts in (16, 256):
         for num_tokens in (64, 85, 128, 170, 200, 256, 341, 512, 683):

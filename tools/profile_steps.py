@@ -195,24 +195,26 @@ def decode_profile(args, out) -> None:
         f.write(text)
 
 
-def phase_timers(engine) -> tuple[dict[str, list[float]], list[bool]]:
-    """Wrap the engine's host phases with timers that record while timing[0] is True."""
+def phase_timers(engine) -> tuple[dict[str, dict[str, list[float]]], list[str | None]]:
+    """Wrap the engine's host phases with timers that record, under the step kind in timing[0],
+    while it is set."""
     from sparseserve.worker import cuda_graph, model_runner
 
-    phases: dict[str, list[float]] = {}
-    timing = [False]
+    phases: dict[str, dict[str, list[float]]] = {}
+    timing: list[str | None] = [None]
 
     def wrap(owner, name: str, key: str) -> None:
         original = getattr(owner, name)
 
         def wrapper(*a, **k):
-            if not timing[0]:
+            kind = timing[0]
+            if kind is None:
                 return original(*a, **k)
             t = time.perf_counter()
             try:
                 return original(*a, **k)
             finally:
-                phases.setdefault(key, []).append(time.perf_counter() - t)
+                phases.setdefault(kind, {}).setdefault(key, []).append(time.perf_counter() - t)
 
         setattr(owner, name, wrapper)
 
@@ -260,7 +262,7 @@ def async_timing(args, out) -> None:
                 and not engine.scheduler.waiting
             if profiler is not None and decode:
                 profiler.enable()
-            timing[0] = decode and label == "warm"
+            timing[0] = ("decode" if decode else "prefill/mixed") if label == "warm" else None
             engine.step()
             if profiler is not None:
                 profiler.disable()
@@ -274,10 +276,11 @@ def async_timing(args, out) -> None:
                 lines.append(f"  {kind}: {len(times)} steps, {sum(times):.3f} s, median "
                              f"{1e3 * statistics.median(times):.2f} ms")
         if label == "warm":
-            lines.append("  host phases of the decode steps (median ms per step; calls per step):")
-            steps = max(len(intervals["decode"]), 1)
-            for key, times in phases.items():
-                lines.append(f"    {key:<44} {1e3 * statistics.median(times):8.3f}  {len(times) / steps:5.2f}")
+            for kind, by_key in phases.items():
+                lines.append(f"  host phases of the {kind} steps (median ms per call; calls per step):")
+                steps = max(len(intervals[kind]), 1)
+                for key, times in by_key.items():
+                    lines.append(f"    {key:<44} {1e3 * statistics.median(times):8.3f}  {len(times) / steps:5.2f}")
         if profiler is not None:
             buf = io.StringIO()
             pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(40)

@@ -43,6 +43,7 @@ class RateAddresses:
     emit_sin: torch.Tensor
     visible_rows: torch.Tensor | None  # [T, E] KV-pool rows of visible entries (HCA)
     num_entries: int
+    visible_counts: torch.Tensor | None = None  # [T] int32 entries each token may select (CSA top-k)
 
 
 @dataclass
@@ -93,6 +94,7 @@ def build_step_context(
     comp_base = layout.comp_base()
     hca_rates = {model_config.compress_rate(i) for i in range(model_config.num_layers)
                  if model_config.compress_rate(i) and not model_config.is_csa(i)}
+    csa_rates = {model_config.compress_rate(i) for i in range(model_config.num_layers) if model_config.is_csa(i)}
     emit_pos_seq: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rate -> positions, sequences of emit_tokens
     for layer_idx in range(model_config.num_layers):
         rate = model_config.compress_rate(layer_idx)
@@ -107,9 +109,11 @@ def build_step_context(
             epb = layout.entries_per_block(rate)
             num_entries = batch.num_entries[rate]
             cos, sin = rope_cos_sin(emit_pos + (1 - rate), inv_freq["compress"])  # one add, not two
-            visible = None
+            visible = counts = None
             if rate in hca_rates:
                 visible = R.visible_pool_rows(pos, seq, batch.block_table, rate, num_entries, epb, comp_base)
+            if rate in csa_rates:  # causal: entries whose window closed at or before the token
+                counts = ((pos + 1) // rate).clamp(max=num_entries).to(torch.int32)
             # Tokens that close no window get out row -1: the compressor reads and writes nothing
             # for them, decided on the device (no host branch).
             ctx.rates[rate] = RateAddresses(
@@ -120,6 +124,7 @@ def build_step_context(
                 emit_sin=sin,
                 visible_rows=visible,
                 num_entries=num_entries,
+                visible_counts=counts,
             )
         key = (rate, overlap)
         if key not in ctx.compressors:

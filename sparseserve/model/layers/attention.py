@@ -206,8 +206,7 @@ class Attention(nn.Module):
             scores = indexer_scores(iq, weights, state.index_pool, batch.block_table, batch.token_seq,
                                     batch.positions, self.rate, ctx.layout.entries_per_block(self.rate),
                                     idx.softmax_scale, rate_addr.num_entries)
-            lengths = ((batch.positions + 1) // self.rate).clamp(max=rate_addr.num_entries).to(torch.int32)
-            chosen = ctx.topk(scores, lengths, idx.topk, batch.max_seq_len)
+            chosen = ctx.topk(scores, rate_addr.visible_counts, idx.topk, batch.max_seq_len)
             rows = entry_pool_rows(chosen, batch.token_seq, batch.block_table,
                                    ctx.layout.entries_per_block(self.rate), ctx.layout.comp_base())
         else:

@@ -372,7 +372,7 @@ def run(args) -> dict:
             sweep_run("index", phase, meta, case, indexer_sweep_configs(), launch)
 
     attn_sweep = {("flash", "csa", b, 32768) for b in (8, 64, 256)} | {("pro", "csa", 64, 32768)}
-    for model in MODELS:
+    for model in (MODELS if "attn-decode" in args.only else ()):
         for kind in ("csa", "hca"):
             for ctx in CONTEXTS:
                 for batch in BATCHES:
@@ -382,7 +382,7 @@ def run(args) -> dict:
                     attn("decode", meta, case)
                     del case
                     torch.cuda.empty_cache() if DEV == "cuda" else None
-    for model in MODELS:
+    for model in (MODELS if "attn-prefill" in args.only else ()):
         for kind in ("csa", "hca"):
             for tokens in PREFILLS:
                 case = attn_prefill_case(model, kind, tokens, gen)
@@ -392,14 +392,14 @@ def run(args) -> dict:
                 del case
                 torch.cuda.empty_cache() if DEV == "cuda" else None
     idx_sweep = {(8, 131072), (256, 131072), (64, 4096)}
-    for ctx in CONTEXTS:
+    for ctx in (CONTEXTS if "index-decode" in args.only else ()):
         for batch in BATCHES:
             case = indexer_decode_case(batch, ctx, gen)
             meta = dict(batch=batch, ctx=ctx, entries=case["entries"], sweep=(batch, ctx) in idx_sweep)
             idx("decode", meta, case)
             del case
             torch.cuda.empty_cache() if DEV == "cuda" else None
-    for tokens in PREFILLS:
+    for tokens in (PREFILLS if "index-prefill" in args.only else ()):
         case = indexer_prefill_case(tokens, gen)
         meta = dict(tokens=tokens, entries=case["entries"], sweep=tokens == 4096)
         idx("prefill", meta, case)
@@ -419,6 +419,9 @@ def run(args) -> dict:
     )
 
 
+CASE_GROUPS = ("attn-decode", "attn-prefill", "index-decode", "index-prefill")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/kernels.json")
@@ -426,7 +429,12 @@ def main() -> None:
     ap.add_argument("--no-ref", action="store_true", help="skip timing the PyTorch reference")
     ap.add_argument("--warm", default=None, help="i/n: only compile slice i of n of the configs")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1 (script check)")
+    ap.add_argument("--only", default=",".join(CASE_GROUPS),
+                    help=f"comma-separated case groups to run, of {','.join(CASE_GROUPS)} (default: all)")
     args = ap.parse_args()
+    args.only = {g.strip() for g in args.only.split(",") if g.strip()}
+    if not args.only or args.only - set(CASE_GROUPS):
+        ap.error(f"--only takes case groups from {', '.join(CASE_GROUPS)}; got {sorted(args.only)}")
     if args.smoke:
         global DEV, DTYPE, BATCHES, CONTEXTS, PREFILLS
         DEV, DTYPE, BATCHES, CONTEXTS, PREFILLS = "cpu", torch.float32, (1, 2), (1024,), (128,)

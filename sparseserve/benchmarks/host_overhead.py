@@ -59,8 +59,8 @@ def measure(batch: int, steps: int, async_scheduling: bool, prompt_len: int = 20
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", {"prompt_token_ids": [10 + (i + j) % 400 for j in range(prompt_len)]}, params)
-    while not any(r.output_token_ids for r in engine.requests.values()):
-        engine.step()  # the prefill, with the real model
+    while not all(r.output_token_ids for r in engine.requests.values()):
+        engine.step()  # the prefills, with the real model: every step timed below is a decode step
     runner.model = FixedLogitsModel(runner.model_config.hf_config, max(batch, 1))
     phases: dict[str, list[float]] = collections.defaultdict(list)
     timed(phases, engine.scheduler, "schedule", "schedule")

@@ -29,7 +29,7 @@ case "${1:-tests}" in
       timeout -k 5 40 python -m pytest -q tests/test_mhc_kernel.py tests/test_norm_rope_kernels.py tests/test_argmax_kernel.py
     } 2>&1 | filter > "$OUT/tests.log"; tail -4 "$OUT/tests.log"
     { timeout -k 5 105 python benchmarks/run_all.py --engine-flag=--max-model-len=2048 --skip-hf-latency --rounds 2 \
-        --only graphs,eager,hf --budget-s 98 --max-run-s 45 --out-dir "$OUT"
+        --only graphs,eager,hf --budget-s 98 --max-run-s 60 --out-dir "$OUT"
       timeout -k 5 75 python -m sparseserve.benchmarks.decode_graphs --steps 12 --batches 1,8,64 \
         --out "$OUT/decode_graphs.json"
       timeout -k 5 60 python -m sparseserve.benchmarks.kernels --only attn-prefill --no-ref --out "$OUT/kernels_prefill.json"

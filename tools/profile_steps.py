@@ -68,6 +68,11 @@ def gpu_busy_by_step(prof, step_kinds: list[str]) -> dict[str, tuple[float, floa
     return {kind: (v[0], v[1], v[2]) for kind, v in result.items()}
 
 
+def seed_prompts(engine, count: int, gen: torch.Generator) -> list[list[int]]:
+    """`count` random 1024-token prompts inside the model's vocabulary."""
+    return torch.randint(10, min(100000, engine.vocab_size), (count, 1024), generator=gen).tolist()
+
+
 def run_seed_pass(engine, prompts, params, profiled: bool, shapes: bool = False, decode_only: bool = False):
     """One pass of the workload, step by step; returns (wall, per-kind step times, tokens, kinds, profiler)."""
     for i, ids in enumerate(prompts):
@@ -113,7 +118,7 @@ def seed_profile(args, out) -> None:
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    prompts = torch.randint(10, 100000, (args.num_prompts, 1024), generator=gen).tolist()
+    prompts = seed_prompts(engine, args.num_prompts, gen)
     lines = [f"seed-like workload: {args.num_prompts} prompts x 1024 in, {args.output_len} out, eager={args.eager}, "
              f"async_scheduling={engine.async_scheduling}"]
     # Pass 1 pays compilation at every step shape; pass 2 is the timing; pass 3 (optional) the profile.
@@ -245,7 +250,7 @@ def async_timing(args, out) -> None:
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    prompts = torch.randint(10, min(100000, engine.vocab_size), (args.num_prompts, 1024), generator=gen).tolist()
+    prompts = seed_prompts(engine, args.num_prompts, gen)
     lines = [f"async timing: {args.num_prompts} prompts x 1024 in, {args.output_len} out, eager={args.eager}, "
              f"async_scheduling={engine.async_scheduling}"]
     phases, timing = phase_timers(engine)

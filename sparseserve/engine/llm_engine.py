@@ -23,7 +23,7 @@ from ..worker.graph_audit import audit_graph_replays
 from ..worker.model_runner import LaunchedStep, ModelRunner, RunnerOptions, RunnerOutput
 from .detokenizer import detokenize_incrementally
 from .kv_cache import KVCacheManager, KVPlan, RequestTooLargeError, plan_kv
-from .request import Request, RequestStatus
+from .request import Request
 from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("sparseserve")
@@ -276,7 +276,7 @@ class LLMEngine:
             req = chunk.request
             if chunk.completes:
                 req.num_pending_tokens -= 1
-            if req.status is RequestStatus.FINISHED:
+            if req.is_finished:
                 continue  # finished or aborted while this step ran: what it computed is dropped
             if chunk.num_draft or not plain:
                 accepted = result.num_accepted.get(req.request_id, 0)
@@ -353,9 +353,7 @@ class LLMEngine:
                 if idx != -1:
                     req.text = req.text[:idx]
                     return self._finish(req, "stop", stop)
-        # reaches_length_limit, inline (this runs for every sampled token)
-        if (params.max_tokens is not None and num_out >= params.max_tokens) or (
-                self.max_model_len is not None and len(req.prompt_token_ids) + num_out >= self.max_model_len):
+        if req.reaches_length_limit(self.max_model_len):
             return self._finish(req, "length", None)
         return False
 

@@ -3,7 +3,7 @@
 
     python tools/kernel_resources.py [--configs 64,64,8,2,1 16,64,4,2,4 ...]
 
-Each config is BLOCK_H,BLOCK_N,num_warps,num_stages,NUM_SPLITS. Arguments are specialised as the
+Each config is BLOCK_H,BLOCK_N,num_warps,num_stages,NUM_SPLITS[,DV_SPLIT[,PREFETCH]]. Arguments are specialised as the
 engine's launches are on the H200 (pointers and int arguments divisible by 16, one head block for
 64 heads), so the numbers match the compile report of `sparseserve.benchmarks.kernels` on the
 device. Run it under each Triton the engine supports (e.g. a venv with triton==3.6.0): register
@@ -27,11 +27,12 @@ POINTER_TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "part_
                  "part_ml_ptr": "*bf16", "rows_ptr": "*i32", "band_ptr": "*i32", "sinks_ptr": "*fp32"}
 
 
-def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int) -> str:
+def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int, dv_split: int = 1,
+              prefetch: bool = False) -> str:
     fn = sparse_attention._sparse_mqa_fwd_kernel
     names = fn.arg_names
-    constexprs = {"NUM_SPLITS": splits, "DV_SPLIT": 1, "PREFETCH": False, "BLOCK_H": block_h, "BLOCK_N": block_n,
-                  "BLOCK_D": 512}
+    constexprs = {"NUM_SPLITS": splits, "DV_SPLIT": dv_split, "PREFETCH": prefetch, "BLOCK_H": block_h,
+                  "BLOCK_N": block_n, "BLOCK_D": 512}
     if "SCAN" in names:
         constexprs["SCAN"] = 256
     if block_h == 64:
@@ -62,13 +63,17 @@ def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="*", default=["64,64,8,2,1", "64,32,8,3,1", "16,64,4,2,4", "16,64,4,2,1"])
+    parser.add_argument("--configs", nargs="*", default=["64,64,8,2,1", "64,32,8,3,1", "16,64,4,2,4", "16,64,4,2,1"],
+                        help="the engine's defaults; e.g. 64,64,8,2,1,2 (column split), 16,16,4,1,4,1,1 (prefetch)")
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_90a, _sparse_mqa_fwd_kernel")
     for config in args.configs:
-        block_h, block_n, warps, stages, splits = (int(x) for x in config.split(","))
-        print(f"  (H{block_h}, N{block_n}, w{warps}, st{stages}, S{splits}): "
-              f"{resources(block_h, block_n, warps, stages, splits)}")
+        values = [int(x) for x in config.split(",")]
+        block_h, block_n, warps, stages, splits = values[:5]
+        dv_split = values[5] if len(values) > 5 else 1
+        prefetch = bool(values[6]) if len(values) > 6 else False
+        print(f"  (H{block_h}, N{block_n}, w{warps}, st{stages}, S{splits}, dv{dv_split}, prefetch={prefetch}): "
+              f"{resources(block_h, block_n, warps, stages, splits, dv_split, prefetch)}")
 
 
 if __name__ == "__main__":

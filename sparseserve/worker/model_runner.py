@@ -275,6 +275,8 @@ class ModelRunner:
         for i, sc in enumerate(sched.chunks):
             req = sc.request
             start, n, num_draft = sc.start_pos, sc.num_tokens, sc.num_draft
+            # Prompt logprobs of every chunk with prompt positions: the engine keeps those it has not
+            # recorded yet (a recompute after preemption repeats some; earlier chunks may still be in flight).
             want_prompt = req.params.prompt_logprobs is not None and start < len(req.prompt_token_ids) - 1
             known = len(req.prompt_token_ids) + len(req.output_token_ids)
             if n == 1 and start == known and not num_draft:
@@ -288,9 +290,10 @@ class ModelRunner:
                 fix_dst.append(offset + known - start)
                 fix_src.append(last_rows[req])
             want = "all" if (want_prompt or num_draft) else ("last" if sc.completes else "none")
-            chunks.append(SequenceChunk(slot=req.slot, start_pos=start, token_ids=tokens,
-                                        block_ids=req.block_ids, want_logits=want))
-            rows = n if want == "all" else int(want == "last")
+            chunk = SequenceChunk(slot=req.slot, start_pos=start, token_ids=tokens, block_ids=req.block_ids,
+                                  want_logits=want)
+            chunks.append(chunk)
+            rows = logits_rows(chunk)
             if num_draft:
                 verify.append((i, row))
             else:

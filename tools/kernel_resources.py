@@ -35,6 +35,8 @@ def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int, 
                   "BLOCK_N": block_n, "BLOCK_D": 512}
     if "SCAN" in names:
         constexprs["SCAN"] = 256
+    if "BAND_PREPASS" in names:  # a branch's variant: valid-row bands from a pre-pass for 64-head programs
+        constexprs["BAND_PREPASS"] = block_h == 64
     if block_h == 64:
         constexprs["head_blocks"] = 1  # 64 heads: the launch passes 1, which Triton specialises
     signature = {}

@@ -4,7 +4,9 @@
 
 For each batch size: B prompts are prefilled, then every following engine step is a pure
 decode step; we time whole engine steps (schedule + metadata + forward + sampling) and
-the forward alone (replay or eager), median over the steps. Floor: the weight bytes a
+the forward alone (replay or eager; each forward is synchronised on both sides, so it includes the
+host's metadata build), and with graphs the replay alone (from the replay call to the end of its
+GPU work), median over the steps. Floor: the weight bytes a
 decode step must read (every parameter except the embedding table; the experts a batch
 touches) over the measured HBM copy bandwidth.
 """
@@ -56,24 +58,41 @@ def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len:
     engine.step()  # prefill
     if spec_k:
         engine.step()  # the first verify step (drafts exist from here on)
-    step_times, forward_times = [], []
+    step_times, forward_times, replay_times = [], [], []
     runner = engine.runner
     original = runner.forward
+    replay_called: list[float] = []
+    graph_cls = torch.cuda.CUDAGraph if torch.cuda.is_available() else None
+    original_replay = graph_cls.replay if graph_cls is not None else None
+
+    def timed_replay(graph):
+        replay_called.append(time.perf_counter())
+        return original_replay(graph)
 
     def timed_forward(chunks, fix_inputs=None):
         sync()
+        replay_called.clear()
         t = time.perf_counter()
         result = original(chunks, fix_inputs)
         sync()
-        forward_times.append(time.perf_counter() - t)
+        end = time.perf_counter()
+        forward_times.append(end - t)
+        if replay_called:  # from the replay call to its end: the graph's GPU time, without the host's build
+            replay_times.append(end - replay_called[-1])
         return result
 
     runner.forward = timed_forward
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        step_times.append(time.perf_counter() - t)
-    runner.forward = original
+    if graph_cls is not None:
+        graph_cls.replay = timed_replay
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            step_times.append(time.perf_counter() - t)
+    finally:
+        runner.forward = original
+        if graph_cls is not None:
+            graph_cls.replay = original_replay
     floor = weight_floor_bytes(llm, batch)
     acceptance = engine.spec_metrics.acceptance_rate if spec_k else None
     while engine.has_unfinished_requests():
@@ -86,6 +105,8 @@ def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len:
             "acceptance_rate": acceptance,
             "step_ms_median": 1e3 * statistics.median(step_times[2:]),
             "forward_ms_median": 1e3 * statistics.median(forward_times[2:]),
+            # graph mode: the replay alone (forward less the host's metadata build and copies)
+            "replay_ms_median": 1e3 * statistics.median(replay_times[2:]) if len(replay_times) > 2 else None,
             "weight_bytes": floor}
 
 
@@ -127,10 +148,11 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     result = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "model": args.model, "hbm_bytes_per_s": bw, "prompt_len": args.prompt_len, "rows": rows}
-    print(f"{'batch':>6}{'mode':>7}{'k':>3}{'step ms':>10}{'fwd ms':>9}{'floor ms':>10}{'fwd/floor':>10}")
+    print(f"{'batch':>6}{'mode':>7}{'k':>3}{'step ms':>10}{'fwd ms':>9}{'replay ms':>11}{'floor ms':>10}{'fwd/floor':>10}")
     for r in rows:
+        replay = f"{r['replay_ms_median']:>11.3f}" if r.get("replay_ms_median") is not None else f"{'-':>11}"
         print(f"{r['batch']:>6}{r['mode']:>7}{r['spec_k']:>3}{r['step_ms_median']:>10.3f}{r['forward_ms_median']:>9.3f}"
-              f"{r['floor_ms']:>10.3f}{r['forward_ms_median'] / r['floor_ms']:>10.2f}")
+              f"{replay}{r['floor_ms']:>10.3f}{r['forward_ms_median'] / r['floor_ms']:>10.2f}")
     for b in sorted({r["batch"] for r in rows}):
         pick = {(r["mode"], r["spec_k"]): r for r in rows if r["batch"] == b}
         e, g = pick.get(("eager", 0)), pick.get(("graph", 0))

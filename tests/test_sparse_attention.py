@@ -62,6 +62,9 @@ CPU_CASES = [
     (3, 4, 32, 70, AttnConfig(16, 32, 4, 2, 2, 2)),  # column split with row splits
     (4, 16, 64, 50, AttnConfig(16, 16, 4, 1, 1, 1, True)),  # register-prefetch loop
     (3, 16, 32, 70, AttnConfig(16, 16, 4, 1, 3, 2, True)),  # prefetch + row and column splits
+    (3, 16, 64, 33, AttnConfig(16, 16, 4, 2, 4, band_prepass=True)),  # bands from the pre-pass, an empty split
+    (3, 4, 32, 70, AttnConfig(16, 32, 4, 2, 2, 2, band_prepass=True)),  # pre-pass with row and column splits
+    (3, 16, 32, 70, AttnConfig(16, 16, 4, 1, 3, 1, True, band_prepass=True)),  # pre-pass + prefetch
 ]
 
 
@@ -100,7 +103,8 @@ def test_attention_extreme_logits_and_sinks_cpu():
 
 @cpu_interp
 @pytest.mark.parametrize("cfg", [None, AttnConfig(16, 16, 4, 2, 1), AttnConfig(16, 16, 4, 2, 4),
-                                 AttnConfig(16, 16, 4, 1, 3, 2, True)])
+                                 AttnConfig(16, 16, 4, 1, 3, 2, True), AttnConfig(16, 16, 4, 2, 1, band_prepass=True),
+                                 AttnConfig(16, 16, 4, 2, 4, band_prepass=True)])
 def test_attention_bands_of_valid_rows_cpu(cfg):
     """Lists shaped like the model's: holes before a sequence's first window row and after its
     last entry. The kernel streams only the tiles between the first and last valid row, so the

@@ -93,13 +93,43 @@ def _attend_tile(q_own, q_oth, k_own, k_oth, valid, m_i, l_i, acc, qk_scale, DV_
 
 
 @triton.jit
+def _valid_band(rows_base, row_start, row_end, SCAN: tl.constexpr):
+    """[first, last + 1) of the valid (>= 0) rows in [row_start, row_end); empty if none. Holes lead
+    the window rows of a sequence's first tokens and trail the entries of short sequences (in
+    prefill most of a CSA list): the scan reads 4 B per row against 2*D B for each row it spares."""
+    lo = row_end
+    hi = row_start
+    for s0 in range(row_start, row_end, SCAN):
+        offs_s = s0 + tl.arange(0, SCAN)
+        r_s = tl.load(rows_base + offs_s, mask=offs_s < row_end, other=-1)
+        lo = tl.minimum(lo, tl.min(tl.where(r_s >= 0, offs_s, row_end)))
+        hi = tl.maximum(hi, tl.max(tl.where(r_s >= 0, offs_s + 1, row_start)))
+    return lo, hi
+
+
+@triton.jit
+def _valid_band_kernel(rows_ptr, band_ptr, num_rows, rows_per_split, stride_rt,
+                       NUM_SPLITS: tl.constexpr, SCAN: tl.constexpr):
+    """Each (token, split)'s valid band, for attention programs that read it instead of scanning."""
+    pid = tl.program_id(0)
+    tok = (pid // NUM_SPLITS).to(tl.int64)
+    split = pid % NUM_SPLITS
+    row_start = tl.minimum(split * rows_per_split, num_rows)
+    row_end = tl.minimum(split * rows_per_split + rows_per_split, num_rows)
+    lo, hi = _valid_band(rows_ptr + tok * stride_rt, row_start, row_end, SCAN)
+    tl.store(band_ptr + pid * 2, lo)
+    tl.store(band_ptr + pid * 2 + 1, hi)
+
+
+@triton.jit
 def _sparse_mqa_fwd_kernel(
-    q_ptr, kv_ptr, rows_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     num_heads, num_rows, head_dim, rows_per_split, head_blocks,
     stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
     qk_scale,  # scale * log2(e): logits are kept in base 2
     NUM_SPLITS: tl.constexpr, DV_SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SCAN: tl.constexpr,
+    BAND_PREPASS: tl.constexpr,
 ):
     # One flat grid axis (the y/z axes cap at 65535); head blocks, value halves and splits of
     # one token are adjacent in launch order, so they run together and share rows through L2.
@@ -134,21 +164,19 @@ def _sparse_mqa_fwd_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + (split == 0).to(tl.float32)
     acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
 
-    row_start = tl.minimum(split * rows_per_split, num_rows)  # <= row_end: an empty split scans nothing
-    row_end = tl.minimum(split * rows_per_split + rows_per_split, num_rows)
     rows_base = rows_ptr + tok * stride_rt
-    # Stream only the tiles between the first and the last valid row: holes lead the window
-    # rows of a sequence's first tokens and trail the entries of short sequences (in prefill most
-    # of a CSA list). The scan reads 8 B per row against 2*D B for each row it spares.
-    lo = row_end
-    hi = row_start
-    for s0 in range(row_start, row_end, SCAN):
-        offs_s = s0 + tl.arange(0, SCAN)
-        r_s = tl.load(rows_base + offs_s, mask=offs_s < row_end, other=-1)
-        lo = tl.minimum(lo, tl.min(tl.where(r_s >= 0, offs_s, row_end)))
-        hi = tl.maximum(hi, tl.max(tl.where(r_s >= 0, offs_s + 1, row_start)))
-    row_start = lo
-    row_end = hi
+    # Stream only the tiles between the first and the last valid row of this split.
+    if BAND_PREPASS:
+        # Found by _valid_band_kernel: scanning here, next to a [64, D] accumulator, made the 64-head
+        # variants spill (76 registers per thread on triton 3.6, against none without the scan).
+        band = band_ptr + (tok * NUM_SPLITS + split) * 2
+        row_start = tl.load(band)
+        row_end = tl.load(band + 1)
+    else:
+        # Scanned here (the 16-head variants keep their registers, and a decode step a launch).
+        row_start = tl.minimum(split * rows_per_split, num_rows)
+        row_end = tl.minimum(split * rows_per_split + rows_per_split, num_rows)
+        row_start, row_end = _valid_band(rows_base, row_start, row_end, SCAN)
     if PREFETCH:
         # Register double-buffering: the gather of tile i+1 and the index load of tile i+2 are
         # issued before tile i is computed, so their latency overlaps the math. (Triton's own
@@ -234,6 +262,7 @@ class AttnConfig:
     num_splits: int = 1
     dv_split: int = 1  # 2: each program owns half of the output columns
     prefetch: bool = False  # register double-buffering of the row gather (use with num_stages=1)
+    band_prepass: bool = False  # valid-row bands from a separate kernel (the 64-head variants: no spills)
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -269,8 +298,10 @@ def attention_config(
     wide = num_tokens * triton.cdiv(num_heads, 64)
     if num_heads >= 64 and 4 * wide >= 3 * num_sms:
         if not big_d:
-            return AttnConfig(64, 64, 4, 2)
-        return AttnConfig(64, 64, 8, 2) if wide >= 8 * num_sms else AttnConfig(64, 32, 8, 3)
+            return AttnConfig(64, 64, 4, 2, band_prepass=True)
+        if wide >= 8 * num_sms:
+            return AttnConfig(64, 64, 8, 2, band_prepass=True)
+        return AttnConfig(64, 32, 8, 3, band_prepass=True)
     block_h = 16
     programs = num_tokens * triton.cdiv(num_heads, block_h)
     max_splits = min(8, max(1, num_rows // 128))  # each split keeps >= 128 rows so partials stay small
@@ -318,15 +349,21 @@ def sparse_mqa_attention_triton(
     else:
         part_acc = part_ml = out  # unused
     dv_split = cfg.dv_split if block_d >= 32 else 1
+    scan = min(256, triton.next_power_of_2(max(rows_per_split, 16)))
+    if cfg.band_prepass:
+        band = torch.empty(num_tokens * splits * 2, dtype=torch.int32, device=q.device)
+        _valid_band_kernel[(num_tokens * splits,)](
+            rows, band, num_rows, rows_per_split, rows.stride(0), NUM_SPLITS=splits, SCAN=scan, num_warps=4)
+    else:
+        band = rows  # unused
     grid = (num_tokens * head_blocks * dv_split * splits,)
     _sparse_mqa_fwd_kernel[grid](
-        q, kv_pool, rows, sinks, out, part_acc, part_ml,
+        q, kv_pool, rows, band, sinks, out, part_acc, part_ml,
         num_heads, num_rows, head_dim, rows_per_split, head_blocks,
         q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1),
         float(scale) * _LOG2E,
         NUM_SPLITS=splits, DV_SPLIT=dv_split, PREFETCH=cfg.prefetch,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        SCAN=min(256, triton.next_power_of_2(max(rows_per_split, 16))),
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SCAN=scan, BAND_PREPASS=cfg.band_prepass,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

@@ -1,0 +1,89 @@
+"""Where a top-k call's time goes: each kernel's GPU duration, and the whole call as a graph replay.
+
+    PYTHONPATH=. python tools/topk_phases.py --out $OUT/topk_phases.json
+
+For each (rows, width, k) and path: the device time of every kernel of one call (torch.profiler,
+mean over the profiled calls; a kernel's duration includes its last-arriving program's tail), their
+sum, and the replay time of the call captured alone in a CUDA graph (median of CUDA-event timed
+replays of 20 calls each; scores stay in L2, unlike topk_bench's flushed runs). The difference
+between the replay and the kernel sum is launch and dependency latency. Diagnostic only; the
+benchmark holds the reported numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from sparseserve.kernels.topk import IndexerTopK
+
+SHAPES = ((1, 8192), (1, 65536), (1, 262144), (8, 65536), (8, 262144), (64, 65536))
+
+
+def kernel_times(fn, calls: int) -> dict[str, float]:
+    """Mean device microseconds per call of each kernel name."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.self_device_time_total > 0:
+            times[event.key[:60]] = event.self_device_time_total / calls
+    return times
+
+
+def replay_us(fn, calls_per_graph: int = 20, reps: int = 30) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(1000.0 * start.elapsed_time(end) / calls_per_graph)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="topk_phases.json")
+    ap.add_argument("--paths", default="persistent,standard")
+    args = ap.parse_args()
+    results = []
+    for k in (512, 1024):
+        for rows, width in SHAPES:
+            scores = torch.randn(rows, width, device="cuda")
+            lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
+            for path in args.paths.split(","):
+                topk = IndexerTopK(rows, width, k, backend=path, device="cuda")
+                fn = lambda: topk(scores, lengths)  # noqa: E731
+                fn()
+                torch.cuda.synchronize()
+                kernels = kernel_times(fn, 10)
+                entry = {"k": k, "rows": rows, "width": width, "path": path, "kernels_us": kernels,
+                         "kernel_sum_us": sum(kernels.values()), "graph_replay_us": replay_us(fn)}
+                results.append(entry)
+                names = ", ".join(f"{name.split('(')[0][:28]} {us:.1f}" for name, us in kernels.items())
+                print(f"k={k} {rows}x{width} {path:<10} replay {entry['graph_replay_us']:7.1f} us  "
+                      f"kernels {entry['kernel_sum_us']:7.1f} us: {names}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -220,6 +220,45 @@ def test_candidate_overflow_takes_the_exact_fallback(path):
         assert torch.equal(got, usual)
 
 
+def candidate_totals(scores: torch.Tensor, k: int, groups: int) -> list[int]:
+    """How many candidates each full-length row has: its entries above the bound, the k-th
+    largest of the strided group maxima with the key's low 12 bits cleared (as both paths)."""
+    totals = []
+    for row in scores:
+        width = row.shape[0]
+        padded = torch.full((-(-width // groups) * groups,), float("-inf"))
+        padded[:width] = row
+        gmax = padded.view(-1, groups).max(dim=0).values
+        bits = gmax.view(torch.int32).long()
+        bits = torch.where(bits == -(2**31), 0, bits)
+        keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        u = torch.sort(keys + 2**31, descending=True).values[k - 1].item()
+        lo_key = max((u & ~0xFFF) - 2**31, -2139095041)
+        lo_bits = lo_key ^ ((lo_key >> 31) & 0x7FFFFFFF)
+        lo = torch.tensor([lo_bits], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+        totals.append(int((row > lo).sum()))
+    return totals
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path", ["standard", "persistent"])
+def test_select_on_half_and_whole_candidate_blocks(path):
+    """Rows whose candidates fit half the buffer are selected on a half-width block, the others
+    on the whole buffer: both give the reference's sets and each other's exact output."""
+    k, width, rows = 64, 3000, 6
+    scores = torch.randn(rows, width, generator=torch.Generator().manual_seed(8))
+    lengths = torch.full((rows,), width, dtype=torch.int32)
+    totals = candidate_totals(scores, k, groups=1024)  # G = _tile for standard, 1024 for persistent at k=64
+    whole = 1 << (max(totals) - 1).bit_length()
+    assert whole // 2 < max(totals) <= whole and min(totals) >= k
+    outs = []
+    for cap in (whole, 2 * whole):  # the largest row on the whole block; then every row on the half block
+        op = IndexerTopK(rows, width, k, backend=path, device="cpu", num_programs=3, _tile=1024, _cap=cap)
+        outs.append(op(scores, lengths).clone())
+        assert_topk_valid(outs[-1], scores, lengths, k)
+    assert torch.equal(outs[0], outs[1])
+
+
 @needs_interpreter
 def test_periodic_rows_overflow_naturally():
     """Large scores on a period that divides G crowd into few groups: the bound is weak, the

@@ -63,23 +63,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="topk_phases.json")
     ap.add_argument("--paths", default="persistent,standard")
+    ap.add_argument("--variants", action="store_true",
+                    help="also the persistent path with 2 programs per SM and with 16K-column chunks")
     args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    runs = [(path, {}) for path in args.paths.split(",")]
+    if args.variants:
+        runs += [("persistent", {"num_programs": 2 * sms}), ("persistent", {"_tile": 16384}),
+                 ("persistent", {"num_programs": 2 * sms, "_tile": 8192})]
     results = []
     for k in (512, 1024):
         for rows, width in SHAPES:
             scores = torch.randn(rows, width, device="cuda")
             lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
-            for path in args.paths.split(","):
-                topk = IndexerTopK(rows, width, k, backend=path, device="cuda")
+            for path, options in runs:
+                topk = IndexerTopK(rows, width, k, backend=path, device="cuda", **options)
                 fn = lambda: topk(scores, lengths)  # noqa: E731
                 fn()
                 torch.cuda.synchronize()
                 kernels = kernel_times(fn, 10)
-                entry = {"k": k, "rows": rows, "width": width, "path": path, "kernels_us": kernels,
+                entry = {"k": k, "rows": rows, "width": width, "path": path, "options": options, "kernels_us": kernels,
                          "kernel_sum_us": sum(kernels.values()), "graph_replay_us": replay_us(fn)}
                 results.append(entry)
                 names = ", ".join(f"{name.split('(')[0][:28]} {us:.1f}" for name, us in kernels.items())
-                print(f"k={k} {rows}x{width} {path:<10} replay {entry['graph_replay_us']:7.1f} us  "
+                label = path + "".join(f" {key.strip('_')}={value}" for key, value in options.items())
+                print(f"k={k} {rows}x{width} {label:<34} replay {entry['graph_replay_us']:7.1f} us  "
                       f"kernels {entry['kernel_sum_us']:7.1f} us: {names}", flush=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1)

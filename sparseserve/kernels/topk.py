@@ -140,21 +140,29 @@ if _HAVE_TRITON:
         return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _search(u, K, STEPS: tl.constexpr):
-        """Largest t = (top 2*STEPS bits of 32, rest zero) with count(u >= t) >= K.
+    def _search(key, K, STEPS: tl.constexpr):
+        """Largest t = (top 2*STEPS bits of 32, rest zero) with count(key - KEY_MIN >= t) >= K.
 
-        u: int64 in [0, 2**32) (the key plus 2**31; lanes to ignore hold -1). Two bits per
-        step: the three candidate counts are packed into one int64 so that a step costs a
-        single block reduction. With STEPS = 16 the result is the K-th largest u exactly.
+        key: int32 order-preserving keys (lanes to ignore hold KEY_MIN, below every t >= 1);
+        t lives in u-space [0, 2**32). Two bits per step: the three candidate thresholds are
+        compared in int32, and each key adds its level (how many thresholds it reaches) to
+        three 21-bit counters packed in one int64, so a step costs a single block reduction.
+        (A tuple reduction of two int32 counters would be leaner on the GPU, but the CPU
+        interpreter runs custom reductions element by element, 40x slower.) With STEPS = 16
+        the result is the K-th largest u exactly.
         """
         res = tl.full([], 0, tl.int64)
+        level0 = tl.full([], 0, tl.int64)
+        level1 = tl.full([], 1, tl.int64)
+        level2 = tl.full([], 1 + (1 << 21), tl.int64)
+        level3 = tl.full([], 1 + (1 << 21) + (1 << 42), tl.int64)
         for i in range(STEPS):
             unit = tl.full([], 1, tl.int64) << (30 - 2 * i)  # int64 (3 << 30 is no int32)
-            one = res + unit
-            two = res + 2 * unit
-            three = res + 3 * unit
-            packed = (u >= one).to(tl.int64) + ((u >= two).to(tl.int64) << 21) + ((u >= three).to(tl.int64) << 42)
-            s = tl.sum(packed, axis=0)
+            t1 = (res + unit + _KEY_MIN).to(tl.int32)
+            t2 = (res + 2 * unit + _KEY_MIN).to(tl.int32)
+            t3 = (res + 3 * unit + _KEY_MIN).to(tl.int32)
+            level = tl.where(key >= t3, level3, tl.where(key >= t2, level2, tl.where(key >= t1, level1, level0)))
+            s = tl.sum(level, axis=0)
             c1 = s & 0x1FFFFF
             c2 = (s >> 21) & 0x1FFFFF
             c3 = s >> 42
@@ -170,8 +178,8 @@ if _HAVE_TRITON:
     @triton.jit
     def _exact_kth(v, m, K):
         """The K-th largest of the fp32 block v over mask m (count(m) >= K): its value."""
-        u = tl.where(m, _keys(v).to(tl.int64) - _KEY_MIN, -1)
-        return _key_float((_search(u, K, 16) + _KEY_MIN).to(tl.int32))
+        key = tl.where(m, _keys(v), _KEY_MIN)
+        return _key_float((_search(key, K, 16) + _KEY_MIN).to(tl.int32))
 
     @triton.jit
     def _load_scores(ptr, c, s, n, BLOCK: tl.constexpr):
@@ -206,6 +214,17 @@ if _HAVE_TRITON:
         rank_eq = tl.cumsum(is_eq, axis=0)
         tl.store(orow + rank_gt - 1, idx, mask=(is_gt != 0) & (rank_gt <= n_gt))
         tl.store(orow + n_gt + rank_eq - 1, idx, mask=(is_eq != 0) & (rank_eq <= need_eq))
+
+    @triton.jit
+    def _select_buffer(cv, ci, total, orow, K, ONE, B: tl.constexpr):
+        """Write a row from its first `total` (K <= total <= B) index-ordered candidates."""
+        p = tl.arange(0, B) * ONE
+        pm = p < total
+        v = tl.load(cv + p, mask=pm, other=float("-inf"))
+        idx = tl.load(ci + p, mask=pm, other=0)
+        thr = _exact_kth(v, pm, K)
+        n_gt = tl.sum((pm & (v > thr)).to(tl.int32), axis=0)
+        _select_write(v, idx, pm, thr, n_gt, K - n_gt, orow)
 
     @triton.jit
     def _write_ties(srow, offs, n, thr, slot0, need_eq, orow, BLOCK: tl.constexpr):
@@ -340,8 +359,7 @@ if _HAVE_TRITON:
                     x0 = _load_scores(srow, s + offs1, s, n, BLOCK)
                     x1 = _load_scores(srow, s + BLOCK + offs1, s + BLOCK, n, BLOCK)
                     gmax = tl.maximum(gmax, tl.maximum(x0, x1))
-                u = _keys(gmax).to(tl.int64) - _KEY_MIN
-                lo = _key_float(_bound_key(_search(u, K, LB_STEPS)))
+                lo = _key_float(_bound_key(_search(_keys(gmax), K, LB_STEPS)))
                 # Pass 2: compact the entries above the bound, in index order.
                 total = 0
                 tl.debug_barrier()  # the previous row's reads of the candidate buffer are done
@@ -358,12 +376,11 @@ if _HAVE_TRITON:
                     # The K-th score is the bound itself: every candidate, then the first ties.
                     tl.store(orow + p, tl.load(ci + p, mask=pm, other=0), mask=pm)
                     _write_ties(srow, offs1, n, lo, total, K - total, orow, BLOCK)
+                elif total <= C // 2:
+                    # The usual case (about 1.25 K candidates): half the block, half the select's work.
+                    _select_buffer(cv, ci, total, orow, K, ONE, C // 2)
                 else:
-                    v = tl.load(cv + p, mask=pm, other=float("-inf"))
-                    idx = tl.load(ci + p, mask=pm, other=0)
-                    thr = _exact_kth(v, pm, K)
-                    n_gt = tl.sum((pm & (v > thr)).to(tl.int32), axis=0)
-                    _select_write(v, idx, pm, thr, n_gt, K - n_gt, orow)
+                    _select_buffer(cv, ci, total, orow, K, ONE, C)
             else:
                 # Every valid entry is chosen: slot j holds column j; the rest is -1.
                 for s in range(0, K, FB):
@@ -399,9 +416,51 @@ if _HAVE_TRITON:
                 arrived = tl.atomic_add(wrow + _WS_ARRIVE1, 1, sem="acq_rel")
                 if arrived % CPR == CPR - 1:
                     mk = tl.load(wrow + _WS_GMAX + gidx, cache_modifier=".cg")
-                    # 2 * mk is the u-space value of a key <= the group's maximum (0 = empty group).
-                    u = mk.to(tl.int64) * 2
-                    tl.store(wrow + _WS_BOUND, _bound_key(_search(u, K, LB_STEPS)))
+                    # 2 * mk + KEY_MIN is a key <= the group's maximum (KEY_MIN: an empty group).
+                    key = (mk.to(tl.int64) * 2 + _KEY_MIN).to(tl.int32)
+                    tl.store(wrow + _WS_BOUND, _bound_key(_search(key, K, LB_STEPS)))
+
+    @triton.jit
+    def _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo, K, CPR, offs, ONE,
+                  CHUNK: tl.constexpr, B: tl.constexpr):
+        """The persistent path's row finish, by the row's last chunk: its `total` <= B candidates
+        (v, idx: the buffer's first B slots; chunk runs in arrival order) are put in index order,
+        the K-th score is selected among them and the row is written."""
+        p = tl.arange(0, B) * ONE
+        # Index-order position of candidate q: its rank in its chunk's run plus the candidates
+        # of the earlier chunks.
+        tl.store(cinfo_ptr + (first + cidx) * 4 + 3, tl.cumsum(cnt, axis=0) - cnt - bas, mask=cm)
+        tl.debug_barrier()
+        pm = p < total
+        v = tl.where(pm, v, float("-inf"))
+        pos = p + tl.load(cinfo_ptr + (first + idx // CHUNK) * 4 + 3, mask=pm, other=0, cache_modifier=".cg")
+        if total < K:
+            # The K-th score is the bound: every candidate, then the first ties.
+            tl.store(orow + pos, idx, mask=pm)
+            need_eq = K - total
+            run = 0
+            for cc in range(CPR):
+                if run < need_eq:
+                    n_eq = tl.load(cinfo_ptr + (first + cc) * 4 + 2, cache_modifier=".cg")
+                    if n_eq > 0:
+                        c2 = cc * CHUNK + offs
+                        m2 = c2 < n
+                        x2 = tl.load(srow + c2, mask=m2, other=0.0)
+                        is_eq = (m2 & (x2 == lo)).to(tl.int32)
+                        r2 = run + tl.cumsum(is_eq, axis=0)
+                        tl.store(orow + total + r2 - 1, c2, mask=(is_eq != 0) & (r2 <= need_eq))
+                        run += n_eq
+        else:
+            thr = _exact_kth(v, pm, K)
+            n_gt = tl.sum((pm & (v > thr)).to(tl.int32), axis=0)
+            # Put the candidates in index order (in place), then write.
+            tl.debug_barrier()
+            tl.store(cv + pos, v, mask=pm)
+            tl.store(ci + pos, idx, mask=pm)
+            tl.debug_barrier()
+            v = tl.load(cv + p, mask=pm, other=float("-inf"), cache_modifier=".cg")
+            idx = tl.load(ci + p, mask=pm, other=0, cache_modifier=".cg")
+            _select_write(v, idx, pm, thr, n_gt, K - n_gt, orow)
 
     @triton.jit(do_not_specialize=["W", "n_items", "CPR", "ONE"])
     def _p_select_kernel(
@@ -453,50 +512,24 @@ if _HAVE_TRITON:
                         _fill(orow, 0, K, -2, K, FB)
                     else:
                         # Independent loads first (one round trip): the count, the chunk records
-                        # and the whole buffer (slots past the count are masked below).
+                        # and the buffer's first half (slots past the count are masked later).
                         first = row.to(tl.int64) * CPR
                         cm = cidx < CPR
                         total = tl.load(wrow + _WS_TOTAL, cache_modifier=".cg")
                         cnt = tl.load(cinfo_ptr + (first + cidx) * 4, mask=cm, other=0, cache_modifier=".cg")
                         bas = tl.load(cinfo_ptr + (first + cidx) * 4 + 1, mask=cm, other=0, cache_modifier=".cg")
-                        v = tl.load(cv + p, cache_modifier=".cg")
-                        idx = tl.load(ci + p, cache_modifier=".cg")
-                        if total <= C:
-                            # Index-order position of candidate q: its rank in its chunk's run plus
-                            # the candidates of the earlier chunks.
-                            tl.store(cinfo_ptr + (first + cidx) * 4 + 3, tl.cumsum(cnt, axis=0) - cnt - bas, mask=cm)
-                            tl.debug_barrier()
-                            pm = p < total
-                            v = tl.where(pm, v, float("-inf"))
-                            pos = p + tl.load(cinfo_ptr + (first + idx // CHUNK) * 4 + 3, mask=pm, other=0,
-                                              cache_modifier=".cg")
-                            if total < K:
-                                # The K-th score is the bound: every candidate, then the first ties.
-                                tl.store(orow + pos, idx, mask=pm)
-                                need_eq = K - total
-                                run = 0
-                                for cc in range(CPR):
-                                    if run < need_eq:
-                                        n_eq = tl.load(cinfo_ptr + (first + cc) * 4 + 2, cache_modifier=".cg")
-                                        if n_eq > 0:
-                                            c2 = cc * CHUNK + offs
-                                            m2 = c2 < n
-                                            x2 = tl.load(srow + c2, mask=m2, other=0.0)
-                                            is_eq = (m2 & (x2 == lo)).to(tl.int32)
-                                            r2 = run + tl.cumsum(is_eq, axis=0)
-                                            tl.store(orow + total + r2 - 1, c2, mask=(is_eq != 0) & (r2 <= need_eq))
-                                            run += n_eq
-                            else:
-                                thr = _exact_kth(v, pm, K)
-                                n_gt = tl.sum((pm & (v > thr)).to(tl.int32), axis=0)
-                                # Put the candidates in index order (in place), then write.
-                                tl.debug_barrier()
-                                tl.store(cv + pos, v, mask=pm)
-                                tl.store(ci + pos, idx, mask=pm)
-                                tl.debug_barrier()
-                                v = tl.load(cv + p, mask=pm, other=float("-inf"), cache_modifier=".cg")
-                                idx = tl.load(ci + p, mask=pm, other=0, cache_modifier=".cg")
-                                _select_write(v, idx, pm, thr, n_gt, K - n_gt, orow)
+                        ph = tl.arange(0, C // 2) * ONE
+                        v = tl.load(cv + ph, cache_modifier=".cg")
+                        idx = tl.load(ci + ph, cache_modifier=".cg")
+                        if total <= C // 2:
+                            # The usual case (about 1.25 K candidates): half the block, half the work.
+                            _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo,
+                                      K, CPR, offs, ONE, CHUNK, C // 2)
+                        elif total <= C:
+                            v_all = tl.load(cv + p, cache_modifier=".cg")
+                            idx_all = tl.load(ci + p, cache_modifier=".cg")
+                            _p_finish(v_all, idx_all, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo,
+                                      K, CPR, offs, ONE, CHUNK, C)
                         else:
                             _exact_row(srow, n, orow, K, FALLBACK_BLOCK)  # too many candidates: exact, slow
             else:
@@ -707,8 +740,8 @@ class IndexerTopK:
             _check_triton_device(self.device)
         self._debug_skip_reset_when_short = bool(_debug_skip_reset_when_short)
         # Benchmark/test-only knobs: the standard BLOCK or the persistent CHUNK, and the capacity.
-        if _tile is not None and (_tile not in (1024, 2048, 4096, 8192)):
-            raise ValueError(f"_tile must be one of 1024, 2048, 4096, 8192, got {_tile!r}")
+        if _tile is not None and (_tile not in (1024, 2048, 4096, 8192, 16384)):
+            raise ValueError(f"_tile must be one of 1024, 2048, 4096, 8192, 16384, got {_tile!r}")
         if _cap is not None and (not isinstance(_cap, int) or _cap < 16 or _cap & (_cap - 1)):
             raise ValueError(f"_cap must be a power of two >= 16, got {_cap!r}")
         if _warps is not None and _warps not in (4, 8, 16):

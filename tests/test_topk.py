@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sparseserve.kernels.topk import (
+    LB_STEPS,
     IndexerTopK,
     auto_path,
     topk_indices,
@@ -133,6 +134,26 @@ def test_paths_agree_exactly_including_order():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("path", ["standard", "persistent"])
+def test_select_starts_below_the_bits_candidates_share(path):
+    """The exact search skips the leading bits that the bound and the largest candidate share:
+    scores in a narrow band (many shared bits, with near-ties in the last bits), all negative,
+    straddling zero, and with one huge outlier (few shared bits)."""
+    gen = torch.Generator().manual_seed(12)
+    k, width = 64, 2600
+    base = torch.randn(4, width, generator=gen)
+    rows = torch.stack([
+        1000.0 + 1e-4 * base[0],                      # ~15 leading key bits shared
+        -3.0 + 0.01 * base[1],                        # negative keys
+        0.001 * base[2],                              # around zero, both signs
+        torch.where(torch.arange(width) == 77, torch.tensor(3e38), base[3]),
+    ])
+    lengths = torch.tensor([width, width, 1900, width], dtype=torch.int32)
+    op = IndexerTopK(4, width, k, backend=path, device="cpu", num_programs=3, _tile=1024)
+    assert_topk_valid(op(rows, lengths).clone(), rows, lengths, k)
+
+
+@needs_interpreter
 def test_lengths_around_k_and_chunk_edges():
     gen = torch.Generator().manual_seed(3)
     k, width = 32, 2200
@@ -222,7 +243,8 @@ def test_candidate_overflow_takes_the_exact_fallback(path):
 
 def candidate_totals(scores: torch.Tensor, k: int, groups: int) -> list[int]:
     """How many candidates each full-length row has: its entries above the bound, the k-th
-    largest of the strided group maxima with the key's low 12 bits cleared (as both paths)."""
+    largest of the strided group maxima with all but the key's top 2 * LB_STEPS bits cleared
+    (as both paths)."""
     totals = []
     for row in scores:
         width = row.shape[0]
@@ -233,7 +255,7 @@ def candidate_totals(scores: torch.Tensor, k: int, groups: int) -> list[int]:
         bits = torch.where(bits == -(2**31), 0, bits)
         keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
         u = torch.sort(keys + 2**31, descending=True).values[k - 1].item()
-        lo_key = max((u & ~0xFFF) - 2**31, -2139095041)
+        lo_key = max((u & ~((1 << (32 - 2 * LB_STEPS)) - 1)) - 2**31, -2139095041)
         lo_bits = lo_key ^ ((lo_key >> 31) & 0x7FFFFFFF)
         lo = torch.tensor([lo_bits], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
         totals.append(int((row > lo).sum()))

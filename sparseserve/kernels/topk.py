@@ -26,12 +26,14 @@ Algorithm (both paths), for a row of n > k valid scores:
    reach it, so at least k scores are >= lo. On random rows few scores pass it (about
    k * (1 + k / 2G)); strided groups keep that true when the large scores cluster in one
    stretch of positions (recent tokens). ``lo`` is found by a 2-bit-per-step search over
-   the top 20 bits of the order-preserving int32 key (rounding it down keeps it a bound).
+   the top 16 bits of the order-preserving int32 key (rounding it down keeps it a bound).
 2. **Compact.** One pass writes the entries with score > lo (value and column) to a
    candidate buffer of capacity C = max(1024, 4k), in index order.
 3. **Select.** With ``total`` candidates:
    * total >= k (the usual case): T = the exact k-th largest candidate (a 32-bit search
-     over the buffer, 16 steps), then the buffer is written out by the tie rule.
+     over the buffer, 16 steps less the leading bits that lo and the largest candidate
+     share), then the buffer is written out by the tie rule. Rows whose candidates fit half
+     the buffer (the usual ~1.25k of C >= 4k) do this on a half-width block.
    * total < k: T == lo (many equal scores): every candidate, then the first k - total
      columns with score == lo (a scan that stops once enough are found).
    * total > C (adversarial rows, e.g. large scores on a period that divides G): an exact
@@ -43,13 +45,13 @@ Algorithm (both paths), for a row of n > k valid scores:
   Loads, scans and scatter stores share one layout (see ONE in the kernel): no shared-memory
   layout conversions in the per-block loop. The candidate buffers (one per
   program) are shared by every standard-path instance on the device.
-* persistent: a resident grid (one program per SM) that cuts every row into chunks and
+* persistent: a resident grid (two programs per SM) that cuts every row into chunks and
   loops over (row, chunk) items, so a few long rows use the whole GPU; G = max(1024, 2k),
   two launches. Launch 1: each chunk folds its group maxima into the row's workspace with
   atomic max; the last chunk of the row to arrive (an atomic arrival counter; no program
   ever waits for another, so no hang is possible, also under TRITON_INTERPRET=1) computes
   ``lo``. Launch 2: each chunk compacts its entries > lo into the row's buffer at a base
-  taken with an atomic add and records (count, base, ties); the last chunk to arrive puts
+  taken with an atomic add and records (count, base); the last chunk to arrive puts
   the candidates in index order from those records (deterministic output), selects and
   writes the row. The per-row workspace (arrival counters, candidate count, group maxima)
   MUST be zero at launch: the path zeroes it itself, unconditionally, right before the
@@ -85,9 +87,13 @@ BACKENDS = ("auto", "standard", "persistent", "torch")
 # Persistent workspace, per row (int32, zeroed every call): two arrival counters, the
 # candidate count, the bound, then the G group maxima.
 WS_ARRIVE1, WS_ARRIVE2, WS_TOTAL, WS_BOUND, WS_GMAX = 0, 1, 2, 3, 16
-LB_STEPS = 10  # the bound's search: 2 bits per step, so the top 20 bits of the key
+LB_STEPS = 8  # the bound's search: 2 bits per step, so the top 16 bits of the key
 FALLBACK_BLOCK = 1024  # the exact fallback's block (small: its histograms are register-hungry)
 STD_PROGRAMS_PER_SM = 2  # standard-path grid cap (and candidate buffers) per SM
+# Persistent-path grid cap per SM. Two, although the select kernel's registers fit one program
+# per SM: at 8 x 256K (256 chunks) the second program of an SM is queued as its own item rather
+# than looped over, and the call took 33.8 instead of 44.7 us (session 6, tools/topk_phases.py).
+PERSISTENT_PROGRAMS_PER_SM = 2
 KEY_NEG_INF = -2139095041  # the int32 key of -inf
 
 # "auto" crossover (docs/performance.md, measured on one H200, 2026-11-29, with the v3 kernels of
@@ -140,35 +146,49 @@ if _HAVE_TRITON:
         return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _search(key, K, STEPS: tl.constexpr):
+    def _search(key, K, STEPS: tl.constexpr, low_key, high_key):
         """Largest t = (top 2*STEPS bits of 32, rest zero) with count(key - KEY_MIN >= t) >= K.
 
         key: int32 order-preserving keys (lanes to ignore hold KEY_MIN, below every t >= 1);
-        t lives in u-space [0, 2**32). Two bits per step: the three candidate thresholds are
-        compared in int32, and each key adds its level (how many thresholds it reaches) to
+        t lives in u-space [0, 2**32). low_key <= every counted key <= high_key: the bits the
+        two share are the answer's, so the search starts below them (a candidate block of
+        random scores skips about 4 of its 16 steps). Two bits per step: the three thresholds
+        are compared in int32, and each key adds its level (how many thresholds it reaches) to
         three 21-bit counters packed in one int64, so a step costs a single block reduction.
         (A tuple reduction of two int32 counters would be leaner on the GPU, but the CPU
         interpreter runs custom reductions element by element, 40x slower.) With STEPS = 16
         the result is the K-th largest u exactly.
         """
-        res = tl.full([], 0, tl.int64)
+        diff = (low_key ^ high_key).to(tl.int64) & 0xFFFFFFFF
+        start = 0
+        for i in tl.static_range(STEPS):
+            if diff < (1 << (30 - 2 * i)):  # bits 31 - 2i and 30 - 2i are the same in low and high
+                start = i + 1
+        shared = (tl.full([], 1, tl.int64) << (32 - 2 * start)) - 1
+        res = (high_key.to(tl.int64) - _KEY_MIN) & ~shared
         level0 = tl.full([], 0, tl.int64)
         level1 = tl.full([], 1, tl.int64)
         level2 = tl.full([], 1 + (1 << 21), tl.int64)
         level3 = tl.full([], 1 + (1 << 21) + (1 << 42), tl.int64)
         for i in range(STEPS):
-            unit = tl.full([], 1, tl.int64) << (30 - 2 * i)  # int64 (3 << 30 is no int32)
-            t1 = (res + unit + _KEY_MIN).to(tl.int32)
-            t2 = (res + 2 * unit + _KEY_MIN).to(tl.int32)
-            t3 = (res + 3 * unit + _KEY_MIN).to(tl.int32)
-            level = tl.where(key >= t3, level3, tl.where(key >= t2, level2, tl.where(key >= t1, level1, level0)))
-            s = tl.sum(level, axis=0)
-            c1 = s & 0x1FFFFF
-            c2 = (s >> 21) & 0x1FFFFF
-            c3 = s >> 42
-            d = tl.where(c3 >= K, 3, tl.where(c2 >= K, 2, tl.where(c1 >= K, 1, 0)))
-            res = res + d.to(tl.int64) * unit
+            if i >= start:
+                unit = tl.full([], 1, tl.int64) << (30 - 2 * i)  # int64 (3 << 30 is no int32)
+                t1 = (res + unit + _KEY_MIN).to(tl.int32)
+                t2 = (res + 2 * unit + _KEY_MIN).to(tl.int32)
+                t3 = (res + 3 * unit + _KEY_MIN).to(tl.int32)
+                level = tl.where(key >= t3, level3, tl.where(key >= t2, level2, tl.where(key >= t1, level1, level0)))
+                s = tl.sum(level, axis=0)
+                c1 = s & 0x1FFFFF
+                c2 = (s >> 21) & 0x1FFFFF
+                c3 = s >> 42
+                d = tl.where(c3 >= K, 3, tl.where(c2 >= K, 2, tl.where(c1 >= K, 1, 0)))
+                res = res + d.to(tl.int64) * unit
         return res
+
+    @triton.jit
+    def _search_all(key, K, STEPS: tl.constexpr):
+        """_search with no known interval (every int32 key possible)."""
+        return _search(key, K, STEPS, tl.full([], -2147483648, tl.int32), tl.full([], 2147483647, tl.int32))
 
     @triton.jit
     def _bound_key(u_res):
@@ -176,10 +196,11 @@ if _HAVE_TRITON:
         return tl.maximum(u_res + _KEY_MIN, _NEG_INF_KEY).to(tl.int32)
 
     @triton.jit
-    def _exact_kth(v, m, K):
-        """The K-th largest of the fp32 block v over mask m (count(m) >= K): its value."""
+    def _exact_kth(v, m, K, lo):
+        """The K-th largest of the fp32 block v over mask m (count(m) >= K, each v > lo): its value."""
         key = tl.where(m, _keys(v), _KEY_MIN)
-        return _key_float((_search(key, K, 16) + _KEY_MIN).to(tl.int32))
+        high = tl.max(key, axis=0)
+        return _key_float((_search(key, K, 16, _keys(lo), high) + _KEY_MIN).to(tl.int32))
 
     @triton.jit
     def _load_scores(ptr, c, s, n, BLOCK: tl.constexpr):
@@ -216,13 +237,13 @@ if _HAVE_TRITON:
         tl.store(orow + n_gt + rank_eq - 1, idx, mask=(is_eq != 0) & (rank_eq <= need_eq))
 
     @triton.jit
-    def _select_buffer(cv, ci, total, orow, K, ONE, B: tl.constexpr):
-        """Write a row from its first `total` (K <= total <= B) index-ordered candidates."""
+    def _select_buffer(cv, ci, total, lo, orow, K, ONE, B: tl.constexpr):
+        """Write a row from its first `total` (K <= total <= B) index-ordered candidates (each > lo)."""
         p = tl.arange(0, B) * ONE
         pm = p < total
         v = tl.load(cv + p, mask=pm, other=float("-inf"))
         idx = tl.load(ci + p, mask=pm, other=0)
-        thr = _exact_kth(v, pm, K)
+        thr = _exact_kth(v, pm, K, lo)
         n_gt = tl.sum((pm & (v > thr)).to(tl.int32), axis=0)
         _select_write(v, idx, pm, thr, n_gt, K - n_gt, orow)
 
@@ -359,7 +380,7 @@ if _HAVE_TRITON:
                     x0 = _load_scores(srow, s + offs1, s, n, BLOCK)
                     x1 = _load_scores(srow, s + BLOCK + offs1, s + BLOCK, n, BLOCK)
                     gmax = tl.maximum(gmax, tl.maximum(x0, x1))
-                lo = _key_float(_bound_key(_search(_keys(gmax), K, LB_STEPS)))
+                lo = _key_float(_bound_key(_search_all(_keys(gmax), K, LB_STEPS)))
                 # Pass 2: compact the entries above the bound, in index order.
                 total = 0
                 tl.debug_barrier()  # the previous row's reads of the candidate buffer are done
@@ -378,9 +399,9 @@ if _HAVE_TRITON:
                     _write_ties(srow, offs1, n, lo, total, K - total, orow, BLOCK)
                 elif total <= C // 2:
                     # The usual case (about 1.25 K candidates): half the block, half the select's work.
-                    _select_buffer(cv, ci, total, orow, K, ONE, C // 2)
+                    _select_buffer(cv, ci, total, lo, orow, K, ONE, C // 2)
                 else:
-                    _select_buffer(cv, ci, total, orow, K, ONE, C)
+                    _select_buffer(cv, ci, total, lo, orow, K, ONE, C)
             else:
                 # Every valid entry is chosen: slot j holds column j; the rest is -1.
                 for s in range(0, K, FB):
@@ -418,7 +439,7 @@ if _HAVE_TRITON:
                     mk = tl.load(wrow + _WS_GMAX + gidx, cache_modifier=".cg")
                     # 2 * mk + KEY_MIN is a key <= the group's maximum (KEY_MIN: an empty group).
                     key = (mk.to(tl.int64) * 2 + _KEY_MIN).to(tl.int32)
-                    tl.store(wrow + _WS_BOUND, _bound_key(_search(key, K, LB_STEPS)))
+                    tl.store(wrow + _WS_BOUND, _bound_key(_search_all(key, K, LB_STEPS)))
 
     @triton.jit
     def _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo, K, CPR, offs, ONE,
@@ -439,19 +460,17 @@ if _HAVE_TRITON:
             tl.store(orow + pos, idx, mask=pm)
             need_eq = K - total
             run = 0
-            for cc in range(CPR):
+            for cc in range(CPR):  # rare (many equal scores): the chunks' ties are counted here
                 if run < need_eq:
-                    n_eq = tl.load(cinfo_ptr + (first + cc) * 4 + 2, cache_modifier=".cg")
-                    if n_eq > 0:
-                        c2 = cc * CHUNK + offs
-                        m2 = c2 < n
-                        x2 = tl.load(srow + c2, mask=m2, other=0.0)
-                        is_eq = (m2 & (x2 == lo)).to(tl.int32)
-                        r2 = run + tl.cumsum(is_eq, axis=0)
-                        tl.store(orow + total + r2 - 1, c2, mask=(is_eq != 0) & (r2 <= need_eq))
-                        run += n_eq
+                    c2 = cc * CHUNK + offs
+                    m2 = c2 < n
+                    x2 = tl.load(srow + c2, mask=m2, other=0.0)
+                    is_eq = (m2 & (x2 == lo)).to(tl.int32)
+                    r2 = run + tl.cumsum(is_eq, axis=0)
+                    tl.store(orow + total + r2 - 1, c2, mask=(is_eq != 0) & (r2 <= need_eq))
+                    run += tl.sum(is_eq, axis=0)
         else:
-            thr = _exact_kth(v, pm, K)
+            thr = _exact_kth(v, pm, K, lo)
             n_gt = tl.sum((pm & (v > thr)).to(tl.int32), axis=0)
             # Put the candidates in index order (in place), then write.
             tl.debug_barrier()
@@ -492,7 +511,6 @@ if _HAVE_TRITON:
                 ci = cand_i_ptr + row.to(tl.int64) * C
                 info = cinfo_ptr + tl.cast(item, tl.int64) * 4
                 lo = _key_float(tl.load(wrow + _WS_BOUND))
-                m = c < n
                 x = _load_scores(srow, c, start, n, CHUNK)
                 g32 = (x > lo).to(tl.int32)  # -inf past n never passes
                 count = tl.sum(g32, axis=0)
@@ -503,7 +521,6 @@ if _HAVE_TRITON:
                 tl.store(ci + rank, c, mask=keep)
                 tl.store(info, count)
                 tl.store(info + 1, base)
-                tl.store(info + 2, tl.sum((m & (x == lo)).to(tl.int32), axis=0))
                 tl.debug_barrier()
                 arrived = tl.atomic_add(wrow + _WS_ARRIVE2, 1, sem="acq_rel")
                 if arrived % CPR == CPR - 1:
@@ -760,7 +777,7 @@ class IndexerTopK:
                 self.cand_v = torch.empty((grid, self.cap), dtype=torch.float32, device=self.device)
                 self.cand_i = torch.empty((grid, self.cap), dtype=torch.int32, device=self.device)
         elif self.path == "persistent":
-            self.num_programs = num_programs or _num_sms(self.device)
+            self.num_programs = num_programs or PERSISTENT_PROGRAMS_PER_SM * _num_sms(self.device)
             self.groups = _persistent_groups(k)
             if _tile is not None and _tile < self.groups:
                 raise ValueError(f"_tile={_tile} is below the persistent path's {self.groups} groups for k={k}")
@@ -776,7 +793,7 @@ class IndexerTopK:
             )
             # Arrival counters, candidate count and group maxima: must be zero at launch (zeroed per call).
             self.workspace = torch.zeros((max_rows, self._ws_stride), dtype=torch.int32, device=self.device)
-            # Per-chunk (count, base, ties, offset) and the candidates: written before they are read.
+            # Per-chunk (count, base, unused, offset) and the candidates: written before they are read.
             self.chunk_info = torch.zeros((self._items_cap, 4), dtype=torch.int32, device=self.device)
             self.cand_v = torch.empty((max_rows, self.cap), dtype=torch.float32, device=self.device)
             self.cand_i = torch.empty((max_rows, self.cap), dtype=torch.int32, device=self.device)

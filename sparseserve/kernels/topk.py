@@ -96,12 +96,12 @@ STD_PROGRAMS_PER_SM = 2  # standard-path grid cap (and candidate buffers) per SM
 PERSISTENT_PROGRAMS_PER_SM = 2
 KEY_NEG_INF = -2139095041  # the int32 key of -inf
 
-# "auto" crossover (docs/performance.md, measured on one H200, 2026-11-29, with the v3 kernels of
-# commit 0a09b50; RE-MEASURE for these: without layout conversions the standard path is faster, which
-# moves the crossover down): the persistent path is picked when a step has at most this many rows for
-# its padded width (width limits ascending; the last is unbounded), i.e. where it was >= 1.3x faster
-# than the standard path in the sweep (graph replay, k = 512). Up to 8K columns it never was (1.2x).
-_AUTO_MAX_ROWS_PERSISTENT = ((8192, 0), (32768, 32), (1 << 62, 16))
+# "auto" crossover (docs/performance.md, measured on one H200, 2026-11-29 19:29 UTC, with the v5
+# kernels; `topk_bench` prints the suggestion): the persistent path is picked when a step has at most
+# this many rows for its padded width (width limits ascending; the last is unbounded), i.e. where it
+# was >= 1.3x faster than the standard path at every row count up to the limit in the sweep (graph
+# replay, k = 512). Up to 16K columns it never was.
+_AUTO_MAX_ROWS_PERSISTENT = ((16384, 0), (32768, 16), (1 << 62, 32))
 
 
 def topk_indices_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:

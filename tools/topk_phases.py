@@ -64,16 +64,21 @@ def main() -> None:
     ap.add_argument("--out", default="topk_phases.json")
     ap.add_argument("--paths", default="persistent,standard")
     ap.add_argument("--variants", action="store_true",
-                    help="also the persistent path with 2 programs per SM and with 16K-column chunks")
+                    help="also the persistent path with other grids, chunks and register caps")
+    ap.add_argument("--shapes", default=None, help="e.g. 8x262144,1x65536 (default: the built-in list)")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     runs = [(path, {}) for path in args.paths.split(",")]
     if args.variants:
-        runs += [("persistent", {"num_programs": 2 * sms}), ("persistent", {"_tile": 16384}),
-                 ("persistent", {"num_programs": 2 * sms, "_tile": 8192})]
+        runs += [("persistent", {"num_programs": sms}), ("persistent", {"_maxnreg": 128}),
+                 ("persistent", {"_maxnreg": 128, "_tile": 4096, "num_programs": 4 * sms}),
+                 ("persistent", {"_tile": 4096, "num_programs": 4 * sms})]
+    shapes = SHAPES
+    if args.shapes:
+        shapes = tuple(tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(","))
     results = []
     for k in (512, 1024):
-        for rows, width in SHAPES:
+        for rows, width in shapes:
             scores = torch.randn(rows, width, device="cuda")
             lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
             for path, options in runs:

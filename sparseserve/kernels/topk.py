@@ -585,13 +585,23 @@ def _standard_config(width: int, k: int) -> tuple[int, int]:
     return block, _warps(block, _capacity(k))
 
 
-def _persistent_config(rows: int, width: int, num_programs: int, k: int) -> tuple[int, int, int]:
-    """(CHUNK, chunks_per_row, num_warps): about one item per program, chunks of 4K..8K
-    (4K chunks beat 1K-2K ones at 1 x 256K: fewer items, fewer atomics per row)."""
+def _persistent_config(rows: int, width: int, resident_programs: int, k: int) -> tuple[int, int, int]:
+    """(CHUNK, chunks_per_row, num_warps) of the select kernel: about one item per resident
+    program (its registers fit one per SM), chunks of 4K..8K (4K chunks beat 1K-2K ones at
+    1 x 256K: fewer items, fewer atomics per row). 8 x 128K: 8K chunks, one wave, 24.1 us;
+    4K chunks, two waves, 28.6 us (session 6)."""
     groups = _persistent_groups(k)
-    target = -(-rows * width // max(1, num_programs))
+    target = -(-rows * width // max(1, resident_programs))
     chunk = max(groups, min(8192, max(4096, _next_pow2(target))))
     return chunk, -(-width // chunk), _warps(chunk, _capacity(k))
+
+
+def _bound_chunk(width: int, k: int) -> int:
+    """CHUNK of the bound kernel: up to 16K columns. Every chunk does G atomic maxima into its
+    row's workspace, so fewer, longer chunks win (session 6: 8 x 256K 9.6 -> 7.8 us, 1 x 256K
+    8.3 -> 6.1 us against 4K-8K chunks), and 16K columns keep it at ~100 registers, two
+    programs per SM."""
+    return max(_persistent_groups(k), min(16384, _next_pow2(width)))
 
 
 def auto_path(max_rows: int, max_width: int) -> str:
@@ -704,6 +714,8 @@ class IndexerTopK:
         _cap: test-only override of the candidate capacity C (a power of two), to force the
             overflow fallback.
         _warps: benchmark-only override of the warps per program.
+        _maxnreg: benchmark-only register cap of the persistent select kernel (two programs per
+            SM fit at 128).
         _debug_skip_reset_when_short: TEST ONLY. Restores the historical vLLM bug: the
             workspace zeroing is guarded by a host ``if`` on the caller's ``max_seq_len``
             (skipped when it is <= k), so a graph captured at a short length records no
@@ -733,6 +745,7 @@ class IndexerTopK:
         _tile: int | None = None,
         _cap: int | None = None,
         _warps: int | None = None,
+        _maxnreg: int | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -765,6 +778,9 @@ class IndexerTopK:
             raise ValueError(f"_warps must be 4, 8 or 16, got {_warps!r}")
         self._tile = _tile
         self._warps = _warps
+        if _maxnreg is not None and _maxnreg not in (64, 96, 128, 168):
+            raise ValueError(f"_maxnreg must be 64, 96, 128 or 168, got {_maxnreg!r}")
+        self._select_launch_options = {} if _maxnreg is None else {"maxnreg": _maxnreg}
         self.cap = _cap or _capacity(k)
         self.out = torch.full((max_rows, k), -1, dtype=torch.int32, device=self.device)
         self.num_programs = 0
@@ -777,7 +793,8 @@ class IndexerTopK:
                 self.cand_v = torch.empty((grid, self.cap), dtype=torch.float32, device=self.device)
                 self.cand_i = torch.empty((grid, self.cap), dtype=torch.int32, device=self.device)
         elif self.path == "persistent":
-            self.num_programs = num_programs or PERSISTENT_PROGRAMS_PER_SM * _num_sms(self.device)
+            self._sms = _num_sms(self.device)
+            self.num_programs = num_programs or PERSISTENT_PROGRAMS_PER_SM * self._sms
             self.groups = _persistent_groups(k)
             if _tile is not None and _tile < self.groups:
                 raise ValueError(f"_tile={_tile} is below the persistent path's {self.groups} groups for k={k}")
@@ -830,24 +847,29 @@ class IndexerTopK:
         if width == 0:
             out.fill_(-1)
             return
-        chunk, cpr, warps = _persistent_config(rows, width, self.num_programs, self.k)
+        chunk, cpr, warps = _persistent_config(rows, width, min(self.num_programs, self._sms), self.k)
+        bound_chunk = _bound_chunk(width, self.k)
         if self._tile is not None:
-            chunk = self._tile
+            chunk = bound_chunk = self._tile
             cpr, warps = -(-width // chunk), _warps(chunk, self.cap)
         warps = self._warps or warps
         n_items = rows * cpr
         if n_items > self._items_cap or cpr > self._cpr_p2:
             raise ValueError(f"{rows} x {width} needs {n_items} chunks, more than the {self._items_cap} planned")
-        grid = (min(self.num_programs, n_items),)
-        _p_bound_kernel[grid](
-            scores, scores.stride(0), lengths, ws, width, n_items, cpr,
-            K=self.k, CHUNK=chunk, G=self.groups, WS=self._ws_stride, LB_STEPS=LB_STEPS, num_warps=warps,
+        bound_cpr = -(-width // bound_chunk)
+        bound_items = rows * bound_cpr
+        _p_bound_kernel[(min(self.num_programs, bound_items),)](
+            scores, scores.stride(0), lengths, ws, width, bound_items, bound_cpr,
+            K=self.k, CHUNK=bound_chunk, G=self.groups, WS=self._ws_stride, LB_STEPS=LB_STEPS,
+            num_warps=self._warps or 8,
         )
+        grid = (min(self.num_programs, n_items),)
         _p_select_kernel[grid](
             scores, scores.stride(0), lengths, ws, self.chunk_info, self.cand_v, self.cand_i, out, out.stride(0),
             width, n_items, cpr, 1,
             K=self.k, CHUNK=chunk, WS=self._ws_stride, C=self.cap, CPR_P2=self._cpr_p2,
             FB=min(1024, _next_pow2(self.k)), FALLBACK_BLOCK=FALLBACK_BLOCK, num_warps=warps,
+            **self._select_launch_options,
         )
 
 

@@ -569,7 +569,10 @@ def _capacity(k: int) -> int:
 
 
 def _persistent_groups(k: int) -> int:
-    """G of the persistent path: strided groups per row (>= k so that the bound exists)."""
+    """G of the persistent path: strided groups per row (>= k so that the bound exists).
+    Not G = k: the k-th largest of k maxima is their minimum, far below the k-th score, and
+    rows overflow to the exact fallback (measured in session 6: 1 x 256K, k = 1024, 1,280 us
+    instead of 26 us)."""
     return _next_pow2(max(2 * k, 1024))
 
 

@@ -442,7 +442,7 @@ if _HAVE_TRITON:
                     tl.store(wrow + _WS_BOUND, _bound_key(_search_all(key, K, LB_STEPS)))
 
     @triton.jit
-    def _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo, K, CPR, offs, ONE,
+    def _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo, K, offs, ONE,
                   CHUNK: tl.constexpr, B: tl.constexpr):
         """The persistent path's row finish, by the row's last chunk: its `total` <= B candidates
         (v, idx: the buffer's first B slots; chunk runs in arrival order) are put in index order,
@@ -458,17 +458,7 @@ if _HAVE_TRITON:
         if total < K:
             # The K-th score is the bound: every candidate, then the first ties.
             tl.store(orow + pos, idx, mask=pm)
-            need_eq = K - total
-            run = 0
-            for cc in range(CPR):  # rare (many equal scores): the chunks' ties are counted here
-                if run < need_eq:
-                    c2 = cc * CHUNK + offs
-                    m2 = c2 < n
-                    x2 = tl.load(srow + c2, mask=m2, other=0.0)
-                    is_eq = (m2 & (x2 == lo)).to(tl.int32)
-                    r2 = run + tl.cumsum(is_eq, axis=0)
-                    tl.store(orow + total + r2 - 1, c2, mask=(is_eq != 0) & (r2 <= need_eq))
-                    run += tl.sum(is_eq, axis=0)
+            _write_ties(srow, offs, n, lo, total, K - total, orow, CHUNK)  # rare: many equal scores
         else:
             thr = _exact_kth(v, pm, K, lo)
             n_gt = tl.sum((pm & (v > thr)).to(tl.int32), axis=0)
@@ -541,12 +531,12 @@ if _HAVE_TRITON:
                         if total <= C // 2:
                             # The usual case (about 1.25 K candidates): half the block, half the work.
                             _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo,
-                                      K, CPR, offs, ONE, CHUNK, C // 2)
+                                      K, offs, ONE, CHUNK, C // 2)
                         elif total <= C:
                             v_all = tl.load(cv + p, cache_modifier=".cg")
                             idx_all = tl.load(ci + p, cache_modifier=".cg")
                             _p_finish(v_all, idx_all, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo,
-                                      K, CPR, offs, ONE, CHUNK, C)
+                                      K, offs, ONE, CHUNK, C)
                         else:
                             _exact_row(srow, n, orow, K, FALLBACK_BLOCK)  # too many candidates: exact, slow
             else:

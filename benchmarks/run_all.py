@@ -264,9 +264,11 @@ def table(results: dict) -> str:
         vs = f"{r['output_tokens_per_second'] / hf:.1f}x" if hf and name != "hf" else ""
         earlier = ", ".join(f"{e['output_tokens_per_second']:,.0f}" for e in r.get("earlier_rounds", [])
                             if "output_tokens_per_second" in e)
+        jit = r.get("triton_builds_in_timed_run", 0)
         lines.append(f"{name:<17}{r['requests_per_second']:>9.2f}{r['tokens_per_second']:>14,.0f}"
                      f"{r['output_tokens_per_second']:>14,.0f}{r['elapsed_time']:>9.2f}{vs:>8}"
-                     + (f"   (earlier rounds: {earlier})" if earlier else ""))
+                     + (f"   (earlier rounds: {earlier})" if earlier else "")
+                     + (f"   [{jit} Triton builds in the timed run: includes JIT time]" if jit else ""))
     floor = results.get("workload_floor")
     if floor:
         lines.append(f"{'floor':<17}{'':>9}{'':>14}{floor['output_tokens_per_s']:>14,.0f}{floor['total_s']:>9.2f}")

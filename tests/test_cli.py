@@ -57,6 +57,8 @@ def test_bench_throughput(backend, capsys, tmp_path):
     assert result["backend"] == backend and result["num_requests"] == 4
     assert result["total_prompt_tokens"] == 64 and result["total_output_tokens"] == 16
     assert result["total_num_tokens"] == 80
+    if backend == "sparseserve":  # the timed run's Triton builds are recorded (none on the CPU path)
+        assert result["triton_builds_in_timed_run"] == 0 and result["triton_builds_timed_kernels"] == []
     assert result["output_tokens_per_second"] == pytest.approx(16 / result["elapsed_time"])
     assert result["device"] == "cpu"
 
@@ -245,3 +247,16 @@ def test_console_script_subprocess(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     check_throughput_output(proc.stdout, 2, 16, 4)
+
+
+def test_run_all_table_flags_runs_that_built_kernels_while_timed():
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    run = {"requests_per_second": 100.0, "tokens_per_second": 1e5, "output_tokens_per_second": 1e4,
+           "elapsed_time": 1.0}
+    results = {"throughput": {"graphs": {**run, "triton_builds_in_timed_run": 3}, "eager": dict(run)}, "latency": {}}
+    lines = run_all.table(results).splitlines()
+    graphs = next(line for line in lines if line.startswith("graphs"))
+    eager = next(line for line in lines if line.startswith("eager"))
+    assert "3 Triton builds in the timed run" in graphs and "Triton" not in eager

@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..config import EngineConfig
+from .jit_watch import TritonBuilds
 
 BACKENDS = ("sparseserve", "hf")
 
@@ -126,7 +127,16 @@ def report_lines(result: dict) -> list[str]:
         f"{result['output_tokens_per_second']:.2f} output tokens/s",
         f"Total num prompt tokens:  {result['total_prompt_tokens']}",
         f"Total num output tokens:  {result['total_output_tokens']}",
-    ]
+    ] + jit_warning_lines(result)
+
+
+def jit_warning_lines(result: dict) -> list[str]:
+    """A warning when Triton built kernels inside the timed run (the figure then includes JIT time)."""
+    builds = result.get("triton_builds_in_timed_run", 0)
+    if not builds:
+        return []
+    return [f"WARNING: {builds} Triton kernel build(s) inside the timed run (the warm-up missed these "
+            f"specialisations, so this figure includes JIT time): {', '.join(result['triton_builds_timed_kernels'])}"]
 
 
 def _result(args, elapsed: float, num_requests: int, prompt_tokens: int, output_tokens: int, **extra) -> dict:
@@ -188,15 +198,20 @@ def _measure_engine(args: argparse.Namespace, llm, kwargs: dict, **extra) -> dic
         count = args.num_prompts if full else args.num_warmup_prompts
         warm = random_prompts(count, args.input_len, engine.vocab_size, args.seed + 1)
         t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in warm],
-                     SamplingParams(temperature=0.0, max_tokens=args.output_len if full else min(4, args.output_len),
-                                    ignore_eos=True, detokenize=detok), use_tqdm=False)
+        with TritonBuilds() as warmup_builds:
+            llm.generate([{"prompt_token_ids": p} for p in warm],
+                         SamplingParams(temperature=0.0, max_tokens=args.output_len if full else min(4, args.output_len),
+                                        ignore_eos=True, detokenize=detok), use_tqdm=False)
         warmup_s = time.perf_counter() - t0
+        extra["triton_builds_in_warmup"] = warmup_builds.count
     synchronize(engine.device)
     start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    synchronize(engine.device)
+    with TritonBuilds() as timed_builds:
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        synchronize(engine.device)
     elapsed = time.perf_counter() - start
+    extra["triton_builds_in_timed_run"] = timed_builds.count
+    extra["triton_builds_timed_kernels"] = timed_builds.summary()
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_preemptions = sum(o.metrics.get("num_preemptions", 0) for o in outputs if o.metrics)

@@ -6,7 +6,8 @@ For each batch size: B prompts are prefilled, then every following engine step i
 decode step; we time whole engine steps (schedule + metadata + forward + sampling) and
 the forward alone (replay or eager; each forward is synchronised on both sides, so it includes the
 host's metadata build), and with graphs the replay alone (from the replay call to the end of its
-GPU work), median over the steps. Floor: the weight bytes a
+GPU work), median over the steps. With --async-steps, also the interval between step() returns with
+async scheduling and no per-step sync (how a server runs decode: its time per token). Floor: the weight bytes a
 decode step must read (every parameter except the embedding table; the experts a batch
 touches) over the measured HBM copy bandwidth.
 """
@@ -110,6 +111,38 @@ def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len:
             "weight_bytes": floor}
 
 
+def measure_async(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len: int,
+                  kv_cache_bytes: int = 8 * 1024**3) -> dict:
+    """Decode steps as a server runs them: async scheduling (the host prepares step n + 1 while the
+    GPU runs step n) and no per-step sync. The interval between successive `step()` returns, median
+    over the steady-state decode steps, is the time per generated token of each sequence: it is the
+    larger of the host's and the GPU's share, whichever bounds decode throughput."""
+    llm = LLM(model, load_format="dummy", enforce_eager=enforce_eager, max_model_len=4096, max_num_seqs=max(batch, 1),
+              cuda_graph_sizes=[batch], kv_cache_memory_bytes=kv_cache_bytes, async_scheduling=True)
+    engine = llm.llm_engine
+    gen = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        ids = torch.randint(10, engine.vocab_size, (prompt_len,), generator=gen).tolist()
+        engine.add_request(f"a{i}", {"prompt_token_ids": ids},
+                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(3):  # the prefill, then the pipeline fills
+        engine.step()
+    synchronize(engine.device)
+    returns = [time.perf_counter()]
+    for _ in range(steps):
+        engine.step()
+        returns.append(time.perf_counter())
+    intervals = [b - a for a, b in zip(returns, returns[1:])]
+    while engine.has_unfinished_requests():
+        engine.step()
+    del llm, engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"async_step_ms_median": 1e3 * statistics.median(intervals[1:]),
+            "async_tokens_per_s": batch / statistics.median(intervals[1:])}
+
+
 def break_even_rate(step_ratio: float, k: int) -> float:
     """The i.i.d. per-draft acceptance a at which 1 + a + ... + a^k tokens per step equal the step-time ratio."""
     lo, hi = 0.0, 1.0
@@ -134,6 +167,9 @@ def main() -> None:
                         "e.g. 1,2 (dummy weights: the drafts are almost never accepted, so every step pays "
                         "the whole verify + draft cost)")
     parser.add_argument("--no-eager", action="store_true", help="graphs only")
+    parser.add_argument("--async-steps", action="store_true",
+                        help="also time plain decode steps with async scheduling and no per-step sync (a "
+                             "server's step interval: decode throughput), in another engine per batch and mode")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     bw = hbm_bandwidth()
@@ -143,22 +179,29 @@ def main() -> None:
         for eager in ((False,) if args.no_eager else (True, False)):
             for k in [0] + spec_ks:
                 row = measure(args.model, batch, eager, args.steps, args.prompt_len, k)
+                if args.async_steps and k == 0:
+                    row.update(measure_async(args.model, batch, eager, args.steps, args.prompt_len))
                 row["floor_ms"] = 1e3 * row["weight_bytes"] / bw
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "model": args.model, "hbm_bytes_per_s": bw, "prompt_len": args.prompt_len, "rows": rows}
-    print(f"{'batch':>6}{'mode':>7}{'k':>3}{'step ms':>10}{'fwd ms':>9}{'replay ms':>11}{'floor ms':>10}{'fwd/floor':>10}")
+    print(f"{'batch':>6}{'mode':>7}{'k':>3}{'step ms':>10}{'fwd ms':>9}{'replay ms':>11}{'async ms':>10}"
+          f"{'floor ms':>10}{'fwd/floor':>10}{'async/floor':>12}")
     for r in rows:
         replay = f"{r['replay_ms_median']:>11.3f}" if r.get("replay_ms_median") is not None else f"{'-':>11}"
+        async_ms = r.get("async_step_ms_median")
+        async_cols = (f"{async_ms:>10.3f}", f"{async_ms / r['floor_ms']:>12.2f}") if async_ms else (f"{'-':>10}", f"{'-':>12}")
         print(f"{r['batch']:>6}{r['mode']:>7}{r['spec_k']:>3}{r['step_ms_median']:>10.3f}{r['forward_ms_median']:>9.3f}"
-              f"{replay}{r['floor_ms']:>10.3f}{r['forward_ms_median'] / r['floor_ms']:>10.2f}")
+              f"{replay}{async_cols[0]}{r['floor_ms']:>10.3f}{r['forward_ms_median'] / r['floor_ms']:>10.2f}{async_cols[1]}")
     for b in sorted({r["batch"] for r in rows}):
         pick = {(r["mode"], r["spec_k"]): r for r in rows if r["batch"] == b}
         e, g = pick.get(("eager", 0)), pick.get(("graph", 0))
         if e and g:
+            async_speedup = (f", {e['async_step_ms_median'] / g['async_step_ms_median']:.2f}x per async step"
+                             if e.get("async_step_ms_median") and g.get("async_step_ms_median") else "")
             print(f"batch {b}: graph speedup {e['step_ms_median'] / g['step_ms_median']:.2f}x per engine step, "
-                  f"{e['forward_ms_median'] / g['forward_ms_median']:.2f}x per forward")
+                  f"{e['forward_ms_median'] / g['forward_ms_median']:.2f}x per forward{async_speedup}")
         for mode in ("eager", "graph"):
             plain = pick.get((mode, 0))
             for k in spec_ks:

@@ -1,9 +1,10 @@
-"""Fused RMSNorm and in-place rope kernels equal their references (interpreter on CPU; GPU too)."""
+"""Fused RMSNorm, in-place rope and rope-table kernels equal their references (interpreter on CPU; GPU too)."""
 import pytest
 import torch
 
 from sparseserve.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
-from sparseserve.kernels.rope import apply_rope_, apply_rope_ref
+from sparseserve.kernels.rope import apply_rope_, apply_rope_ref, rope_tables_ref, rope_tables_triton
+from sparseserve.model.layers.rope import rope_cos_sin, rope_inv_freq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -72,3 +73,34 @@ def test_rope_rotates_a_strided_view_in_place(layout):
     assert apply_rope_(x, cos, sin) is x
     assert torch.allclose(x, ref, atol=1e-5)
     assert torch.equal(packed[:, :24], before[:, :24]) and torch.equal(packed[:, 120:], before[:, 120:])
+
+
+@pytest.mark.parametrize("num_tokens, half", [(1, 32), (5, 8), (67, 32), (130, 16)])  # 67, 130: ragged last tiles
+def test_rope_tables_kernel(num_tokens, half):
+    """One launch of every table: positions up to 1M (angles up to ~1e6 rad), negative offsets
+    (an entry's position before the token's), a YaRN base next to a plain one."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    positions = torch.randint(0, 1 << 20, (num_tokens,), generator=gen)
+    positions[0] = 0  # position 0 with offset 1 - rate: a negative position, as the reference computes it
+    offsets = torch.tensor([0, 0, -3, -127])
+    yarn = {"rope_theta": 160000.0, "rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536}
+    inv_freq = torch.stack([rope_inv_freq({"rope_theta": 10000.0}, 2 * half), rope_inv_freq(yarn, 2 * half),
+                            rope_inv_freq(yarn, 2 * half), torch.rand(half, generator=gen)])
+    ref = rope_tables_ref(positions, offsets, inv_freq)
+    got = rope_tables_triton(positions.to(DEVICE), offsets.to(DEVICE), inv_freq.to(DEVICE)).cpu()
+    assert got.shape == (4, 2, num_tokens, half)
+    # Angles up to ~1e6 rad: fp32 cos/sin implementations may differ by a few ulp of the angle's reduction.
+    assert torch.allclose(got, ref, atol=2e-6, rtol=0)
+
+
+def test_rope_tables_ref_equals_the_per_table_computation():
+    """Bitwise: table i is rope_cos_sin(positions + offsets[i], inv_freq[i]), as the step context
+    computed it table by table before."""
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 100000, (40,), generator=gen)
+    offsets = torch.tensor([0, -3, -127])
+    inv_freq = torch.rand(3, 32, generator=gen)
+    tables = rope_tables_ref(positions, offsets, inv_freq)
+    for i in range(3):
+        cos, sin = rope_cos_sin(positions + int(offsets[i]), inv_freq[i])
+        assert torch.equal(tables[i, 0], cos) and torch.equal(tables[i, 1], sin)

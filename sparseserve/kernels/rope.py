@@ -1,8 +1,13 @@
-"""Interleaved rope on the trailing rope dims, in place, one launch.
+"""Interleaved rope on the trailing rope dims, in place, one launch; and a step's rope tables.
 
 Pairs (2i, 2i+1) of the last `rope_dim = 2 * cos.shape[-1]` channels rotate as
 (e*c - o*s, o*c + e*s) in fp32 (inverse: by the negative angle); the other channels are
 untouched, so only the rope slice is read and written. Roofline: 2 * T * H * rope_dim * bytes.
+
+`rope_tables` computes every cos/sin table a step needs (each a position offset and a set of
+inverse frequencies) in one launch: a decode step needs four (main and compress bases at the
+token positions, and one per compress rate at the emitted entries' positions), which the
+plain-PyTorch path builds with four kernels each.
 """
 from __future__ import annotations
 
@@ -71,6 +76,52 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
             x, cos.float().contiguous(), sin.float().contiguous(), rows, heads, x.shape[-1], x.stride(0), stride_h,
             -1.0 if inverse else 1.0, HALF=half, BLOCK_R=block_r, num_warps=4)
     return x
+
+
+def rope_tables_ref(positions: torch.Tensor, offsets: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[n, 2, T, half] fp32: cos (index 0) and sin (1) of (positions + offsets[i]) * inv_freq[i].
+    positions [T] int64, offsets [n] int64, inv_freq [n, half] fp32 (the angle in fp32, as
+    `positions.float() * inv_freq`)."""
+    shifted = positions.unsqueeze(0) + offsets.to(positions.dtype).unsqueeze(1)  # [n, T]
+    angles = shifted.float().unsqueeze(-1) * inv_freq.float().unsqueeze(1)  # [n, T, half]
+    return torch.stack((angles.cos(), angles.sin()), dim=1)
+
+
+@triton.jit
+def _rope_tables_kernel(pos_ptr, off_ptr, freq_ptr, out_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    table = tl.program_id(0)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = (t < T)[:, None]
+    shifted = tl.load(pos_ptr + t, mask=t < T, other=0) + tl.load(off_ptr + table)
+    i = tl.arange(0, HALF)
+    angle = shifted.to(tl.float32)[:, None] * tl.load(freq_ptr + table * HALF + i)[None, :]
+    # tl.cos/tl.sin compile to the accurate libdevice routines (no .approx), like torch's.
+    cell = table.to(tl.int64) * 2 * T * HALF + t[:, None].to(tl.int64) * HALF + i[None, :]
+    tl.store(out_ptr + cell, tl.cos(angle), mask=ok)
+    tl.store(out_ptr + cell + T * HALF, tl.sin(angle), mask=ok)
+
+
+def rope_tables(positions: torch.Tensor, offsets: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """`rope_tables_ref`, in one launch on CUDA (when the rope half-width is a power of two)."""
+    half = inv_freq.shape[1]
+    if use_triton("rope", positions) and half & (half - 1) == 0:
+        return rope_tables_triton(positions, offsets, inv_freq)
+    return rope_tables_ref(positions, offsets, inv_freq)
+
+
+def rope_tables_triton(positions: torch.Tensor, offsets: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """The Triton path of `rope_tables` (on the CPU under TRITON_INTERPRET=1, for tests)."""
+    n, half = inv_freq.shape
+    if half & (half - 1):
+        raise ValueError(f"the rope-tables kernel needs a power-of-two rope half-width, got {half}")
+    T = positions.shape[0]
+    out = torch.empty((n, 2, T, half), dtype=torch.float32, device=positions.device)
+    if T and n:
+        block_t = max(1, min(64, triton.next_power_of_2(T)))
+        _rope_tables_kernel[(n, triton.cdiv(T, block_t))](
+            positions.contiguous(), offsets.contiguous(), inv_freq.float().contiguous(), out, T,
+            HALF=half, BLOCK_T=block_t, num_warps=4)
+    return out
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -17,7 +17,7 @@ from .layers.moe import SparseMoE
 from .layers.norm import RMSNorm
 from .layers.rope import rope_inv_freq
 from .state import ModelState
-from .step_context import StepContext, TopKFn, build_step_context
+from .step_context import RopeTablePlan, StepContext, TopKFn, build_step_context
 
 
 class DecoderLayer(nn.Module):
@@ -65,15 +65,20 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @staticmethod
     def rope_buffers(model_config: ModelConfig) -> dict[str, torch.Tensor]:
+        """The non-persistent rope buffers: each base's inverse frequencies, and the step's rope
+        tables as one plan (`RopeTablePlan`: offsets and frequencies, one row per table)."""
         hf = model_config.hf_config
-        return {f"{name}_inv_freq": rope_inv_freq(hf.rope_parameters[name], hf.qk_rope_head_dim)
-                for name in ("main", "compress")}
+        inv_freq = {name: rope_inv_freq(hf.rope_parameters[name], hf.qk_rope_head_dim) for name in ("main", "compress")}
+        plan = RopeTablePlan.for_model(model_config)
+        return {**{f"{name}_inv_freq": value for name, value in inv_freq.items()},
+                "rope_table_offsets": torch.tensor(plan.offsets, dtype=torch.int64),
+                "rope_table_inv_freq": torch.stack([inv_freq[base] for base in plan.bases])}
 
-    def inv_freq(self) -> dict[str, torch.Tensor]:
-        return {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
+    def rope_plan(self) -> RopeTablePlan:
+        return RopeTablePlan.for_model(self.model_config, self.rope_table_offsets, self.rope_table_inv_freq)
 
     def prepare(self, batch: BatchMetadata, state: ModelState, topk: TopKFn | None = None) -> StepContext:
-        return build_step_context(batch, state.layout, self.model_config, self.inv_freq(), topk)
+        return build_step_context(batch, state, self.model_config, self.rope_plan(), topk)
 
     def forward(self, batch: BatchMetadata, state: ModelState, topk: TopKFn | None = None) -> torch.Tensor:
         """Residual streams [T, hc, D] after the last layer. `topk` selects the indexer's

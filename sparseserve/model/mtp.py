@@ -85,7 +85,7 @@ class MTPModule(nn.Module):
         the target's (or the previous draft's) streams at t. Returns the block's streams [T, hc, D]."""
         e = self.enorm(target.model.embed_tokens(batch.input_ids))
         x = self.e_proj(e).unsqueeze(1) + self.h_proj(self.hnorm(hidden_streams.to(e.dtype)))
-        ctx = build_step_context(batch, state.layout, self.config, target.inv_freq(), None)
+        ctx = build_step_context(batch, state, self.config, target.rope_plan(), None)
         return self.block(x.contiguous(), ctx, state.layers[0])
 
     def compute_logits(self, streams: torch.Tensor, target: DeepseekV4ForCausalLM) -> torch.Tensor:

@@ -61,6 +61,26 @@ class LayerState:
         self.indexer_state = indexer_state
 
 
+class StepIndex:
+    """Index vectors every step uses, made once (slices of them cost no launch): the token
+    index 0..max_step_tokens-1, each ring's staging rows (its staging base plus the token index),
+    the sliding window's row offsets and each compressor's window offsets."""
+
+    def __init__(self, model_config: ModelConfig, layout: StateLayout, device: torch.device) -> None:
+        self.token = torch.arange(layout.max_step_tokens, device=device)
+        self.window_offsets = torch.arange(-layout.sliding_window + 1, 1, device=device)
+        rings = {layout.ring_rows}
+        self.span_offsets: dict[tuple[int, bool], torch.Tensor] = {}
+        for layer_idx in range(model_config.num_layers):
+            rate = model_config.compress_rate(layer_idx)
+            if rate:
+                overlap = model_config.is_csa(layer_idx)
+                rings.add(layout.compressor_ring_rows(rate, overlap))
+                span = (2 if overlap else 1) * rate
+                self.span_offsets[(rate, overlap)] = torch.arange(-span + 1, 1, device=device)
+        self.staging: dict[int, torch.Tensor] = {ring: layout.staging_base(ring) + self.token for ring in rings}
+
+
 class ModelState:
     def __init__(self, model_config: ModelConfig, layout: StateLayout, device: torch.device, dtype: torch.dtype) -> None:
         if layout.block_size % model_config.lcm_rate != 0:
@@ -87,6 +107,7 @@ class ModelState:
                     index_pool = torch.zeros(entry_rows, hf.index_head_dim, device=device, dtype=dtype)
                     indexer_state = torch.zeros(state_rows, 4 * hf.index_head_dim, device=device, dtype=dtype)
             self.layers.append(LayerState(kv_pool, index_pool, compressor_state, indexer_state))
+        self.index = StepIndex(model_config, layout, device)
 
     def nbytes(self) -> int:
         total = 0

@@ -9,10 +9,10 @@ import torch
 
 from ..config import ModelConfig
 from ..kernels import rows as R
+from ..kernels.rope import rope_tables
 from ..kernels.topk import topk_indices
 from .batch import BatchMetadata
-from .layers.rope import rope_cos_sin
-from .state import StateLayout
+from .state import ModelState, StateLayout
 
 
 # (scores [T, E] fp32, lengths [T] int32, k, max_seq_len host int) -> int32 [T, k] entry ids (-1 = none)
@@ -47,6 +47,30 @@ class RateAddresses:
 
 
 @dataclass
+class RopeTablePlan:
+    """The rope tables a step needs, made in one launch (`kernels.rope.rope_tables`): table i is
+    cos/sin of (position + offsets[i]) * the inverse frequencies of base bases[i]. Tables 0 and 1
+    are the main and compress bases at the token positions; then one per compress rate r at the
+    position of the entry a token would emit (position + 1 - r). The tensors are the model's
+    non-persistent buffers (offsets [n] int64, inverse frequencies [n, rope_dim / 2] fp32)."""
+
+    offsets: tuple[int, ...]
+    bases: tuple[str, ...]
+    rate_table: dict[int, int]
+    offsets_tensor: torch.Tensor | None = None
+    inv_freq_tensor: torch.Tensor | None = None
+
+    @staticmethod
+    def for_model(model_config: ModelConfig, offsets_tensor: torch.Tensor | None = None,
+                  inv_freq_tensor: torch.Tensor | None = None) -> "RopeTablePlan":
+        rates = sorted({model_config.compress_rate(i) for i in range(model_config.num_layers)} - {0})
+        return RopeTablePlan(offsets=(0, 0) + tuple(1 - r for r in rates),
+                             bases=("main", "compress") + ("compress",) * len(rates),
+                             rate_table={r: 2 + i for i, r in enumerate(rates)},
+                             offsets_tensor=offsets_tensor, inv_freq_tensor=inv_freq_tensor)
+
+
+@dataclass
 class StepContext:
     batch: BatchMetadata
     layout: StateLayout
@@ -61,34 +85,35 @@ class StepContext:
 
 def build_step_context(
     batch: BatchMetadata,
-    layout: StateLayout,
+    state: ModelState,
     model_config: ModelConfig,
-    inv_freq: dict[str, torch.Tensor],
+    rope: RopeTablePlan,
     topk: TopKFn | None = None,
 ) -> StepContext:
+    layout = state.layout
     if batch.num_tokens > layout.max_step_tokens:
         raise ValueError(
             f"step has {batch.num_tokens} tokens but the state was laid out for {layout.max_step_tokens}; "
             "raise max_num_batched_tokens"
         )
-    device = batch.positions.device
     pos, seq = batch.positions, batch.token_seq
-    token_idx = torch.arange(batch.num_tokens, device=device)
+    index = state.index  # made once: slices of it cost no launch
+    num_tokens = batch.num_tokens
     ring = layout.ring_rows
-    window = layout.sliding_window
     window_rows = R.source_rows(
         pos, seq, batch.seq_start, batch.seq_token_offset, batch.seq_slots,
-        torch.arange(-window + 1, 1, device=device), ring, layout.staging_base(ring),
+        index.window_offsets, ring, layout.staging_base(ring),
     )
+    tables = rope_tables(pos, rope.offsets_tensor, rope.inv_freq_tensor)  # [n, 2, T, rope_dim / 2], one launch
     ctx = StepContext(
         batch=batch,
         layout=layout,
         window_rows=window_rows,
-        kv_staging_rows=layout.staging_base(ring) + token_idx,
+        kv_staging_rows=index.staging[ring][:num_tokens],
         kv_ring_write_rows=R.ring_write_rows(
             pos, seq, batch.seq_start, batch.seq_num_tokens, batch.seq_slots, ring, layout.trash_row(ring)
         ),
-        rope={name: rope_cos_sin(pos, f) for name, f in inv_freq.items()},
+        rope={"main": (tables[0, 0], tables[0, 1]), "compress": (tables[1, 0], tables[1, 1])},
         topk=topk or default_topk,
     )
     comp_base = layout.comp_base()
@@ -108,7 +133,11 @@ def build_step_context(
             emit_pos_seq[rate] = emit_pos, emit_seq
             epb = layout.entries_per_block(rate)
             num_entries = batch.num_entries[rate]
-            cos, sin = rope_cos_sin(emit_pos + (1 - rate), inv_freq["compress"])  # one add, not two
+            # The rate's table at every token; emitting tokens' rows when not all of them emit.
+            emit_table = tables[rope.rate_table[rate]]
+            if not batch.emit_all_tokens:
+                emit_table = emit_table.index_select(1, emit_tokens)
+            cos, sin = emit_table[0], emit_table[1]
             visible = counts = None
             if rate in hca_rates:
                 visible = R.visible_pool_rows(pos, seq, batch.block_table, rate, num_entries, epb, comp_base)
@@ -129,17 +158,16 @@ def build_step_context(
         key = (rate, overlap)
         if key not in ctx.compressors:
             comp_ring = layout.compressor_ring_rows(rate, overlap)
-            span = (2 if overlap else 1) * rate
             emit_pos, emit_seq = emit_pos_seq[rate]
             ctx.compressors[key] = CompressorAddresses(
-                staging_rows=layout.staging_base(comp_ring) + token_idx,
+                staging_rows=index.staging[comp_ring][:num_tokens],
                 ring_write_rows=R.ring_write_rows(
                     pos, seq, batch.seq_start, batch.seq_num_tokens, batch.seq_slots, comp_ring,
                     layout.trash_row(comp_ring),
                 ),
                 emit_src_rows=R.source_rows(
                     emit_pos, emit_seq, batch.seq_start, batch.seq_token_offset, batch.seq_slots,
-                    torch.arange(-span + 1, 1, device=device), comp_ring, layout.staging_base(comp_ring),
+                    index.span_offsets[key], comp_ring, layout.staging_base(comp_ring),
                 ),
             )
     return ctx

@@ -82,6 +82,23 @@ def test_indexer_matches_reference_cpu(T, Hi, Di, B, epb, max_blocks, E, cfg):
 
 
 @cpu_interp
+def test_indexer_scales_low_precision_head_weights_in_the_kernel_cpu():
+    """bf16 head weights (a strided column slice, as the packed GEMM output gives them) and the
+    head scaling passed to the kernel equal the reference on the same weights cast and scaled
+    first, as the model did before with two extra kernels."""
+    gen = torch.Generator().manual_seed(23)
+    q, weights, pool, *rest = _make_case(9, 4, 32, 3, 16, 5, 70, gen)
+    packed = torch.randn(9, 3 * 4, generator=gen).to(torch.bfloat16)
+    head_weights = packed[:, 4:8]  # stride(0) = 12, stride(1) = 1
+    scale, weights_scale = 32**-0.5, 4**-0.5
+    out = indexer_scores_triton(q, head_weights, pool, *rest, RATE, 16, scale, 70, weights_scale=weights_scale)
+    ref = indexer_scores_ref(q, head_weights.float() * weights_scale, pool, *rest, RATE, 16, scale, 70)
+    _check(out, ref, 1e-5)
+    assert torch.equal(indexer_scores_ref(q, head_weights, pool, *rest, RATE, 16, scale, 70,
+                                          weights_scale=weights_scale), ref)
+
+
+@cpu_interp
 def test_indexer_zero_width_and_config_cpu():
     gen = torch.Generator().manual_seed(1)
     args = _make_case(3, 4, 32, 2, 8, 2, 16, gen)

@@ -53,10 +53,12 @@ def indexer_scores_ref(
     scale: float,
     num_entries: int,
     token_chunk: int = 256,
+    weights_scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain-PyTorch reference (and CPU path).
 
-    q: [T, Hi, Di]; weights: [T, Hi] fp32 (already carrying the head scaling);
+    q: [T, Hi, Di]; weights: [T, Hi], any float dtype, times weights_scale (the head scaling)
+    in fp32;
     index_pool: [N, Di]; block_table: [B, max_blocks] int (-1 = no block);
     token_seq: [T] batch index of each token's sequence; positions: [T] absolute positions.
     Returns fp32 [T, num_entries], -inf where the entry is not visible.
@@ -72,7 +74,8 @@ def indexer_scores_ref(
         visible = (entries.unsqueeze(0) < ((positions[start:end].long() + 1) // rate).unsqueeze(1)) & (rows >= 0)
         keys = index_pool[rows.clamp(min=0)].float()  # [t, E, Di]
         dots = torch.einsum("thd,ted->the", q[start:end].float(), keys)
-        scores = (torch.relu(dots) * scale * weights[start:end].float().unsqueeze(-1)).sum(dim=1)
+        head_weights = weights[start:end].float() * weights_scale
+        scores = (torch.relu(dots) * scale * head_weights.unsqueeze(-1)).sum(dim=1)
         out[start:end] = scores.masked_fill(~visible, float("-inf"))
     return out
 
@@ -80,7 +83,7 @@ def indexer_scores_ref(
 @triton.jit
 def _indexer_scores_kernel(
     q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, pos_ptr, out_ptr,
-    num_heads, head_dim, num_entries, max_blocks, rate, entries_per_block, scale,
+    num_heads, head_dim, num_entries, max_blocks, rate, entries_per_block, scale, weights_scale,
     stride_qt, stride_qh, stride_wt, stride_pool, stride_bt, stride_ot,
     CHUNKS: tl.constexpr, TILES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -98,8 +101,9 @@ def _indexer_scores_kernel(
     d_mask = offs_d < head_dim
     q = tl.load(q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    # scale folded into the head weights: sum_h w*relu(x)*scale = sum_h (w*scale)*relu(x).
-    w = tl.load(w_ptr + tok * stride_wt + offs_h, mask=h_mask, other=0.0).to(tl.float32) * scale
+    # The head scaling applied here (no separate cast and multiply kernels), then scale folded
+    # into the head weights: sum_h w*relu(x)*scale = sum_h (w*scale)*relu(x).
+    w = (tl.load(w_ptr + tok * stride_wt + offs_h, mask=h_mask, other=0.0).to(tl.float32) * weights_scale) * scale
 
     chunk_start = chunk * (TILES * BLOCK_E)
     # Tiles holding at least one visible entry; the rest only get -inf.
@@ -160,6 +164,7 @@ def indexer_scores_triton(
     scale: float,
     num_entries: int,
     config: IndexerConfig | None = None,
+    weights_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton kernel; same contract as indexer_scores_ref. Runs on CUDA, or on the CPU under
     TRITON_INTERPRET=1 (tests)."""
@@ -180,6 +185,7 @@ def indexer_scores_triton(
     _indexer_scores_kernel[(num_tokens * chunks,)](
         q, weights, index_pool, block_table, token_seq.contiguous(), positions.contiguous(), out,
         num_heads, head_dim, num_entries, block_table.shape[1], rate, entries_per_block, float(scale),
+        float(weights_scale),
         q.stride(0), q.stride(1), weights.stride(0), index_pool.stride(0), block_table.stride(0), out.stride(0),
         CHUNKS=chunks, TILES=cfg.tiles,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -199,12 +205,16 @@ def indexer_scores(
     entries_per_block: int,
     scale: float,
     num_entries: int,
+    weights_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA (bf16/fp16), the reference elsewhere."""
+    """Dispatch: the Triton kernel on CUDA (bf16/fp16), the reference elsewhere. The head weights
+    are `weights * weights_scale` in fp32 (weights in any float dtype)."""
     if use_triton("indexer", q) and q.dtype in (torch.bfloat16, torch.float16):
         return indexer_scores_triton(
-            q, weights, index_pool, block_table, token_seq, positions, rate, entries_per_block, scale, num_entries
+            q, weights, index_pool, block_table, token_seq, positions, rate, entries_per_block, scale, num_entries,
+            weights_scale=weights_scale,
         )
     return indexer_scores_ref(
-        q, weights, index_pool, block_table, token_seq, positions, rate, entries_per_block, scale, num_entries
+        q, weights, index_pool, block_table, token_seq, positions, rate, entries_per_block, scale, num_entries,
+        weights_scale=weights_scale,
     )

@@ -202,10 +202,10 @@ class Attention(nn.Module):
             cos, sin = ctx.rope["compress"]
             # Rotated in place in the GEMM output (packed: a column slice; the indexer reads strides).
             iq = apply_rope(q_proj[0].view(num_tokens, idx.num_heads, idx.head_dim), cos, sin)
-            weights = x_proj[2].float() * idx.weights_scale
-            scores = indexer_scores(iq, weights, state.index_pool, batch.block_table, batch.token_seq,
+            # The head weights (a column slice of the packed GEMM output) are scaled inside the kernel.
+            scores = indexer_scores(iq, x_proj[2], state.index_pool, batch.block_table, batch.token_seq,
                                     batch.positions, self.rate, ctx.layout.entries_per_block(self.rate),
-                                    idx.softmax_scale, rate_addr.num_entries)
+                                    idx.softmax_scale, rate_addr.num_entries, weights_scale=idx.weights_scale)
             chosen = ctx.topk(scores, rate_addr.visible_counts, idx.topk, batch.max_seq_len)
             rows = entry_pool_rows(chosen, batch.token_seq, batch.block_table,
                                    ctx.layout.entries_per_block(self.rate), ctx.layout.comp_base())

@@ -6,6 +6,8 @@ to the tokens whose logits are wanted. Parameter names equal `DeepseekV4ForCausa
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -62,6 +64,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(hf.hidden_size, hf.vocab_size, bias=False)
         for name, value in self.rope_buffers(model_config).items():
             self.register_buffer(name, value, persistent=False)
+        self._rope_tables = RopeTablePlan.for_model(model_config)  # static; its tensors are the buffers
 
     @staticmethod
     def rope_buffers(model_config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -75,7 +78,9 @@ class DeepseekV4ForCausalLM(nn.Module):
                 "rope_table_inv_freq": torch.stack([inv_freq[base] for base in plan.bases])}
 
     def rope_plan(self) -> RopeTablePlan:
-        return RopeTablePlan.for_model(self.model_config, self.rope_table_offsets, self.rope_table_inv_freq)
+        # The buffers are looked up per call: a .to() or the loader's to_empty replaces them.
+        return dataclasses.replace(self._rope_tables, offsets_tensor=self.rope_table_offsets,
+                                   inv_freq_tensor=self.rope_table_inv_freq)
 
     def prepare(self, batch: BatchMetadata, state: ModelState, topk: TopKFn | None = None) -> StepContext:
         return build_step_context(batch, state, self.model_config, self.rope_plan(), topk)

@@ -11,6 +11,7 @@
 #   bash tools/gpu_session.sh close   every `gpu` test, the seed workload (graphs, eager, transformers; two rounds),
 #                                     decode steps, synchronous and async (~9.5 minutes at most)
 #   bash tools/gpu_session.sh prefill the prefill attention cases of the kernel benchmark
+#   bash tools/gpu_session.sh topk    top-k gpu tests, per-kernel times with variants, the grid against torch.topk
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back).
@@ -35,6 +36,14 @@ case "${1:-tests}" in
       timeout -k 5 100 python -m sparseserve.benchmarks.decode_graphs --steps 12 --batches 1,8,64 --async-steps \
         --out "$OUT/decode_graphs.json"
     } 2>&1 | filter > "$OUT/bench.log"; tail -40 "$OUT/bench.log" ;;
+  topk)
+    # The top-k paths: their gpu tests, each kernel's time (with the variants) and the grid with
+    # torch.topk in the same run (about 3 minutes on a fresh machine).
+    { timeout -k 5 60 python -m sparseserve.benchmarks.topk_bench --precompile 16 > /dev/null
+      timeout -k 5 90 python -m pytest -q -m gpu tests/test_topk_gpu.py
+      timeout -k 5 150 python tools/topk_phases.py --variants --paths persistent --out "$OUT/topk_phases.json"
+      timeout -k 5 150 python -m sparseserve.benchmarks.topk_bench --no-sweep --no-variants --out "$OUT/topk.json"
+    } 2>&1 | filter > "$OUT/topk.log"; tail -60 "$OUT/topk.log" ;;
   prefill)
     # The prefill attention cases of the kernel benchmark (about a minute).
     timeout -k 5 90 python -m sparseserve.benchmarks.kernels --only attn-prefill --no-ref \
@@ -72,5 +81,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk" >&2; exit 2 ;;
 esac

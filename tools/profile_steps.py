@@ -68,9 +68,15 @@ def gpu_busy_by_step(prof, step_kinds: list[str]) -> dict[str, tuple[float, floa
     return {kind: (v[0], v[1], v[2]) for kind, v in result.items()}
 
 
-def seed_prompts(engine, count: int, gen: torch.Generator) -> list[list[int]]:
-    """`count` random 1024-token prompts inside the model's vocabulary."""
-    return torch.randint(10, min(100000, engine.vocab_size), (count, 1024), generator=gen).tolist()
+def seed_engine(args, **llm_kwargs):
+    """The seed workload's engine (dummy weights, max_model_len 2048), its greedy sampling params
+    and `args.num_prompts` random 1024-token prompts inside the model's vocabulary."""
+    llm = LLM(args.model, load_format="dummy", max_model_len=2048, enforce_eager=args.eager, **llm_kwargs)
+    engine = llm.llm_engine
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    prompts = torch.randint(10, min(100000, engine.vocab_size), (args.num_prompts, 1024), generator=gen).tolist()
+    return llm, engine, params, prompts
 
 
 def run_seed_pass(engine, prompts, params, profiled: bool, shapes: bool = False, decode_only: bool = False):
@@ -113,12 +119,7 @@ def run_seed_pass(engine, prompts, params, profiled: bool, shapes: bool = False,
 
 
 def seed_profile(args, out) -> None:
-    llm = LLM(args.model, load_format="dummy", max_model_len=2048, enforce_eager=args.eager,
-              async_scheduling=False if args.sync else None)
-    engine = llm.llm_engine
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    prompts = seed_prompts(engine, args.num_prompts, gen)
+    llm, engine, params, prompts = seed_engine(args, async_scheduling=False if args.sync else None)
     lines = [f"seed-like workload: {args.num_prompts} prompts x 1024 in, {args.output_len} out, eager={args.eager}, "
              f"async_scheduling={engine.async_scheduling}"]
     # Pass 1 pays compilation at every step shape; pass 2 is the timing; pass 3 (optional) the profile.
@@ -246,11 +247,7 @@ def async_timing(args, out) -> None:
     import io
     import pstats
 
-    llm = LLM(args.model, load_format="dummy", max_model_len=2048, enforce_eager=args.eager)
-    engine = llm.llm_engine
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    prompts = seed_prompts(engine, args.num_prompts, gen)
+    llm, engine, params, prompts = seed_engine(args)
     lines = [f"async timing: {args.num_prompts} prompts x 1024 in, {args.output_len} out, eager={args.eager}, "
              f"async_scheduling={engine.async_scheduling}"]
     phases, timing = phase_timers(engine)

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from sparseserve.benchmarks.mhc_bench import graph_ms
 from sparseserve.kernels.topk import IndexerTopK
 
 SHAPES = ((1, 8192), (1, 65536), (1, 262144), (8, 65536), (8, 262144), (64, 65536))
@@ -34,29 +33,6 @@ def kernel_times(fn, calls: int) -> dict[str, float]:
         if event.self_device_time_total > 0:
             times[event.key[:60]] = event.self_device_time_total / calls
     return times
-
-
-def replay_us(fn, calls_per_graph: int = 20, reps: int = 30) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls_per_graph):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(1000.0 * start.elapsed_time(end) / calls_per_graph)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -88,7 +64,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 kernels = kernel_times(fn, 10)
                 entry = {"k": k, "rows": rows, "width": width, "path": path, "options": options, "kernels_us": kernels,
-                         "kernel_sum_us": sum(kernels.values()), "graph_replay_us": replay_us(fn)}
+                         "kernel_sum_us": sum(kernels.values()), "graph_replay_us": 1000.0 * graph_ms(fn, 20, 30)}
                 results.append(entry)
                 names = ", ".join(f"{name.split('(')[0][:28]} {us:.1f}" for name, us in kernels.items())
                 label = path + "".join(f" {key.strip('_')}={value}" for key, value in options.items())

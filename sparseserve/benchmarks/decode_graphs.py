@@ -14,7 +14,6 @@ touches) over the measured HBM copy bandwidth.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import time
@@ -23,7 +22,7 @@ import torch
 
 from sparseserve import LLM, SamplingParams
 from sparseserve.benchmarks.ceilings import hbm_bandwidth
-from sparseserve.benchmarks.throughput import synchronize
+from sparseserve.benchmarks.throughput import free_device_memory, synchronize
 
 
 def weight_floor_bytes(llm: LLM, batch: int) -> int:
@@ -42,20 +41,30 @@ def weight_floor_bytes(llm: LLM, batch: int) -> int:
     return total
 
 
-def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len: int, spec_k: int = 0,
-            kv_cache_bytes: int = 8 * 1024**3) -> dict:
-    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": spec_k}} if spec_k else {}
-    # Synchronous steps: "step" is one whole engine step (async scheduling would overlap two).
+def engine_with_requests(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len: int,
+                         kv_cache_bytes: int, async_scheduling: bool, **engine_kwargs) -> LLM:
+    """An engine with one graph bucket (the batch) and `batch` random prompts of `prompt_len`
+    tokens queued, each generating enough tokens for `steps` decode steps."""
     llm = LLM(model, load_format="dummy", enforce_eager=enforce_eager, max_model_len=4096, max_num_seqs=max(batch, 1),
-              cuda_graph_sizes=[batch], kv_cache_memory_bytes=kv_cache_bytes, async_scheduling=False, **spec)
+              cuda_graph_sizes=[batch], kv_cache_memory_bytes=kv_cache_bytes, async_scheduling=async_scheduling,
+              **engine_kwargs)
     engine = llm.llm_engine
-    device = engine.device
-    sync = lambda: synchronize(device)  # noqa: E731
     gen = torch.Generator().manual_seed(0)
     for i in range(batch):
         ids = torch.randint(10, engine.vocab_size, (prompt_len,), generator=gen).tolist()
         engine.add_request(f"r{i}", {"prompt_token_ids": ids},
                            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    return llm
+
+
+def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len: int, spec_k: int = 0,
+            kv_cache_bytes: int = 8 * 1024**3) -> dict:
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": spec_k}} if spec_k else {}
+    # Synchronous steps: "step" is one whole engine step (async scheduling would overlap two).
+    llm = engine_with_requests(model, batch, enforce_eager, steps, prompt_len, kv_cache_bytes, False, **spec)
+    engine = llm.llm_engine
+    device = engine.device
+    sync = lambda: synchronize(device)  # noqa: E731
     engine.step()  # prefill
     if spec_k:
         engine.step()  # the first verify step (drafts exist from here on)
@@ -99,9 +108,7 @@ def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len:
     while engine.has_unfinished_requests():
         engine.step()
     del llm, engine, runner
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_device_memory()
     return {"batch": batch, "mode": "eager" if enforce_eager else "graph", "spec_k": spec_k,
             "acceptance_rate": acceptance,
             "step_ms_median": 1e3 * statistics.median(step_times[2:]),
@@ -117,14 +124,8 @@ def measure_async(model: str, batch: int, enforce_eager: bool, steps: int, promp
     GPU runs step n) and no per-step sync. The interval between successive `step()` returns, median
     over the steady-state decode steps, is the time per generated token of each sequence: it is the
     larger of the host's and the GPU's share, whichever bounds decode throughput."""
-    llm = LLM(model, load_format="dummy", enforce_eager=enforce_eager, max_model_len=4096, max_num_seqs=max(batch, 1),
-              cuda_graph_sizes=[batch], kv_cache_memory_bytes=kv_cache_bytes, async_scheduling=True)
+    llm = engine_with_requests(model, batch, enforce_eager, steps, prompt_len, kv_cache_bytes, True)
     engine = llm.llm_engine
-    gen = torch.Generator().manual_seed(0)
-    for i in range(batch):
-        ids = torch.randint(10, engine.vocab_size, (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"a{i}", {"prompt_token_ids": ids},
-                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
     for _ in range(3):  # the prefill, then the pipeline fills
         engine.step()
     synchronize(engine.device)
@@ -136,9 +137,7 @@ def measure_async(model: str, batch: int, enforce_eager: bool, steps: int, promp
     while engine.has_unfinished_requests():
         engine.step()
     del llm, engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_device_memory()
     return {"async_step_ms_median": 1e3 * statistics.median(intervals[1:]),
             "async_tokens_per_s": batch / statistics.median(intervals[1:])}
 

@@ -171,7 +171,7 @@ def kernel_timeline(events, steps: int) -> str:
 def decode_profile(args, out) -> None:
     lines = []
     spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": args.spec_k}} if args.spec_k else {}
-    for eager in ((False,) if args.spec_k else (True, False)):
+    for eager in ((False,) if args.spec_k or args.graphs_only else (True, False)):
         llm = LLM(args.model, load_format="dummy", max_model_len=4096, max_num_seqs=1, cuda_graph_sizes=[1],
                   enforce_eager=eager, kv_cache_memory_bytes=4 * 1024**3, **spec)
         engine = llm.llm_engine
@@ -304,6 +304,7 @@ def main() -> None:
     parser.add_argument("--spec-k", type=int, default=0, help="profile speculative (MTP) decode steps, graphs only")
     parser.add_argument("--no-profiler", dest="profiler", action="store_false",
                         help="time the steps only (the profiler's per-op overhead inflates host-bound steps)")
+    parser.add_argument("--graphs-only", action="store_true", help="decode profile: the graph replay only")
     parser.add_argument("--decode-only", action="store_true", help="seed profile: record only the decode phase")
     parser.add_argument("--shapes", action="store_true", help="seed profile: also aten ops grouped by input shape")
     parser.add_argument("--only", default="seed,decode")

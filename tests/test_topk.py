@@ -157,6 +157,27 @@ def test_select_starts_below_the_bits_candidates_share(path):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("path", ["standard", "persistent"])
+def test_search_stops_early_where_exactly_k_keys_reach_it(path):
+    """The searches stop once exactly k keys reach the threshold and take the k-th as their
+    minimum. Distinct integer and dyadic scores have keys with many trailing zero bits, so the
+    k-th key often equals a search threshold exactly (a strict comparison there would lose it);
+    continuous scores stop early on most rows."""
+    gen = torch.Generator().manual_seed(21)
+    width = 2600
+    rows = torch.stack([
+        torch.randperm(width, generator=gen).float(),                    # 0 .. width-1
+        torch.randperm(width, generator=gen).float() * 0.125 - 100.0,    # dyadic, negative and positive
+        torch.randperm(width, generator=gen).float() + 4096.0,           # one binade: long shared prefix
+        torch.randn(width, generator=gen),
+    ])
+    lengths = torch.tensor([width, 2000, width, 2500], dtype=torch.int32)
+    for k in (64, 100, 256):
+        op = IndexerTopK(4, width, k, backend=path, device="cpu", num_programs=3, _tile=1024)
+        assert_topk_valid(op(rows, lengths).clone(), rows, lengths, k)
+
+
+@needs_interpreter
 def test_lengths_around_k_and_chunk_edges():
     gen = torch.Generator().manual_seed(3)
     k, width = 32, 2200

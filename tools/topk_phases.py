@@ -41,6 +41,9 @@ def main() -> None:
     ap.add_argument("--paths", default="persistent,standard")
     ap.add_argument("--variants", action="store_true",
                     help="also the persistent path with other grids, chunks and register caps")
+    ap.add_argument("--step-cost", action="store_true",
+                    help="also the persistent path with fewer search steps (inexact; timing only) and other warps")
+    ap.add_argument("--ks", default="512,1024")
     ap.add_argument("--shapes", default=None, help="e.g. 8x262144,1x65536 (default: the built-in list)")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -49,11 +52,15 @@ def main() -> None:
         runs += [("persistent", {"num_programs": sms}), ("persistent", {"_maxnreg": 128}),
                  ("persistent", {"_maxnreg": 128, "_tile": 4096, "num_programs": 4 * sms}),
                  ("persistent", {"_tile": 4096, "num_programs": 4 * sms})]
+    if args.step_cost:  # what one search step costs: fewer steps (inexact results), other warp counts
+        runs += [("persistent", {"_lb_steps": 4}), ("persistent", {"_exact_steps": 8}),
+                 ("persistent", {"_lb_steps": 4, "_exact_steps": 8}), ("persistent", {"_warps": 4}),
+                 ("persistent", {"_warps": 16})]
     shapes = SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(","))
     results = []
-    for k in (512, 1024):
+    for k in (int(x) for x in args.ks.split(",")):
         for rows, width in shapes:
             scores = torch.randn(rows, width, device="cuda")
             lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")

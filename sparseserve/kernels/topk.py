@@ -147,7 +147,11 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _search(key, K, STEPS: tl.constexpr, low_key, high_key):
-        """Largest t = (top 2*STEPS bits of 32, rest zero) with count(key - KEY_MIN >= t) >= K.
+        """A t with count(key - KEY_MIN >= t) >= K: the largest such t with only its top 2*STEPS
+        bits set, or, when the search meets a t with exactly K keys >= t, the K-th largest key
+        itself (their minimum, one more reduction; it ends the search early: on continuous
+        scores after ~10 of the 16 exact steps, each of which costs ~0.4 us on the H200).
+        Either is a valid lower bound; with STEPS = 16 both are the K-th largest exactly.
 
         key: int32 order-preserving keys (lanes to ignore hold KEY_MIN, below every t >= 1);
         t lives in u-space [0, 2**32). low_key <= every counted key <= high_key: the bits the
@@ -170,19 +174,27 @@ if _HAVE_TRITON:
         level1 = tl.full([], 1, tl.int64)
         level2 = tl.full([], 1 + (1 << 21), tl.int64)
         level3 = tl.full([], 1 + (1 << 21) + (1 << 42), tl.int64)
+        at_res = tl.full([], -1, tl.int64)  # keys >= res once a step has counted them (-1: not yet)
         for i in range(STEPS):
             if i >= start:
-                unit = tl.full([], 1, tl.int64) << (30 - 2 * i)  # int64 (3 << 30 is no int32)
-                t1 = (res + unit + _KEY_MIN).to(tl.int32)
-                t2 = (res + 2 * unit + _KEY_MIN).to(tl.int32)
-                t3 = (res + 3 * unit + _KEY_MIN).to(tl.int32)
-                level = tl.where(key >= t3, level3, tl.where(key >= t2, level2, tl.where(key >= t1, level1, level0)))
-                s = tl.sum(level, axis=0)
-                c1 = s & 0x1FFFFF
-                c2 = (s >> 21) & 0x1FFFFF
-                c3 = s >> 42
-                d = tl.where(c3 >= K, 3, tl.where(c2 >= K, 2, tl.where(c1 >= K, 1, 0)))
-                res = res + d.to(tl.int64) * unit
+                if at_res != K:
+                    unit = tl.full([], 1, tl.int64) << (30 - 2 * i)  # int64 (3 << 30 is no int32)
+                    t1 = (res + unit + _KEY_MIN).to(tl.int32)
+                    t2 = (res + 2 * unit + _KEY_MIN).to(tl.int32)
+                    t3 = (res + 3 * unit + _KEY_MIN).to(tl.int32)
+                    level = tl.where(key >= t3, level3,
+                                     tl.where(key >= t2, level2, tl.where(key >= t1, level1, level0)))
+                    s = tl.sum(level, axis=0)
+                    c1 = s & 0x1FFFFF
+                    c2 = (s >> 21) & 0x1FFFFF
+                    c3 = s >> 42
+                    d = tl.where(c3 >= K, 3, tl.where(c2 >= K, 2, tl.where(c1 >= K, 1, 0)))
+                    res = res + d.to(tl.int64) * unit
+                    at_res = tl.where(d == 3, c3, tl.where(d == 2, c2, tl.where(d == 1, c1, at_res)))
+        if at_res == K:
+            # Exactly K keys reach res (res > 0, so no ignored lane does): the K-th is their minimum.
+            kth = tl.min(tl.where(key >= (res + _KEY_MIN).to(tl.int32), key, 2147483647), axis=0)
+            res = kth.to(tl.int64) - _KEY_MIN
         return res
 
     @triton.jit
@@ -196,11 +208,12 @@ if _HAVE_TRITON:
         return tl.maximum(u_res + _KEY_MIN, _NEG_INF_KEY).to(tl.int32)
 
     @triton.jit
-    def _exact_kth(v, m, K, lo):
-        """The K-th largest of the fp32 block v over mask m (count(m) >= K, each v > lo): its value."""
+    def _exact_kth(v, m, K, lo, STEPS: tl.constexpr):
+        """The K-th largest of the fp32 block v over mask m (count(m) >= K, each v > lo): its value.
+        (STEPS < 16 only in timing experiments: the result is then not exact.)"""
         key = tl.where(m, _keys(v), _KEY_MIN)
         high = tl.max(key, axis=0)
-        return _key_float((_search(key, K, 16, _keys(lo), high) + _KEY_MIN).to(tl.int32))
+        return _key_float((_search(key, K, STEPS, _keys(lo), high) + _KEY_MIN).to(tl.int32))
 
     @triton.jit
     def _load_scores(ptr, c, s, n, BLOCK: tl.constexpr):
@@ -243,7 +256,7 @@ if _HAVE_TRITON:
         pm = p < total
         v = tl.load(cv + p, mask=pm, other=float("-inf"))
         idx = tl.load(ci + p, mask=pm, other=0)
-        thr = _exact_kth(v, pm, K, lo)
+        thr = _exact_kth(v, pm, K, lo, 16)
         n_gt = tl.sum((pm & (v > thr)).to(tl.int32), axis=0)
         _select_write(v, idx, pm, thr, n_gt, K - n_gt, orow)
 
@@ -443,7 +456,7 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo, K, offs, ONE,
-                  CHUNK: tl.constexpr, B: tl.constexpr):
+                  CHUNK: tl.constexpr, B: tl.constexpr, EXACT_STEPS: tl.constexpr):
         """The persistent path's row finish, by the row's last chunk: its `total` <= B candidates
         (v, idx: the buffer's first B slots; chunk runs in arrival order) are put in index order,
         the K-th score is selected among them and the row is written."""
@@ -460,7 +473,7 @@ if _HAVE_TRITON:
             tl.store(orow + pos, idx, mask=pm)
             _write_ties(srow, offs, n, lo, total, K - total, orow, CHUNK)  # rare: many equal scores
         else:
-            thr = _exact_kth(v, pm, K, lo)
+            thr = _exact_kth(v, pm, K, lo, EXACT_STEPS)
             n_gt = tl.sum((pm & (v > thr)).to(tl.int32), axis=0)
             # Put the candidates in index order (in place), then write.
             tl.debug_barrier()
@@ -477,7 +490,7 @@ if _HAVE_TRITON:
         W, n_items, CPR,
         ONE,
         K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr, C: tl.constexpr, CPR_P2: tl.constexpr,
-        FB: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
+        FB: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, EXACT_STEPS: tl.constexpr,
     ):
         """Launch 2: every chunk compacts its entries above the row's bound into the row's
         candidate buffer (at a base taken with an atomic); the last chunk of the row to arrive
@@ -531,12 +544,12 @@ if _HAVE_TRITON:
                         if total <= C // 2:
                             # The usual case (about 1.25 K candidates): half the block, half the work.
                             _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo,
-                                      K, offs, ONE, CHUNK, C // 2)
+                                      K, offs, ONE, CHUNK, C // 2, EXACT_STEPS)
                         elif total <= C:
                             v_all = tl.load(cv + p, cache_modifier=".cg")
                             idx_all = tl.load(ci + p, cache_modifier=".cg")
                             _p_finish(v_all, idx_all, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo,
-                                      K, offs, ONE, CHUNK, C)
+                                      K, offs, ONE, CHUNK, C, EXACT_STEPS)
                         else:
                             _exact_row(srow, n, orow, K, FALLBACK_BLOCK)  # too many candidates: exact, slow
             else:
@@ -739,6 +752,8 @@ class IndexerTopK:
         _cap: int | None = None,
         _warps: int | None = None,
         _maxnreg: int | None = None,
+        _lb_steps: int = LB_STEPS,
+        _exact_steps: int = 16,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -774,6 +789,10 @@ class IndexerTopK:
         if _maxnreg is not None and _maxnreg not in (64, 96, 128, 168):
             raise ValueError(f"_maxnreg must be 64, 96, 128 or 168, got {_maxnreg!r}")
         self._select_launch_options = {} if _maxnreg is None else {"maxnreg": _maxnreg}
+        # Timing experiments only (persistent path): fewer search steps cost less and are not exact.
+        if not (1 <= _lb_steps <= LB_STEPS and 1 <= _exact_steps <= 16):
+            raise ValueError(f"_lb_steps must be in 1..{LB_STEPS} and _exact_steps in 1..16")
+        self._lb_steps, self._exact_steps = _lb_steps, _exact_steps
         self.cap = _cap or _capacity(k)
         self.out = torch.full((max_rows, k), -1, dtype=torch.int32, device=self.device)
         self.num_programs = 0
@@ -853,7 +872,7 @@ class IndexerTopK:
         bound_items = rows * bound_cpr
         _p_bound_kernel[(min(self.num_programs, bound_items),)](
             scores, scores.stride(0), lengths, ws, width, bound_items, bound_cpr,
-            K=self.k, CHUNK=bound_chunk, G=self.groups, WS=self._ws_stride, LB_STEPS=LB_STEPS,
+            K=self.k, CHUNK=bound_chunk, G=self.groups, WS=self._ws_stride, LB_STEPS=self._lb_steps,
             num_warps=self._warps or 8,
         )
         grid = (min(self.num_programs, n_items),)
@@ -861,7 +880,8 @@ class IndexerTopK:
             scores, scores.stride(0), lengths, ws, self.chunk_info, self.cand_v, self.cand_i, out, out.stride(0),
             width, n_items, cpr, 1,
             K=self.k, CHUNK=chunk, WS=self._ws_stride, C=self.cap, CPR_P2=self._cpr_p2,
-            FB=min(1024, _next_pow2(self.k)), FALLBACK_BLOCK=FALLBACK_BLOCK, num_warps=warps,
+            FB=min(1024, _next_pow2(self.k)), FALLBACK_BLOCK=FALLBACK_BLOCK, EXACT_STEPS=self._exact_steps,
+            num_warps=warps,
             **self._select_launch_options,
         )
 

@@ -159,10 +159,10 @@ def test_select_starts_below_the_bits_candidates_share(path):
 @needs_interpreter
 @pytest.mark.parametrize("path", ["standard", "persistent"])
 def test_search_stops_early_where_exactly_k_keys_reach_it(path):
-    """The searches stop once exactly k keys reach the threshold and take the k-th as their
-    minimum. Distinct integer and dyadic scores have keys with many trailing zero bits, so the
-    k-th key often equals a search threshold exactly (a strict comparison there would lose it);
-    continuous scores stop early on most rows."""
+    """The searches stop once exactly k keys reach the threshold: the select writes those k
+    entries, the bound takes the k-th as their minimum. Distinct integer and dyadic scores have
+    keys with many trailing zero bits, so the k-th key often equals a search threshold exactly
+    (a strict comparison there would lose it); continuous scores stop early on most rows."""
     gen = torch.Generator().manual_seed(21)
     width = 2600
     rows = torch.stack([
@@ -175,6 +175,15 @@ def test_search_stops_early_where_exactly_k_keys_reach_it(path):
     for k in (64, 100, 256):
         op = IndexerTopK(4, width, k, backend=path, device="cpu", num_programs=3, _tile=1024)
         assert_topk_valid(op(rows, lengths).clone(), rows, lengths, k)
+    # Fewer columns than groups: the group maxima are the scores, distinct integers of 8
+    # significant bits, so the bound's 16-bit search meets a threshold with exactly k maxima
+    # above it, equal to the k-th of them; a bound one above it would cut off a top-k entry.
+    short = torch.cat([torch.arange(128, 256).float(), torch.rand(172, generator=gen) * 100.0])
+    short = short[torch.randperm(300, generator=gen)].unsqueeze(0)
+    short_lengths = torch.tensor([300], dtype=torch.int32)
+    for k in (16, 37):
+        op = IndexerTopK(1, 300, k, backend=path, device="cpu", num_programs=3)
+        assert_topk_valid(op(short, short_lengths).clone(), short, short_lengths, k)
 
 
 @needs_interpreter

@@ -16,9 +16,8 @@ facts (max_rows, max_width) only (invariant 3), and ``.path`` says what it picke
 returned view is overwritten by the next call. Calls must be stream-ordered (the standard
 path's candidate buffer is shared by the instances on one device).
 
-Both Triton paths compute the same function, in the same output order: the indices with
-score above the k-th score T in increasing index order, then the indices with score == T
-in increasing index order (as many as fill k).
+Both Triton paths compute the same function and write the chosen indices in increasing
+index order, whichever branch below a row takes (deterministic, and the same on both paths).
 
 Algorithm (both paths), for a row of n > k valid scores:
 1. **Bound.** Split the row into G strided groups (column mod G) and take each group's
@@ -26,16 +25,20 @@ Algorithm (both paths), for a row of n > k valid scores:
    reach it, so at least k scores are >= lo. On random rows few scores pass it (about
    k * (1 + k / 2G)); strided groups keep that true when the large scores cluster in one
    stretch of positions (recent tokens). ``lo`` is found by a 2-bit-per-step search over
-   the top 16 bits of the order-preserving int32 key (rounding it down keeps it a bound).
+   the top 16 bits of the order-preserving int32 key (rounding it down keeps it a bound), or
+   is the k-th group maximum itself where the search meets exactly k maxima.
 2. **Compact.** One pass writes the entries with score > lo (value and column) to a
    candidate buffer of capacity C = max(1024, 4k), in index order.
 3. **Select.** With ``total`` candidates:
-   * total >= k (the usual case): T = the exact k-th largest candidate (a 32-bit search
-     over the buffer, 16 steps less the leading bits that lo and the largest candidate
-     share), then the buffer is written out by the tie rule. Rows whose candidates fit half
-     the buffer (the usual ~1.25k of C >= 4k) do this on a half-width block.
-   * total < k: T == lo (many equal scores): every candidate, then the first k - total
-     columns with score == lo (a scan that stops once enough are found).
+   * total >= k (the usual case): a 32-bit search over the buffer for the k-th largest
+     candidate (2 bits per step, starting below the leading bits that lo and the largest
+     candidate share). It stops as soon as exactly k candidates reach its threshold: those
+     are the top k, written in one pass (continuous scores: after ~10 of 16 steps, one
+     block reduction each). Otherwise ties straddle T, the k-th score: the entries > T and
+     the first ties by index. Rows whose candidates fit half the buffer (the usual ~1.25k
+     of C >= 4k) do this on a half-width block.
+   * total < k: T == lo (many equal scores): a scan of the row writes the entries > lo and
+     the first k - total with score == lo, and stops once k are written.
    * total > C (adversarial rows, e.g. large scores on a period that divides G): an exact
      one-program radix select over the row (four 256-bin histogram passes and a write pass;
      correct, slow).
@@ -146,22 +149,24 @@ if _HAVE_TRITON:
         return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _search(key, K, STEPS: tl.constexpr, low_key, high_key):
-        """A t with count(key - KEY_MIN >= t) >= K: the largest such t with only its top 2*STEPS
-        bits set, or, when the search meets a t with exactly K keys >= t, the K-th largest key
-        itself (their minimum, one more reduction; it ends the search early: on continuous
-        scores after ~10 of the 16 exact steps, each of which costs ~0.4 us on the H200).
-        Either is a valid lower bound; with STEPS = 16 both are the K-th largest exactly.
+    def _search_steps(key, K, STEPS: tl.constexpr, low_key, high_key, n_counted):
+        """(res, at_res): the largest res (u-space [0, 2**32), only its top 2*STEPS bits set) with
+        count(key - KEY_MIN >= res) >= K, or the first res met with exactly K keys >= it, where the
+        search stops early (at_res == K: those K keys are the top K, whatever their ties). On
+        continuous scores the exact search (STEPS = 16) stops after ~10 steps; each step costs
+        ~0.4 us on the H200. at_res: the count at res, kept exact from the start, so whether the
+        search stops early depends on the keys only (at the K-th largest key T the count is K
+        exactly when no tie straddles T), never on where it started. With STEPS = 16 and
+        at_res != K, res is the K-th largest u exactly.
 
-        key: int32 order-preserving keys (lanes to ignore hold KEY_MIN, below every t >= 1);
-        t lives in u-space [0, 2**32). low_key <= every counted key <= high_key: the bits the
-        two share are the answer's, so the search starts below them (a candidate block of
-        random scores skips about 4 of its 16 steps). Two bits per step: the three thresholds
-        are compared in int32, and each key adds its level (how many thresholds it reaches) to
-        three 21-bit counters packed in one int64, so a step costs a single block reduction.
-        (A tuple reduction of two int32 counters would be leaner on the GPU, but the CPU
-        interpreter runs custom reductions element by element, 40x slower.) With STEPS = 16
-        the result is the K-th largest u exactly.
+        key: int32 order-preserving keys (lanes to ignore hold KEY_MIN, below every res >= 1).
+        low_key <= every counted key <= high_key: the bits the two share are the answer's, so
+        the search starts below them. n_counted: how many keys lie in [low_key, high_key] (the
+        rest hold KEY_MIN). Two bits per step: the three thresholds are compared in
+        int32, and each key adds its level (how many thresholds it reaches) to three 21-bit
+        counters packed in one int64, so a step costs a single block reduction. (A tuple
+        reduction of two int32 counters would be leaner on the GPU, but the CPU interpreter runs
+        custom reductions element by element, 40x slower.)
         """
         diff = (low_key ^ high_key).to(tl.int64) & 0xFFFFFFFF
         start = 0
@@ -174,7 +179,8 @@ if _HAVE_TRITON:
         level1 = tl.full([], 1, tl.int64)
         level2 = tl.full([], 1 + (1 << 21), tl.int64)
         level3 = tl.full([], 1 + (1 << 21) + (1 << 42), tl.int64)
-        at_res = tl.full([], -1, tl.int64)  # keys >= res once a step has counted them (-1: not yet)
+        # Every counted key reaches the start; at u = 0 the ignored lanes do too.
+        at_res = tl.where(res > 0, n_counted, key.numel).to(tl.int64)
         for i in range(STEPS):
             if i >= start:
                 if at_res != K:
@@ -191,16 +197,19 @@ if _HAVE_TRITON:
                     d = tl.where(c3 >= K, 3, tl.where(c2 >= K, 2, tl.where(c1 >= K, 1, 0)))
                     res = res + d.to(tl.int64) * unit
                     at_res = tl.where(d == 3, c3, tl.where(d == 2, c2, tl.where(d == 1, c1, at_res)))
+        return res, at_res
+
+    @triton.jit
+    def _bound_search(key, K, STEPS: tl.constexpr):
+        """A lower bound (u-space) of the K-th largest key, every int32 key possible: the
+        STEPS-step search, or after an early stop the K-th largest itself (the minimum of the K
+        keys that reach res: one reduction, and a tighter bound than res)."""
+        res, at_res = _search_steps(key, K, STEPS, tl.full([], -2147483648, tl.int32),
+                                    tl.full([], 2147483647, tl.int32), key.numel)
         if at_res == K:
-            # Exactly K keys reach res (res > 0, so no ignored lane does): the K-th is their minimum.
             kth = tl.min(tl.where(key >= (res + _KEY_MIN).to(tl.int32), key, 2147483647), axis=0)
             res = kth.to(tl.int64) - _KEY_MIN
         return res
-
-    @triton.jit
-    def _search_all(key, K, STEPS: tl.constexpr):
-        """_search with no known interval (every int32 key possible)."""
-        return _search(key, K, STEPS, tl.full([], -2147483648, tl.int32), tl.full([], 2147483647, tl.int32))
 
     @triton.jit
     def _bound_key(u_res):
@@ -208,12 +217,20 @@ if _HAVE_TRITON:
         return tl.maximum(u_res + _KEY_MIN, _NEG_INF_KEY).to(tl.int32)
 
     @triton.jit
-    def _exact_kth(v, m, K, lo, STEPS: tl.constexpr):
-        """The K-th largest of the fp32 block v over mask m (count(m) >= K, each v > lo): its value.
-        (STEPS < 16 only in timing experiments: the result is then not exact.)"""
-        key = tl.where(m, _keys(v), _KEY_MIN)
+    def _kth_search(key, n_valid, K, lo, STEPS: tl.constexpr):
+        """The exact search over a block of n_valid >= K keys of scores > lo (the other lanes
+        hold KEY_MIN): (t, exact_set) with t an int32 key. exact_set: the K keys >= t are the
+        top K (the usual case; no tie to break); else t is the K-th largest key (ties straddle
+        it). (STEPS < 16 only in timing experiments: the result is then not exact.)"""
         high = tl.max(key, axis=0)
-        return _key_float((_search(key, K, STEPS, _keys(lo), high) + _KEY_MIN).to(tl.int32))
+        res, at_res = _search_steps(key, K, STEPS, _keys(lo), high, n_valid)
+        return (res + _KEY_MIN).to(tl.int32), at_res == K
+
+    @triton.jit
+    def _write_set(sel, idx, orow):
+        """Write the selected entries of one index-ordered block to slots 0.. in index order."""
+        rank = tl.cumsum(sel.to(tl.int32), axis=0)
+        tl.store(orow + rank - 1, idx, mask=sel)
 
     @triton.jit
     def _load_scores(ptr, c, s, n, BLOCK: tl.constexpr):
@@ -239,41 +256,50 @@ if _HAVE_TRITON:
         return total + count
 
     @triton.jit
-    def _select_write(v, idx, m, thr, n_gt, need_eq, orow):
-        """Write one index-ordered block: entries > thr to slots [0, n_gt), then the first
-        need_eq entries == thr to slots [n_gt, n_gt + need_eq)."""
-        is_gt = (m & (v > thr)).to(tl.int32)
-        is_eq = (m & (v == thr)).to(tl.int32)
-        rank_gt = tl.cumsum(is_gt, axis=0)
-        rank_eq = tl.cumsum(is_eq, axis=0)
-        tl.store(orow + rank_gt - 1, idx, mask=(is_gt != 0) & (rank_gt <= n_gt))
-        tl.store(orow + n_gt + rank_eq - 1, idx, mask=(is_eq != 0) & (rank_eq <= need_eq))
+    def _select_write(key, idx, t, exact_set, K, orow):
+        """Write the top K of one index-ordered block of keys (from _kth_search's t and
+        exact_set) to slots 0.. in index order. Ignored lanes hold KEY_MIN, below every t here
+        (t is a candidate's key, or a search threshold >= 1 in u-space)."""
+        if exact_set:
+            sel = key >= t
+        else:  # ties straddle the K-th key t: the entries above it, then the lowest-index ties
+            is_gt = key > t
+            is_eq = key == t
+            n_gt = tl.sum(is_gt.to(tl.int32), axis=0)
+            rank_eq = tl.cumsum(is_eq.to(tl.int32), axis=0)
+            sel = is_gt | (is_eq & (rank_eq <= K - n_gt))
+        _write_set(sel, idx, orow)
 
     @triton.jit
     def _select_buffer(cv, ci, total, lo, orow, K, ONE, B: tl.constexpr):
         """Write a row from its first `total` (K <= total <= B) index-ordered candidates (each > lo)."""
         p = tl.arange(0, B) * ONE
         pm = p < total
-        v = tl.load(cv + p, mask=pm, other=float("-inf"))
-        idx = tl.load(ci + p, mask=pm, other=0)
-        thr = _exact_kth(v, pm, K, lo, 16)
-        n_gt = tl.sum((pm & (v > thr)).to(tl.int32), axis=0)
-        _select_write(v, idx, pm, thr, n_gt, K - n_gt, orow)
+        key = tl.where(pm, _keys(tl.load(cv + p, mask=pm, other=0.0)), _KEY_MIN)
+        t, exact_set = _kth_search(key, total, K, lo, 16)
+        idx = tl.load(ci + p, mask=pm, other=0)  # after the search: fewer live registers in it
+        _select_write(key, idx, t, exact_set, K, orow)
 
     @triton.jit
-    def _write_ties(srow, offs, n, thr, slot0, need_eq, orow, BLOCK: tl.constexpr):
-        """orow[slot0 + j] = the j-th column (by index) whose score == thr, j < need_eq.
+    def _write_chosen(srow, offs, n, thr, need_eq, orow, K, BLOCK: tl.constexpr):
+        """A scan of the row that writes its entries > thr and its first need_eq entries == thr
+        (the lower indices win) to slots 0.. in index order, and stops once K slots are written:
+        for rows whose ties straddle thr and whose candidates do not hold the answer.
         offs: arange(BLOCK) in the scan/scatter layout (see ONE)."""
         run = 0
+        run_eq = 0
         for s in range(0, n, BLOCK):
-            if run < need_eq:
+            if run < K:
                 c = s + offs
                 m = c < n
                 x = tl.load(srow + c, mask=m, other=0.0)
-                is_eq = (m & (x == thr)).to(tl.int32)
-                rank = run + tl.cumsum(is_eq, axis=0)
-                tl.store(orow + slot0 + rank - 1, c, mask=(is_eq != 0) & (rank <= need_eq))
-                run += tl.sum(is_eq, axis=0)
+                is_eq = m & (x == thr)
+                rank_eq = run_eq + tl.cumsum(is_eq.to(tl.int32), axis=0)
+                sel = (m & (x > thr)) | (is_eq & (rank_eq <= need_eq))
+                rank = run + tl.cumsum(sel.to(tl.int32), axis=0)
+                tl.store(orow + rank - 1, c, mask=sel)
+                run += tl.sum(sel.to(tl.int32), axis=0)
+                run_eq += tl.sum(is_eq.to(tl.int32), axis=0)
 
     @triton.jit
     def _fill(out_row, lo, hi, value, K: tl.constexpr, FB: tl.constexpr):
@@ -345,19 +371,7 @@ if _HAVE_TRITON:
         h = _row_hist(srow, n, prefix, 3, BLOCK)
         d, above = _pick_digit(h, kr)
         thr = _key_float(_extend(prefix, d, 3))  # the K-th largest score
-        need_eq = kr - above
-        n_gt = K - need_eq
-        offs = tl.arange(0, BLOCK)
-        gt_run = 0
-        for s in range(0, n, BLOCK):
-            c = s + offs
-            m = c < n
-            x = tl.load(srow + c, mask=m, other=0.0)
-            is_gt = (m & (x > thr)).to(tl.int32)
-            rank_gt = gt_run + tl.cumsum(is_gt, axis=0)
-            tl.store(orow + rank_gt - 1, c, mask=(is_gt != 0) & (rank_gt <= n_gt))
-            gt_run += tl.sum(is_gt, axis=0)
-        _write_ties(srow, tl.arange(0, BLOCK), n, thr, n_gt, need_eq, orow, BLOCK)
+        _write_chosen(srow, tl.arange(0, BLOCK), n, thr, kr - above, orow, K, BLOCK)
 
     # ---- standard path: one program per row (grid-stride when rows exceed the grid)
 
@@ -377,7 +391,6 @@ if _HAVE_TRITON:
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         offs1 = tl.arange(0, BLOCK) * ONE
-        p = tl.arange(0, C) * ONE
         cv = cand_v_ptr + tl.cast(pid, tl.int64) * C
         ci = cand_i_ptr + tl.cast(pid, tl.int64) * C
         for row in range(pid, R, nprog):
@@ -393,7 +406,7 @@ if _HAVE_TRITON:
                     x0 = _load_scores(srow, s + offs1, s, n, BLOCK)
                     x1 = _load_scores(srow, s + BLOCK + offs1, s + BLOCK, n, BLOCK)
                     gmax = tl.maximum(gmax, tl.maximum(x0, x1))
-                lo = _key_float(_bound_key(_search_all(_keys(gmax), K, LB_STEPS)))
+                lo = _key_float(_bound_key(_bound_search(_keys(gmax), K, LB_STEPS)))
                 # Pass 2: compact the entries above the bound, in index order.
                 total = 0
                 tl.debug_barrier()  # the previous row's reads of the candidate buffer are done
@@ -403,13 +416,11 @@ if _HAVE_TRITON:
                     total = _compact(x0, s + offs1, lo, total, cv, ci, C)
                     total = _compact(x1, s + BLOCK + offs1, lo, total, cv, ci, C)
                 tl.debug_barrier()
-                pm = p < total
                 if total > C:
                     _exact_row(srow, n, orow, K, FALLBACK_BLOCK)  # too many candidates: exact, slow
                 elif total < K:
-                    # The K-th score is the bound itself: every candidate, then the first ties.
-                    tl.store(orow + p, tl.load(ci + p, mask=pm, other=0), mask=pm)
-                    _write_ties(srow, offs1, n, lo, total, K - total, orow, BLOCK)
+                    # The K-th score is the bound itself: the entries above it and the first ties.
+                    _write_chosen(srow, tl.arange(0, FALLBACK_BLOCK) * ONE, n, lo, K - total, orow, K, FALLBACK_BLOCK)
                 elif total <= C // 2:
                     # The usual case (about 1.25 K candidates): half the block, half the select's work.
                     _select_buffer(cv, ci, total, lo, orow, K, ONE, C // 2)
@@ -452,37 +463,34 @@ if _HAVE_TRITON:
                     mk = tl.load(wrow + _WS_GMAX + gidx, cache_modifier=".cg")
                     # 2 * mk + KEY_MIN is a key <= the group's maximum (KEY_MIN: an empty group).
                     key = (mk.to(tl.int64) * 2 + _KEY_MIN).to(tl.int32)
-                    tl.store(wrow + _WS_BOUND, _bound_key(_search_all(key, K, LB_STEPS)))
+                    tl.store(wrow + _WS_BOUND, _bound_key(_bound_search(key, K, LB_STEPS)))
 
     @triton.jit
     def _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo, K, offs, ONE,
                   CHUNK: tl.constexpr, B: tl.constexpr, EXACT_STEPS: tl.constexpr):
         """The persistent path's row finish, by the row's last chunk: its `total` <= B candidates
         (v, idx: the buffer's first B slots; chunk runs in arrival order) are put in index order,
-        the K-th score is selected among them and the row is written."""
-        p = tl.arange(0, B) * ONE
-        # Index-order position of candidate q: its rank in its chunk's run plus the candidates
-        # of the earlier chunks.
-        tl.store(cinfo_ptr + (first + cidx) * 4 + 3, tl.cumsum(cnt, axis=0) - cnt - bas, mask=cm)
-        tl.debug_barrier()
-        pm = p < total
-        v = tl.where(pm, v, float("-inf"))
-        pos = p + tl.load(cinfo_ptr + (first + idx // CHUNK) * 4 + 3, mask=pm, other=0, cache_modifier=".cg")
+        the top K are found among them and written in index order."""
         if total < K:
-            # The K-th score is the bound: every candidate, then the first ties.
-            tl.store(orow + pos, idx, mask=pm)
-            _write_ties(srow, offs, n, lo, total, K - total, orow, CHUNK)  # rare: many equal scores
+            # The K-th score is the bound: the entries above it and the first ties (rare: many equal scores).
+            _write_chosen(srow, offs, n, lo, K - total, orow, K, CHUNK)
         else:
-            thr = _exact_kth(v, pm, K, lo, EXACT_STEPS)
-            n_gt = tl.sum((pm & (v > thr)).to(tl.int32), axis=0)
+            p = tl.arange(0, B) * ONE
+            # Index-order position of candidate q: its rank in its chunk's run plus the candidates
+            # of the earlier chunks.
+            tl.store(cinfo_ptr + (first + cidx) * 4 + 3, tl.cumsum(cnt, axis=0) - cnt - bas, mask=cm)
+            tl.debug_barrier()
+            pm = p < total
+            pos = p + tl.load(cinfo_ptr + (first + idx // CHUNK) * 4 + 3, mask=pm, other=0, cache_modifier=".cg")
+            t, exact_set = _kth_search(tl.where(pm, _keys(v), _KEY_MIN), total, K, lo, EXACT_STEPS)
             # Put the candidates in index order (in place), then write.
             tl.debug_barrier()
             tl.store(cv + pos, v, mask=pm)
             tl.store(ci + pos, idx, mask=pm)
             tl.debug_barrier()
-            v = tl.load(cv + p, mask=pm, other=float("-inf"), cache_modifier=".cg")
+            key = tl.where(pm, _keys(tl.load(cv + p, mask=pm, other=0.0, cache_modifier=".cg")), _KEY_MIN)
             idx = tl.load(ci + p, mask=pm, other=0, cache_modifier=".cg")
-            _select_write(v, idx, pm, thr, n_gt, K - n_gt, orow)
+            _select_write(key, idx, t, exact_set, K, orow)
 
     @triton.jit(do_not_specialize=["W", "n_items", "CPR", "ONE"])
     def _p_select_kernel(

@@ -302,6 +302,33 @@ if _HAVE_TRITON:
                 run_eq += tl.sum(is_eq.to(tl.int32), axis=0)
 
     @triton.jit
+    def _write_through_ties(srow, offs, n, thr, need_eq, orow, BLOCK: tl.constexpr):
+        """For rows whose K-th score is the bound thr itself (fewer than K candidates > thr): scan
+        the row from column 0 and write its entries > thr and its first need_eq >= 1 entries == thr
+        to slots 0.. in index order, up to the end of the block that holds the need_eq-th tie (ties
+        are dense in such rows, so it stops early). Returns how many entries > thr it wrote: the
+        candidates the scan passed; the caller writes the rest (index-order position i) to slot
+        need_eq + i."""
+        run = 0
+        run_eq = 0
+        n_gt = 0
+        for s in range(0, n, BLOCK):
+            if run_eq < need_eq:
+                c = s + offs
+                m = c < n
+                x = tl.load(srow + c, mask=m, other=0.0)
+                is_gt = m & (x > thr)
+                is_eq = m & (x == thr)
+                rank_eq = run_eq + tl.cumsum(is_eq.to(tl.int32), axis=0)
+                sel = is_gt | (is_eq & (rank_eq <= need_eq))
+                rank = run + tl.cumsum(sel.to(tl.int32), axis=0)
+                tl.store(orow + rank - 1, c, mask=sel)
+                run += tl.sum(sel.to(tl.int32), axis=0)
+                run_eq += tl.sum(is_eq.to(tl.int32), axis=0)
+                n_gt += tl.sum(is_gt.to(tl.int32), axis=0)
+        return n_gt
+
+    @triton.jit
     def _fill(out_row, lo, hi, value, K: tl.constexpr, FB: tl.constexpr):
         """out_row[lo:hi] = value (hi <= K)."""
         for s in range(0, K, FB):
@@ -419,8 +446,12 @@ if _HAVE_TRITON:
                 if total > C:
                     _exact_row(srow, n, orow, K, FALLBACK_BLOCK)  # too many candidates: exact, slow
                 elif total < K:
-                    # The K-th score is the bound itself: the entries above it and the first ties.
-                    _write_chosen(srow, tl.arange(0, FALLBACK_BLOCK) * ONE, n, lo, K - total, orow, K, FALLBACK_BLOCK)
+                    # The K-th score is the bound itself: the first ties by a scan, the candidates
+                    # (> lo, index order in the buffer) that the scan did not reach after them.
+                    passed = _write_through_ties(srow, offs1, n, lo, K - total, orow, BLOCK)
+                    p = tl.arange(0, C) * ONE
+                    rest = (p >= passed) & (p < total)
+                    tl.store(orow + (K - total) + p, tl.load(ci + p, mask=rest, other=0), mask=rest)
                 elif total <= C // 2:
                     # The usual case (about 1.25 K candidates): half the block, half the select's work.
                     _select_buffer(cv, ci, total, lo, orow, K, ONE, C // 2)
@@ -471,17 +502,19 @@ if _HAVE_TRITON:
         """The persistent path's row finish, by the row's last chunk: its `total` <= B candidates
         (v, idx: the buffer's first B slots; chunk runs in arrival order) are put in index order,
         the top K are found among them and written in index order."""
+        p = tl.arange(0, B) * ONE
+        # Index-order position of candidate q: its rank in its chunk's run plus the candidates
+        # of the earlier chunks.
+        tl.store(cinfo_ptr + (first + cidx) * 4 + 3, tl.cumsum(cnt, axis=0) - cnt - bas, mask=cm)
+        tl.debug_barrier()
+        pm = p < total
+        pos = p + tl.load(cinfo_ptr + (first + idx // CHUNK) * 4 + 3, mask=pm, other=0, cache_modifier=".cg")
         if total < K:
-            # The K-th score is the bound: the entries above it and the first ties (rare: many equal scores).
-            _write_chosen(srow, offs, n, lo, K - total, orow, K, CHUNK)
+            # The K-th score is the bound (rare: many equal scores): the first ties by a scan, then
+            # the candidates that the scan did not reach.
+            passed = _write_through_ties(srow, offs, n, lo, K - total, orow, CHUNK)
+            tl.store(orow + (K - total) + pos, idx, mask=pm & (pos >= passed))
         else:
-            p = tl.arange(0, B) * ONE
-            # Index-order position of candidate q: its rank in its chunk's run plus the candidates
-            # of the earlier chunks.
-            tl.store(cinfo_ptr + (first + cidx) * 4 + 3, tl.cumsum(cnt, axis=0) - cnt - bas, mask=cm)
-            tl.debug_barrier()
-            pm = p < total
-            pos = p + tl.load(cinfo_ptr + (first + idx // CHUNK) * 4 + 3, mask=pm, other=0, cache_modifier=".cg")
             t, exact_set = _kth_search(tl.where(pm, _keys(v), _KEY_MIN), total, K, lo, EXACT_STEPS)
             # Put the candidates in index order (in place), then write.
             tl.debug_barrier()

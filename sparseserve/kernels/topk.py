@@ -281,39 +281,19 @@ if _HAVE_TRITON:
         _select_write(key, idx, t, exact_set, K, orow)
 
     @triton.jit
-    def _write_chosen(srow, offs, n, thr, need_eq, orow, K, BLOCK: tl.constexpr):
-        """A scan of the row that writes its entries > thr and its first need_eq entries == thr
-        (the lower indices win) to slots 0.. in index order, and stops once K slots are written:
-        for rows whose ties straddle thr and whose candidates do not hold the answer.
-        offs: arange(BLOCK) in the scan/scatter layout (see ONE)."""
-        run = 0
-        run_eq = 0
-        for s in range(0, n, BLOCK):
-            if run < K:
-                c = s + offs
-                m = c < n
-                x = tl.load(srow + c, mask=m, other=0.0)
-                is_eq = m & (x == thr)
-                rank_eq = run_eq + tl.cumsum(is_eq.to(tl.int32), axis=0)
-                sel = (m & (x > thr)) | (is_eq & (rank_eq <= need_eq))
-                rank = run + tl.cumsum(sel.to(tl.int32), axis=0)
-                tl.store(orow + rank - 1, c, mask=sel)
-                run += tl.sum(sel.to(tl.int32), axis=0)
-                run_eq += tl.sum(is_eq.to(tl.int32), axis=0)
-
-    @triton.jit
-    def _write_through_ties(srow, offs, n, thr, need_eq, orow, BLOCK: tl.constexpr):
-        """For rows whose K-th score is the bound thr itself (fewer than K candidates > thr): scan
-        the row from column 0 and write its entries > thr and its first need_eq >= 1 entries == thr
-        to slots 0.. in index order, up to the end of the block that holds the need_eq-th tie (ties
-        are dense in such rows, so it stops early). Returns how many entries > thr it wrote: the
-        candidates the scan passed; the caller writes the rest (index-order position i) to slot
-        need_eq + i."""
+    def _write_chosen(srow, offs, n, thr, need_eq, orow, K, THROUGH_TIES: tl.constexpr, BLOCK: tl.constexpr):
+        """A scan of the row from column 0 that writes its entries > thr and its first need_eq
+        entries == thr (the lower indices win) to slots 0.. in index order. It stops once K slots
+        are written or, with THROUGH_TIES (rows whose K-th score is the bound thr itself and whose
+        candidates > thr are in a buffer; need_eq >= 1), at the end of the block that holds the
+        need_eq-th tie: ties are dense in such rows, so it stops early, and the caller writes the
+        candidates it did not pass (index-order position i) to slot need_eq + i. Returns how many
+        entries > thr it wrote. offs: arange(BLOCK) in the scan/scatter layout (see ONE)."""
         run = 0
         run_eq = 0
         n_gt = 0
         for s in range(0, n, BLOCK):
-            if run_eq < need_eq:
+            if (run_eq < need_eq) if THROUGH_TIES else (run < K):
                 c = s + offs
                 m = c < n
                 x = tl.load(srow + c, mask=m, other=0.0)
@@ -398,7 +378,7 @@ if _HAVE_TRITON:
         h = _row_hist(srow, n, prefix, 3, BLOCK)
         d, above = _pick_digit(h, kr)
         thr = _key_float(_extend(prefix, d, 3))  # the K-th largest score
-        _write_chosen(srow, tl.arange(0, BLOCK), n, thr, kr - above, orow, K, BLOCK)
+        _write_chosen(srow, tl.arange(0, BLOCK), n, thr, kr - above, orow, K, False, BLOCK)
 
     # ---- standard path: one program per row (grid-stride when rows exceed the grid)
 
@@ -448,7 +428,7 @@ if _HAVE_TRITON:
                 elif total < K:
                     # The K-th score is the bound itself: the first ties by a scan, the candidates
                     # (> lo, index order in the buffer) that the scan did not reach after them.
-                    passed = _write_through_ties(srow, offs1, n, lo, K - total, orow, BLOCK)
+                    passed = _write_chosen(srow, offs1, n, lo, K - total, orow, K, True, BLOCK)
                     p = tl.arange(0, C) * ONE
                     rest = (p >= passed) & (p < total)
                     tl.store(orow + (K - total) + p, tl.load(ci + p, mask=rest, other=0), mask=rest)
@@ -512,7 +492,7 @@ if _HAVE_TRITON:
         if total < K:
             # The K-th score is the bound (rare: many equal scores): the first ties by a scan, then
             # the candidates that the scan did not reach.
-            passed = _write_through_ties(srow, offs, n, lo, K - total, orow, CHUNK)
+            passed = _write_chosen(srow, offs, n, lo, K - total, orow, K, True, CHUNK)
             tl.store(orow + (K - total) + pos, idx, mask=pm & (pos >= passed))
         else:
             t, exact_set = _kth_search(tl.where(pm, _keys(v), _KEY_MIN), total, K, lo, EXACT_STEPS)

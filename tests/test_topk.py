@@ -375,6 +375,8 @@ def test_torch_backend_matches_reference():
         {"max_rows": 2, "max_width": 10, "k": 0},
         {"max_rows": 2, "max_width": 10, "k": 4, "backend": "fast"},
         {"max_rows": 2, "max_width": 10, "k": 4.0},
+        {"max_rows": 2, "max_width": 10, "k": 4, "_lb_steps": 0},
+        {"max_rows": 2, "max_width": 10, "k": 4, "_exact_steps": 17},
     ],
 )
 def test_bad_constructor_arguments(kwargs):

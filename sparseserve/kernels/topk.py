@@ -213,7 +213,7 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _bound_key(u_res):
-        """Lower-bound key from a _search result (u-space), clamped to the key of -inf."""
+        """Lower-bound key from a _bound_search result (u-space), clamped to the key of -inf."""
         return tl.maximum(u_res + _KEY_MIN, _NEG_INF_KEY).to(tl.int32)
 
     @triton.jit

@@ -12,6 +12,8 @@
 #                                     decode steps, synchronous and async (~9.5 minutes at most)
 #   bash tools/gpu_session.sh prefill the prefill attention cases of the kernel benchmark
 #   bash tools/gpu_session.sh topk    top-k gpu tests, per-kernel times with variants, the grid against torch.topk
+#   bash tools/gpu_session.sh overlap the side-stream schedule: its gpu tests with the model/graph ones, decode steps
+#                                     with and without it (SPARSESERVE_DISABLE_KERNELS=overlap), a batch-1 replay profile
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back).
@@ -44,6 +46,16 @@ case "${1:-tests}" in
       timeout -k 5 150 python tools/topk_phases.py --variants --paths persistent --out "$OUT/topk_phases.json"
       timeout -k 5 150 python -m sparseserve.benchmarks.topk_bench --no-sweep --no-variants --out "$OUT/topk.json"
     } 2>&1 | filter > "$OUT/topk.log"; tail -60 "$OUT/topk.log" ;;
+  overlap)
+    # OVERLAP_TESTS=tests/test_side_stream.py: only the schedule's own test (the close runs the rest).
+    { timeout -k 5 200 python -m pytest -q -m gpu ${OVERLAP_TESTS:-tests/test_side_stream.py tests/test_model_gpu.py \
+        tests/test_cuda_graphs_gpu.py} -k "not speculative and not speculation and not watchdog and not mtp_1"
+      for kernels in overlap ""; do
+        SPARSESERVE_DISABLE_KERNELS=$kernels timeout -k 5 90 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
+          --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_disable_${kernels:-none}.json"
+      done
+      timeout -k 5 60 python tools/profile_steps.py --only decode --graphs-only --out-dir "$OUT"
+    } 2>&1 | filter > "$OUT/overlap.log"; tail -30 "$OUT/overlap.log" ;;
   prefill)
     # The prefill attention cases of the kernel benchmark (about a minute).
     timeout -k 5 90 python -m sparseserve.benchmarks.kernels --only attn-prefill --no-ref \
@@ -81,5 +93,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap" >&2; exit 2 ;;
 esac

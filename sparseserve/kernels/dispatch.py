@@ -1,7 +1,7 @@
 """Which kernels run as Triton: all of them on CUDA, none on the CPU. For diagnosis,
 SPARSESERVE_DISABLE_KERNELS=name[,name...] (or `all`) sends the named ones to their
 plain-PyTorch references on CUDA too: attention, indexer, compressor, rows, mhc, rmsnorm, rope,
-argmax."""
+argmax; `overlap` runs the whole step on one stream (see model/side_stream.py)."""
 from __future__ import annotations
 
 import os
@@ -12,4 +12,8 @@ _DISABLED = {n.strip() for n in os.environ.get("SPARSESERVE_DISABLE_KERNELS", ""
 
 
 def use_triton(name: str, tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda and name not in _DISABLED and "all" not in _DISABLED
+    return enabled_on(name, tensor.device)
+
+
+def enabled_on(name: str, device: torch.device) -> bool:
+    return device.type == "cuda" and name not in _DISABLED and "all" not in _DISABLED

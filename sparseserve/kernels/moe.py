@@ -28,6 +28,7 @@ so `fused_moe` uses it only when GROUPED_MM_MIN_TOKENS is set.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -461,22 +462,27 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     swiglu_limit: float,
     config: MoeConfig | None = None,
-    shared: torch.Tensor | None = None,
+    shared: torch.Tensor | Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sorted, padded grouped GEMMs in Triton (same contract as fused_moe_ref, graph-safe);
-    `shared` [T, D] (the shared expert's output) is added in the combine pass."""
+    `shared` [T, D] (the shared expert's output, or a function returning it, called right
+    before the combine) is added in the combine pass."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     if num_tokens == 0:
-        return torch.empty_like(x) if shared is None else shared.clone()
+        return torch.empty_like(x) if shared is None else _resolve(shared).clone()
     cfg = fit_config(config, hidden, inter) if config else moe_config(num_tokens, top_k, num_experts, hidden, inter)
     x = x.contiguous()
     sorted_ids, block_expert = moe_align(topk_ids, num_experts, cfg.block_m)
     act = moe_gate_up(x, w_gate_up, sorted_ids, block_expert, top_k, swiglu_limit, cfg)
     y = moe_down(act, w_down, sorted_ids, block_expert, topk_weights, cfg)
-    return moe_combine(y, top_k, shared)
+    return moe_combine(y, top_k, _resolve(shared))
+
+
+def _resolve(shared: torch.Tensor | Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
+    return shared() if callable(shared) else shared
 
 
 def moe_combine_ref(y: torch.Tensor, top_k: int, shared: torch.Tensor | None) -> torch.Tensor:
@@ -631,10 +637,12 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     swiglu_limit: float,
-    shared: torch.Tensor | None = None,
+    shared: torch.Tensor | Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Dispatch: the Triton grouped kernel on CUDA, the reference elsewhere. `shared` [T, D], if
-    given, is added to the result (by the Triton path inside its combine pass)."""
+    given, is added to the result (by the Triton path inside its combine pass); it may be a
+    function that returns it, called only when the sum needs it (the shared expert may still be
+    running on another stream)."""
     args = (x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
     if not _use_triton(x, w_gate_up):
         routed = fused_moe_ref(*args)
@@ -647,7 +655,7 @@ def fused_moe(
         routed = fused_moe_grouped(*args)
     else:
         return fused_moe_triton(*args, shared=shared)
-    return routed if shared is None else routed + shared
+    return routed if shared is None else routed + _resolve(shared)
 
 
 _SCORING_IDS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}

@@ -18,6 +18,7 @@ from .layers.hyper_connection import HyperConnection, HyperHead
 from .layers.moe import SparseMoE
 from .layers.norm import RMSNorm
 from .layers.rope import rope_inv_freq
+from .side_stream import SideStreams
 from .state import ModelState
 from .step_context import RopeTablePlan, StepContext, TopKFn, build_step_context
 
@@ -40,7 +41,7 @@ class DecoderLayer(nn.Module):
         attn_out = self.self_attn(self.input_layernorm(collapsed), ctx, state)
         streams = HyperConnection.expand(streams, attn_out, post, comb)
         post, comb, collapsed = self.ffn_hc(streams)
-        mlp_out = self.mlp(self.post_attention_layernorm(collapsed), ctx.batch.input_ids)
+        mlp_out = self.mlp(self.post_attention_layernorm(collapsed), ctx.batch.input_ids, ctx.side)
         return HyperConnection.expand(streams, mlp_out, post, comb)
 
 
@@ -65,6 +66,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         for name, value in self.rope_buffers(model_config).items():
             self.register_buffer(name, value, persistent=False)
         self._rope_tables = RopeTablePlan.for_model(model_config)  # static; its tensors are the buffers
+        self.side_streams = SideStreams()
 
     @staticmethod
     def rope_buffers(model_config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -88,11 +90,17 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, batch: BatchMetadata, state: ModelState, topk: TopKFn | None = None) -> torch.Tensor:
         """Residual streams [T, hc, D] after the last layer. `topk` selects the indexer's
         entries (default: the stateless dispatch); the runner passes its graph-safe one."""
-        ctx = self.prepare(batch, state, topk)
+        side = self.side_streams.for_step(batch.input_ids.device, batch.num_tokens)
+        # The step's metadata is built on the side stream, beside the embedding and the first
+        # layer's collapse and projections; attention waits for it (ctx.wait_built).
+        built = side.run(self.prepare, batch, state, topk)
+        ctx = built.value
+        ctx.side, ctx.built = side, built if side.active else None
         embeds = self.model.embed_tokens(batch.input_ids)
         streams = embeds.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for layer, layer_state in zip(self.model.layers, state.layers):
             streams = layer(streams, ctx, layer_state)
+        side.join()
         return streams
 
     def compute_logits(self, streams: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ from ..kernels import rows as R
 from ..kernels.rope import rope_tables
 from ..kernels.topk import topk_indices
 from .batch import BatchMetadata
+from .side_stream import SideStream, SideWork
 from .state import ModelState, StateLayout
 
 
@@ -81,6 +82,16 @@ class StepContext:
     topk: "TopKFn"
     rates: dict[int, RateAddresses] = field(default_factory=dict)
     compressors: dict[tuple[int, bool], CompressorAddresses] = field(default_factory=dict)
+    # Where independent work of the step runs (inline unless the forward sets a side stream), and,
+    # when this context was built on that stream, the work the main stream waits for before it
+    # reads any of the context's tensors.
+    side: SideStream = field(default_factory=SideStream)
+    built: SideWork | None = None
+
+    def wait_built(self) -> None:
+        """Make the current stream wait until the context's tensors are made (a no-op once done)."""
+        if self.built is not None:
+            self.built.result()
 
 
 def build_step_context(

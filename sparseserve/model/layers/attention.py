@@ -149,23 +149,32 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, state: LayerState) -> torch.Tensor:
         num_tokens = x.shape[0]
-        cos, sin = ctx.rope[self.rope_name]
         x_proj = self._project("x", x)  # q_a, kv[, compressor kv||gate[, indexer kv||gate, indexer weights]]
+        # Everything but the q path runs on the step's side stream (inline when there is none):
+        # the compressor, the fresh KV rows and the indexer need only the projections until
+        # attention, and the ring commits come after it.
+        side = ctx.side
+        staged = side.run(self._stage_compress, x_proj[2:], ctx, state) if self.compressor is not None else None
+        fresh_kv = side.run(self._stage_kv, x_proj[1], ctx, state)
         q_residual = self.q_a_norm(x_proj[0])
         q_proj = self._project("q", q_residual)  # q[, indexer q]
+        if staged is not None:
+            entry_rows = side.run(self._entry_rows, x_proj[2:], q_proj[1:], ctx, state)
+        ctx.wait_built()
+        cos, sin = ctx.rope[self.rope_name]
         q = q_proj[0].view(num_tokens, self.num_heads, self.head_dim)
         q = apply_rope(rms_normalize(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(x_proj[1]), cos, sin).to(state.kv_pool.dtype)
-        # Fresh rows go to staging first: attention reads them there, then they are committed.
-        state.kv_pool.index_copy_(0, ctx.kv_staging_rows, kv)
-
-        rows = ctx.window_rows
-        if self.compressor is not None:
-            rows = torch.cat([rows, self._compressed_rows(x_proj[2:], q_proj[1:], ctx, state)], dim=1)
+        kv = fresh_kv.result()
+        rows = ctx.window_rows if staged is None else torch.cat([ctx.window_rows, entry_rows.result()], dim=1)
         out = sparse_mqa_attention(q, state.kv_pool, rows, self.sinks.float(), self.scale)
+        # Commit after every read of the rings, queued after attention: beside it, even tiny
+        # kernels slowed attention by half (H200 profile, 2026-11-29). Nothing waits for the
+        # commit before the forward's end, and the staged projections may be views of this
+        # layer's GEMM output, freed when it returns.
+        staged_rows = staged.value if staged is not None else (None, None)
+        side.keep_until_done(*staged_rows)
+        side.run(self._commit, staged_rows, kv, ctx, state)
         out = apply_rope(out, cos, sin, inverse=True)
-
-        state.kv_pool.index_copy_(0, ctx.kv_ring_write_rows, kv)
         return self._project_out(out)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
@@ -178,20 +187,21 @@ class Attention(nn.Module):
         torch.bmm(grouped, w.transpose(1, 2), out=mid.transpose(0, 1))
         return self.o_b_proj(mid.view(num_tokens, -1))
 
-    def _compressed_rows(self, x_proj: list[torch.Tensor], q_proj: list[torch.Tensor], ctx: StepContext,
-                         state: LayerState) -> torch.Tensor:
-        """x_proj: compressor kv||gate[, indexer kv||gate, indexer weights]; q_proj: [indexer q]."""
+    def _stage_compress(self, x_proj: list[torch.Tensor], ctx: StepContext,
+                        state: LayerState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stage this step's compressor (and indexer) projections and emit the entries of the
+        windows they close. x_proj: compressor kv||gate[, indexer kv||gate, indexer weights].
+        Returns the staged projections (compressor, indexer or None), committed later."""
         comp = self.compressor
         rate_addr = ctx.rates[self.rate]
         addr = ctx.compressors[(self.rate, self.is_csa)]
-        batch = ctx.batch
-        num_tokens = x_proj[0].shape[0]
         # Staged straight from the GEMM output (kv and gate are adjacent there when packed).
         comp_kv_gate = x_proj[0].to(state.compressor_state.dtype)
         state.compressor_state.index_copy_(0, addr.staging_rows, comp_kv_gate)
         compress_windows(state.compressor_state, addr.emit_src_rows, comp.position_bias, comp.overlap,
                          comp.kv_norm.weight, self.eps, rate_addr.emit_cos, rate_addr.emit_sin,
                          state.kv_pool, rate_addr.emit_kv_rows)
+        idx_kv_gate = None
         if self.is_csa:
             idx = comp.indexer
             idx_kv_gate = x_proj[1].to(state.indexer_state.dtype)
@@ -199,21 +209,45 @@ class Attention(nn.Module):
             compress_windows(state.indexer_state, addr.emit_src_rows, idx.position_bias, True,
                              idx.kv_norm.weight, self.eps, rate_addr.emit_cos, rate_addr.emit_sin,
                              state.index_pool, rate_addr.emit_index_rows)
-            cos, sin = ctx.rope["compress"]
-            # Rotated in place in the GEMM output (packed: a column slice; the indexer reads strides).
-            iq = apply_rope(q_proj[0].view(num_tokens, idx.num_heads, idx.head_dim), cos, sin)
-            # The head weights (a column slice of the packed GEMM output) are scaled inside the kernel.
-            scores = indexer_scores(iq, x_proj[2], state.index_pool, batch.block_table, batch.token_seq,
-                                    batch.positions, self.rate, ctx.layout.entries_per_block(self.rate),
-                                    idx.softmax_scale, rate_addr.num_entries, weights_scale=idx.weights_scale)
-            chosen = ctx.topk(scores, rate_addr.visible_counts, idx.topk, batch.max_seq_len)
-            rows = entry_pool_rows(chosen, batch.token_seq, batch.block_table,
-                                   ctx.layout.entries_per_block(self.rate), ctx.layout.comp_base())
-        else:
-            rows = rate_addr.visible_rows
-        # Commit this step's projections to the compressor rings (after every read above). Staging
-        # row i holds token i's projections, so they are committed from the projections themselves.
-        state.compressor_state.index_copy_(0, addr.ring_write_rows, comp_kv_gate)
-        if self.is_csa:
-            state.indexer_state.index_copy_(0, addr.ring_write_rows, idx_kv_gate)
-        return rows
+        return comp_kv_gate, idx_kv_gate
+
+    def _stage_kv(self, kv_proj: torch.Tensor, ctx: StepContext, state: LayerState) -> torch.Tensor:
+        """This step's KV rows (normed, rotated, in the pool's dtype), written to their staging
+        rows: attention reads them there; `_commit` writes them to the ring after it."""
+        cos, sin = ctx.rope[self.rope_name]
+        kv = apply_rope(self.kv_norm(kv_proj), cos, sin).to(state.kv_pool.dtype)
+        state.kv_pool.index_copy_(0, ctx.kv_staging_rows, kv)
+        return kv
+
+    def _entry_rows(self, x_proj: list[torch.Tensor], q_proj: list[torch.Tensor], ctx: StepContext,
+                    state: LayerState) -> torch.Tensor:
+        """KV-pool rows of the compressed entries each token attends to: the indexer's top-k (CSA)
+        or every visible entry (HCA). q_proj: [indexer q] (CSA)."""
+        rate_addr = ctx.rates[self.rate]
+        if not self.is_csa:
+            return rate_addr.visible_rows
+        idx = self.compressor.indexer
+        batch = ctx.batch
+        num_tokens = x_proj[0].shape[0]
+        cos, sin = ctx.rope["compress"]
+        # Rotated in place in the GEMM output (packed: a column slice; the indexer reads strides).
+        iq = apply_rope(q_proj[0].view(num_tokens, idx.num_heads, idx.head_dim), cos, sin)
+        # The head weights (a column slice of the packed GEMM output) are scaled inside the kernel.
+        scores = indexer_scores(iq, x_proj[2], state.index_pool, batch.block_table, batch.token_seq,
+                                batch.positions, self.rate, ctx.layout.entries_per_block(self.rate),
+                                idx.softmax_scale, rate_addr.num_entries, weights_scale=idx.weights_scale)
+        chosen = ctx.topk(scores, rate_addr.visible_counts, idx.topk, batch.max_seq_len)
+        return entry_pool_rows(chosen, batch.token_seq, batch.block_table,
+                               ctx.layout.entries_per_block(self.rate), ctx.layout.comp_base())
+
+    def _commit(self, staged: tuple[torch.Tensor | None, torch.Tensor | None], kv: torch.Tensor, ctx: StepContext,
+                state: LayerState) -> None:
+        """Commit this step's KV rows and compressor (and indexer) projections to their rings.
+        Staging row i holds token i's values, so they are committed from the values themselves."""
+        state.kv_pool.index_copy_(0, ctx.kv_ring_write_rows, kv)
+        comp_kv_gate, idx_kv_gate = staged
+        if comp_kv_gate is not None:
+            addr = ctx.compressors[(self.rate, self.is_csa)]
+            state.compressor_state.index_copy_(0, addr.ring_write_rows, comp_kv_gate)
+            if idx_kv_gate is not None:
+                state.indexer_state.index_copy_(0, addr.ring_write_rows, idx_kv_gate)

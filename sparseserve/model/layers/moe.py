@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.moe import fused_moe, select_experts, swiglu_fused
+from ..side_stream import SideStream
 from .fused_linear import PackedWeight, shared_input_linear
 
 
@@ -68,7 +69,10 @@ class SparseMoE(nn.Module):
         self.experts = Experts(hf)
         self.shared_experts = SharedExpert(hf)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, side: SideStream | None = None) -> torch.Tensor:
+        """x [T, D] -> [T, D]. The shared expert runs on `side` (the step's side stream, if any),
+        beside the router and the routed experts; the combine waits for it."""
+        shared = (side or SideStream()).run(self.shared_experts, x)
         logits = F.linear(x, self.gate.weight)
         if self.is_hash:
             weights, ids = select_experts(logits, self.top_k, self.scoring_func, self.routed_scaling_factor,
@@ -77,4 +81,4 @@ class SparseMoE(nn.Module):
             weights, ids = select_experts(logits, self.top_k, self.scoring_func, self.routed_scaling_factor,
                                           correction_bias=self.gate.e_score_correction_bias)
         return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.limit,
-                         shared=self.shared_experts(x))
+                         shared=shared.result)

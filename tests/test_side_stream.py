@@ -1,0 +1,104 @@
+"""The side-stream schedule (model/side_stream.py): inline on the CPU and for large steps, and on
+the GPU the same logits as the one-stream schedule, bit for bit (same kernels, same inputs)."""
+import pytest
+import torch
+
+from sparseserve.kernels import moe
+from sparseserve.model.side_stream import OVERLAP_MAX_TOKENS, SideStream, SideStreams
+
+LIMIT = 7.0
+
+
+def test_inline_on_cpu_and_for_large_steps():
+    streams = SideStreams()
+    assert not streams.for_step(torch.device("cpu"), 1).active
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+        assert streams.for_step(dev, OVERLAP_MAX_TOKENS).active
+        assert not streams.for_step(dev, OVERLAP_MAX_TOKENS + 1).active
+        assert not SideStreams(enabled=False).for_step(dev, 1).active
+
+
+def test_inline_run_calls_at_once_and_returns_the_value():
+    side = SideStream()
+    calls = []
+    work = side.run(lambda a, b=0: calls.append((a, b)) or a + b, 2, b=3)
+    assert calls == [(2, 3)] and work.result() == 5 and work.event is None
+    side.join()  # nothing queued: a no-op
+    side.keep_until_done(torch.zeros(1), None)
+
+
+def test_fused_moe_takes_the_shared_output_as_a_function():
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden, inter, experts, top_k = 5, 32, 16, 4, 2
+    x = torch.randn(tokens, hidden, generator=gen)
+    w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w_down = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    weights = torch.rand(tokens, top_k, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    shared = torch.randn(tokens, hidden, generator=gen)
+    calls = []
+
+    def later():
+        calls.append(1)
+        return shared
+
+    want = moe.fused_moe(x, w_gate_up, w_down, weights, ids, LIMIT, shared=shared)
+    got = moe.fused_moe(x, w_gate_up, w_down, weights, ids, LIMIT, shared=later)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(want, moe.fused_moe(x, w_gate_up, w_down, weights, ids, LIMIT))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_side_stream_schedule_equals_one_stream():
+    """Prefill chunks and decode steps of three sequences (CSA, HCA and sliding layers, hash and
+    scored MoE) with the side stream and without: equal logits at every step."""
+    from oracle import Driver
+    from test_model_gpu import randomize_on_device
+    from transformers import DeepseekV4ForCausalLM as HFDeepseekV4
+
+    from sparseserve.config import ModelConfig
+    from sparseserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+    from sparseserve.model.loader import load_hf_config, resolve_model_dir
+
+    model_dir, overrides = resolve_model_dir("v4-flash-4l64e")
+    cfg = load_hf_config(model_dir, overrides)
+    with torch.device("cuda"):
+        oracle = HFDeepseekV4(cfg).to(torch.bfloat16).eval()
+    randomize_on_device(oracle, 3)
+    model = DeepseekV4ForCausalLM(ModelConfig(cfg, dtype=torch.bfloat16)).cuda()
+    model.load_state_dict(oracle.state_dict(), strict=False)
+    model.to(torch.bfloat16).eval()
+    del oracle
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (300, 517, 130)]
+
+    def run(enabled: bool) -> list[torch.Tensor]:
+        model.side_streams.enabled = enabled
+        driver = Driver(model, num_slots=3, num_blocks=32, block_size=128, max_step_tokens=512, device="cuda",
+                        dtype=torch.bfloat16)
+        seqs: list[list[int]] = [[] for _ in prompts]
+        last: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+        logits = []
+
+        def step(batch):
+            for (i, _, ids), out in zip(batch, driver.step(batch)):
+                seqs[i] += ids
+                last[i] = out[-1]
+                logits.append(out)
+
+        while any(len(s) < len(p) for s, p in zip(seqs, prompts)):  # prefill chunks of <= 480 tokens
+            step([(i, len(seqs[i]), p[len(seqs[i]):len(seqs[i]) + 160])
+                  for i, p in enumerate(prompts) if len(seqs[i]) < len(p)])
+        for _ in range(6):  # greedy decode steps, crossing compress boundaries
+            step([(i, len(seqs[i]), [int(last[i].argmax())]) for i in range(len(prompts))])
+        torch.cuda.synchronize()
+        return logits
+
+    inline = run(False)
+    overlapped = run(True)
+    assert len(inline) == len(overlapped) > 20
+    for a, b in zip(inline, overlapped):
+        assert torch.equal(a, b)

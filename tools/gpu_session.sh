@@ -30,12 +30,12 @@ case "${1:-tests}" in
     # Every gpu test, then the seed workload (graphs, eager, transformers; two rounds) and decode steps
     # with and without graphs, also async (~9.5 minutes at most: the device's per-call limit is 10). On a fresh
     # machine the first graphs run needs ~35 s (start-up and JIT), so 98 s held only one round.
-    { timeout -k 5 290 python -m pytest -q -m gpu tests/
+    { timeout -k 5 320 python -m pytest -q -m gpu tests/
       timeout -k 5 45 python -m pytest -q tests/test_mhc_kernel.py tests/test_norm_rope_kernels.py tests/test_argmax_kernel.py
     } 2>&1 | filter > "$OUT/tests.log"; tail -4 "$OUT/tests.log"
-    { timeout -k 5 150 python benchmarks/run_all.py --engine-flag=--max-model-len=2048 --skip-hf-latency --rounds 2 \
-        --only graphs,eager,hf --budget-s 145 --max-run-s 60 --out-dir "$OUT"
-      timeout -k 5 100 python -m sparseserve.benchmarks.decode_graphs --steps 12 --batches 1,8,64 --async-steps \
+    { timeout -k 5 130 python benchmarks/run_all.py --engine-flag=--max-model-len=2048 --skip-hf-latency --rounds 2 \
+        --only graphs,eager,hf --budget-s 125 --max-run-s 60 --out-dir "$OUT"
+      timeout -k 5 90 python -m sparseserve.benchmarks.decode_graphs --steps 12 --batches 1,8,64 --async-steps \
         --out "$OUT/decode_graphs.json"
     } 2>&1 | filter > "$OUT/bench.log"; tail -40 "$OUT/bench.log" ;;
   topk)

@@ -9,14 +9,34 @@ from sparseserve.model.side_stream import OVERLAP_MAX_TOKENS, SideStream, SideSt
 LIMIT = 7.0
 
 
-def test_inline_on_cpu_and_for_large_steps():
-    streams = SideStreams()
-    assert not streams.for_step(torch.device("cpu"), 1).active
-    if torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
-        assert streams.for_step(dev, OVERLAP_MAX_TOKENS).active
-        assert not streams.for_step(dev, OVERLAP_MAX_TOKENS + 1).active
-        assert not SideStreams(enabled=False).for_step(dev, 1).active
+def test_inline_on_cpu_and_bad_mode():
+    for mode in SideStreams.MODES:
+        assert not SideStreams(mode).for_step(torch.device("cpu"), 1).active
+    with pytest.raises(ValueError, match="side-stream mode"):
+        SideStreams("sometimes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_modes_on_gpu():
+    """"always": every small step; "graphs": only inside a capture, whose replays then run the fork."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    always = SideStreams("always")
+    assert always.for_step(dev, OVERLAP_MAX_TOKENS).active
+    assert not always.for_step(dev, OVERLAP_MAX_TOKENS + 1).active
+    assert not SideStreams("never").for_step(dev, 1).active
+    graphs = SideStreams("graphs")
+    assert not graphs.for_step(dev, 1).active  # not capturing
+    x = torch.zeros(4, device=dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        side = graphs.for_step(dev, 1)
+        x.add_(side.run(lambda: torch.ones(4, device=dev)).result())
+        side.join()
+    assert side.active
+    g.replay()
+    g.replay()
+    assert torch.equal(x, torch.full((4,), 2.0, device=dev))
 
 
 def test_inline_run_calls_at_once_and_returns_the_value():
@@ -89,8 +109,8 @@ def test_side_stream_schedule_equals_one_stream():
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (300, 517, 130)]
 
-    def run(enabled: bool) -> list[torch.Tensor]:
-        model.side_streams.enabled = enabled
+    def run(mode: str) -> list[torch.Tensor]:
+        model.side_streams.mode = mode
         driver = Driver(model, num_slots=3, num_blocks=32, block_size=128, max_step_tokens=512, device="cuda",
                         dtype=torch.bfloat16)
         seqs: list[list[int]] = [[] for _ in prompts]
@@ -111,8 +131,8 @@ def test_side_stream_schedule_equals_one_stream():
         torch.cuda.synchronize()
         return logits
 
-    inline = run(False)
-    overlapped = run(True)
+    inline = run("never")
+    overlapped = run("always")  # eager steps: the Driver captures no graph
     assert len(inline) == len(overlapped) > 20
     for a, b in zip(inline, overlapped):
         assert torch.equal(a, b)

@@ -19,9 +19,9 @@ stream's work so far, so no read can race a reuse. Main-stream tensors that side
 referenced by the caller until the main stream waits for that work, or are marked with
 `keep_until_done`.
 
-Inline (no stream) on the CPU, for steps above `OVERLAP_MAX_TOKENS` tokens (large steps fill the
-GPU anyway, and per-stream pools would hold more memory), and with
-SPARSESERVE_DISABLE_KERNELS=overlap. The choice depends on the step's static shape only, so a
+Inline (no stream) outside graph capture (see `SideStreams`), on the CPU, for steps above
+`OVERLAP_MAX_TOKENS` tokens (large steps fill the GPU anyway, and per-stream pools would hold more
+memory), and with SPARSESERVE_DISABLE_KERNELS=overlap. The choice depends on the step's static shape only, so a
 captured graph keeps the schedule it was captured with (DESIGN.md invariant 3)."""
 from __future__ import annotations
 
@@ -92,17 +92,28 @@ class SideStream:
 
 
 class SideStreams:
-    """A model's side streams, one per device, made on first use. `enabled = False` runs every
-    step inline (tests compare the two schedules)."""
+    """A model's side streams, one per device, made on first use.
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
+    mode "graphs" (the default) uses the side stream only while a CUDA graph is being captured:
+    there its forks and joins become graph edges that cost nothing at replay, while an eager
+    step is bound by the host, which the stream switches and events only slow down. "always"
+    also uses it in eager steps and "never" in none (tests compare the schedules: same kernels,
+    same inputs, bitwise equal results)."""
+
+    MODES = ("graphs", "always", "never")
+
+    def __init__(self, mode: str = "graphs") -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"side-stream mode must be one of {self.MODES}, got {mode!r}")
+        self.mode = mode
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def for_step(self, device: torch.device, num_tokens: int) -> SideStream:
-        if not self.enabled or num_tokens > OVERLAP_MAX_TOKENS or not enabled_on("overlap", device):
+        if self.mode == "never" or num_tokens > OVERLAP_MAX_TOKENS or not enabled_on("overlap", device):
             return SideStream(None)
         stream = self._streams.get(device)
-        if stream is None:
+        if stream is None:  # made at the first eager step (a capture's warm-up), not inside a capture
             stream = self._streams[device] = torch.cuda.Stream(device=device)
+        if self.mode == "graphs" and not torch.cuda.is_current_stream_capturing():
+            return SideStream(None)
         return SideStream(stream)

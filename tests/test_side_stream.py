@@ -14,6 +14,10 @@ def test_inline_on_cpu_and_bad_mode():
         assert not SideStreams(mode).for_step(torch.device("cpu"), 1).active
     with pytest.raises(ValueError, match="side-stream mode"):
         SideStreams("sometimes")
+    streams = SideStreams()
+    with pytest.raises(ValueError, match="side-stream mode"):
+        streams.mode = "on"
+    assert streams.mode == "graphs"
 
 
 @pytest.mark.gpu

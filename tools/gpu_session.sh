@@ -14,6 +14,8 @@
 #   bash tools/gpu_session.sh topk    top-k gpu tests, per-kernel times with variants, the grid against torch.topk
 #   bash tools/gpu_session.sh overlap the side-stream schedule: its gpu tests with the model/graph ones, decode steps
 #                                     with and without it (SPARSESERVE_DISABLE_KERNELS=overlap), a batch-1 replay profile
+#   bash tools/gpu_session.sh mtp-audit the two MTP=1 audit tests that failed in session 8, with the side stream forced on
+#                                     and off (full tracebacks), then every gpu test with the default schedule
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back).
@@ -56,6 +58,14 @@ case "${1:-tests}" in
       done
       timeout -k 5 60 python tools/profile_steps.py --only decode --graphs-only --out-dir "$OUT"
     } 2>&1 | filter > "$OUT/overlap.log"; tail -30 "$OUT/overlap.log" ;;
+  mtp-audit)
+    { for mode in always never; do
+        echo "== SPARSESERVE_SIDE_STREAM=$mode"
+        SPARSESERVE_SIDE_STREAM=$mode timeout -k 5 120 python -m pytest -q -p no:warnings --tb=long \
+          tests/test_cuda_graphs_gpu.py -k mtp_1
+      done
+      timeout -k 5 330 python -m pytest -q -m gpu -p no:warnings --tb=short tests/
+    } 2>&1 | grep -av "^\s*$" > "$OUT/mtp_audit.log"; grep -a "passed\|failed\|Error\|^==" "$OUT/mtp_audit.log" | tail -30 ;;
   prefill)
     # The prefill attention cases of the kernel benchmark (about a minute).
     timeout -k 5 90 python -m sparseserve.benchmarks.kernels --only attn-prefill --no-ref \
@@ -93,5 +103,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit" >&2; exit 2 ;;
 esac

@@ -103,10 +103,19 @@ class SideStreams:
     MODES = ("graphs", "always", "never")
 
     def __init__(self, mode: str = "graphs") -> None:
-        if mode not in self.MODES:
-            raise ValueError(f"side-stream mode must be one of {self.MODES}, got {mode!r}")
         self.mode = mode
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"side-stream mode must be one of {self.MODES}, got {mode!r} "
+                             "(SPARSESERVE_SIDE_STREAM, if set, must be one of them too)")
+        self._mode = mode
 
     def for_step(self, device: torch.device, num_tokens: int) -> SideStream:
         if self.mode == "never" or num_tokens > OVERLAP_MAX_TOKENS or not enabled_on("overlap", device):

@@ -6,6 +6,7 @@ scheduler's policies; it receives chunks and returns what was sampled.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -122,7 +123,8 @@ class ModelRunner:
         # Captured graphs use the side stream, except with speculation: with it on, the two MTP=1
         # graph-audit tests failed on the H200 (2026-11-29; cause not yet found, see
         # docs/performance.md), while every test and audit without speculation passed with it.
-        self.model.side_streams.mode = "never" if k else "graphs"
+        # SPARSESERVE_SIDE_STREAM=graphs|always|never overrides this (diagnosis).
+        self.model.side_streams.mode = os.environ.get("SPARSESERVE_SIDE_STREAM") or ("never" if k else "graphs")
         self.pad_like_graphs = device.type == "cuda"
         self._topk: dict[int, IndexerTopK] = {}
         self.graphs: dict[int, CudaGraphRunner] = {}  # target model, by query length

@@ -122,7 +122,23 @@ class SideStreams:
             return SideStream(None)
         stream = self._streams.get(device)
         if stream is None:  # made at the first eager step (a capture's warm-up), not inside a capture
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream = self._streams[device] = _new_stream(device)
         if self.mode == "graphs" and not torch.cuda.is_current_stream_capturing():
             return SideStream(None)
         return SideStream(stream)
+
+
+def _new_stream(device: torch.device) -> torch.cuda.Stream:
+    """A side stream on which cuBLAS has already run: cuBLAS makes its workspace for a stream at
+    the first GEMM there, and that should happen outside any capture, as it does for the main
+    stream (in mode "graphs" the side stream's first GEMM would otherwise be inside one)."""
+    stream = torch.cuda.Stream(device=device)
+    main = torch.cuda.current_stream(device)
+    stream.wait_stream(main)
+    with torch.cuda.stream(stream):
+        a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+        torch.mm(a, a)
+        torch.bmm(a[None], a[None])
+        torch.addmm(a, a, a)
+    main.wait_stream(stream)
+    return stream

@@ -19,6 +19,8 @@ pytestmark = pytest.mark.gpu
 
 @torch.no_grad()
 def randomize_on_device(model, seed):
+    """Every parameter and the routing buffers random (norms near 1); rope buffers untouched. `model`:
+    the transformers oracle or ours."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name and name.endswith("weight"):
@@ -29,7 +31,8 @@ def randomize_on_device(model, seed):
             p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * 0.5)
     for name, b in model.named_buffers():
         if name.endswith("tid2eid"):
-            n_exp = model.config.n_routed_experts
+            hf = model.config if hasattr(model, "config") else model.model_config.hf_config
+            n_exp = hf.n_routed_experts
             first = torch.randint(0, n_exp, (b.shape[0], 1), generator=gen, device="cuda")
             b.copy_((first + torch.arange(b.shape[1], device="cuda")) % n_exp)
         elif name.endswith("e_score_correction_bias"):

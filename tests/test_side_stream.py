@@ -74,31 +74,13 @@ def test_fused_moe_takes_the_shared_output_as_a_function():
     assert not torch.equal(want, moe.fused_moe(x, w_gate_up, w_down, weights, ids, LIMIT))
 
 
-@torch.no_grad()
-def randomize(model, seed: int) -> None:
-    """Every parameter and the routing buffers random (norms near 1); rope buffers untouched."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    for name, p in model.named_parameters():
-        noise = torch.randn(p.shape, generator=gen, device="cuda")
-        if "norm" in name and name.endswith("weight"):
-            p.copy_(1 + 0.1 * noise)
-        else:
-            p.copy_(noise * (p.shape[-1] ** -0.5 if p.dim() >= 2 else 0.5))
-    experts = model.model_config.hf_config.n_routed_experts
-    for name, b in model.named_buffers():
-        if name.endswith("tid2eid"):
-            first = torch.randint(0, experts, (b.shape[0], 1), generator=gen, device="cuda")
-            b.copy_((first + torch.arange(b.shape[1], device="cuda")) % experts)
-        elif name.endswith("e_score_correction_bias"):
-            b.copy_(0.01 * torch.randn(b.shape, generator=gen, device="cuda"))
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_side_stream_schedule_equals_one_stream():
     """Prefill chunks and decode steps of three sequences (CSA, HCA and sliding layers, hash and
     scored MoE) with the side stream and without: equal logits at every step."""
     from oracle import Driver
+    from test_model_gpu import randomize_on_device
 
     from sparseserve.config import ModelConfig
     from sparseserve.model.deepseek_v4 import DeepseekV4ForCausalLM
@@ -108,7 +90,7 @@ def test_side_stream_schedule_equals_one_stream():
     cfg = load_hf_config(model_dir, overrides)
     with torch.device("cuda"):  # made on the GPU: no host copy of 4 layers x 64 experts
         model = DeepseekV4ForCausalLM(ModelConfig(cfg, dtype=torch.bfloat16))
-    randomize(model, seed=3)
+    randomize_on_device(model, 3)
     model.to(torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (300, 517, 130)]

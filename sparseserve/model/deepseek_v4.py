@@ -18,7 +18,7 @@ from .layers.hyper_connection import HyperConnection, HyperHead
 from .layers.moe import SparseMoE
 from .layers.norm import RMSNorm
 from .layers.rope import rope_inv_freq
-from .side_stream import SideStreams
+from .side_stream import SideStreams, SideWork
 from .state import ModelState
 from .step_context import RopeTablePlan, StepContext, TopKFn, build_step_context
 
@@ -95,7 +95,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         # layer's collapse and projections; attention waits for it (ctx.wait_built).
         built = side.run(self.prepare, batch, state, topk)
         ctx = built.value
-        ctx.side, ctx.built = side, built if side.active else None
+        # Only the wait is kept: the work's value is ctx itself, and a cycle would hold the step's
+        # tensors until the next garbage collection.
+        ctx.side, ctx.built = side, SideWork(None, built.event)
         embeds = self.model.embed_tokens(batch.input_ids)
         streams = embeds.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for layer, layer_state in zip(self.model.layers, state.layers):

@@ -86,7 +86,7 @@ class StepContext:
     # when this context was built on that stream, the work the main stream waits for before it
     # reads any of the context's tensors.
     side: SideStream = field(default_factory=SideStream)
-    built: SideWork | None = None
+    built: SideWork[None] | None = None
 
     def wait_built(self) -> None:
         """Make the current stream wait until the context's tensors are made (a no-op once done)."""

@@ -145,6 +145,37 @@ def test_audit_passes_with_mtp_1():
     torch.cuda.empty_cache()
 
 
+def test_dropped_graphs_leave_their_pool_empty():
+    """Nothing made inside a capture (a library workspace, a cached tensor) outlives the graphs:
+    once a runner's graphs are gone, their pool holds no memory. (torch refuses to capture into a
+    pool whose graphs are all gone but which still holds memory: the MTP=1 audit hit that when
+    cuBLAS made its workspace for the capture stream inside the first capture.)"""
+    llm = LLM(TINY, cuda_graph_sizes=[1, 4], **COMMON, **spec_config(1))
+    runners = llm.llm_engine.runner._new_graph_runners(pool_per_runner=True)
+    runners = [on_fresh_stream(r) for r in runners]
+    pools = set()
+    for graph_runner in runners:
+        graph_runner.capture_all()
+        pools.add(tuple(graph_runner.pool))
+        assert graph_runner.graphs
+    del runners, graph_runner
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    left = [(s["segment_pool_id"], s["allocated_size"]) for s in torch.cuda.memory_snapshot()
+            if tuple(s["segment_pool_id"]) in pools]
+    assert not left, f"memory left in dropped graphs' pools: {left}"
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def on_fresh_stream(runner):
+    """The runner, on a stream no GEMM has run on yet (a priority no other code uses)."""
+    runner.stream = torch.cuda.Stream(device=runner.device, priority=-1)
+    return runner
+
+
 def test_audit_detects_the_historical_topk_bug_with_mtp_1():
     with pytest.raises(GraphCaptureError, match="different kernels"):
         LLM(TINY, cudagraph_audit=True, cuda_graph_sizes=[1, 4], topk_backend="persistent",

@@ -194,7 +194,8 @@ class CudaGraphRunner:
     def __init__(self, name: str, step: StepFn, outputs: list[BufferSpec], state: ModelState, rates: list[int],
                  sizes: list[int], query_len: int, max_blocks: int, num_entries: dict[int, int], dummy_slot: int,
                  topk_for: Callable[[int], tuple[TopKFn, str]] | None, short_len: int,
-                 hidden: BufferSpec | None = None, pool=None, block_tables: BlockTableCache | None = None) -> None:
+                 hidden: BufferSpec | None = None, pool=None, block_tables: BlockTableCache | None = None,
+                 stream: torch.cuda.Stream | None = None) -> None:
         self.name = name
         self.step = step
         self.sizes = sorted(sizes)
@@ -209,6 +210,7 @@ class CudaGraphRunner:
         self.rates = rates
         self.device = state.layers[0].kv_pool.device
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.stream = stream if stream is not None else torch.cuda.Stream(device=self.device)
         rows = max(self.sizes) * query_len
         self.outputs = tuple(torch.zeros((rows, *o.tail), dtype=o.dtype, device=self.device) for o in outputs)
         self.hidden = (torch.zeros((rows, *hidden.tail), dtype=hidden.dtype, device=self.device)
@@ -236,17 +238,19 @@ class CudaGraphRunner:
         def step() -> None:
             self.step(static.batch, topk_fn, hidden, outputs)
 
-        # Warm up eagerly (Triton compilation, library handles) on a side stream, then capture.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        # Warm up eagerly (Triton compilation, library handles), then capture, on the same stream:
+        # cuBLAS makes a workspace per stream at its first GEMM there and keeps it for the process.
+        # Made inside a capture, it would come from the graph pool and outlive the graphs, and
+        # torch refuses to capture into a pool whose graphs are all gone but which still holds memory.
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
             step()
-        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph(keep_graph=True) if debug_dump else torch.cuda.CUDAGraph()
         if debug_dump:
             graph.enable_debug_mode()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             step()
+        torch.cuda.current_stream().wait_stream(self.stream)
         captured = CapturedGraph(key, graph, static, outputs, topk_path, dummy_len)
         if debug_dump:
             with tempfile.TemporaryDirectory() as tmp:

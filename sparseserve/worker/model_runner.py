@@ -109,6 +109,8 @@ class ModelRunner:
                                  if model_config.is_csa(i)})
         self.watchdog = StepWatchdog(self.options.step_timeout_s)
         self.use_graphs = device.type == "cuda" and not self.options.enforce_eager
+        # Every graph is warmed up and captured on this stream (see CudaGraphRunner.capture).
+        self.capture_stream = torch.cuda.Stream(device=device) if self.use_graphs else None
         if self.use_graphs and dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"CUDA graphs need the bf16/fp16 kernels, but dtype is {dtype}; "
                              "use dtype='bfloat16' or enforce_eager=True")
@@ -206,25 +208,26 @@ class ModelRunner:
     def _mtp_step(self, batch, topk, hidden, outputs) -> None:
         outputs[0].copy_(self.mtp(batch, hidden, self.proposer.state, self.model))
 
-    def _new_graph_runners(self, pool=None) -> list[CudaGraphRunner]:
+    def _new_graph_runners(self, pool_per_runner: bool = False) -> list[CudaGraphRunner]:
         hf = self.model_config.hf_config
         streams = BufferSpec((hf.hc_mult, hf.hidden_size), self.dtype)
         logits = BufferSpec((hf.vocab_size,), torch.float32)
         common = dict(state=self.state, max_blocks=self.max_blocks_per_seq, block_tables=self.block_tables,
-                      dummy_slot=self.max_num_seqs,
-                      short_len=2)
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+                      dummy_slot=self.max_num_seqs, short_len=2, stream=self.capture_stream)
+        shared = torch.cuda.graph_pool_handle()
         runners = []
         for q in self.query_lens:
             outputs = [logits, streams] if self.proposer is not None else [logits]
             runners.append(CudaGraphRunner("target", self._target_step, outputs, rates=self.model_config.rates,
                                            sizes=self.graph_sizes_for(q), query_len=q, num_entries=self.decode_entries,
-                                           topk_for=self.topk_for, pool=pool, **common))
+                                           topk_for=self.topk_for,
+                                           pool=None if pool_per_runner else shared, **common))
         if self.proposer is not None:
             for q in self.query_lens:
                 runners.append(CudaGraphRunner("mtp", self._mtp_step, [streams], rates=self.mtp.config.rates,
                                                sizes=self.graph_sizes_for(q), query_len=q, num_entries={},
-                                               topk_for=None, hidden=streams, pool=pool, **common))
+                                               topk_for=None, hidden=streams,
+                                               pool=None if pool_per_runner else shared, **common))
         return runners
 
     def capture_graphs(self) -> None:
@@ -239,7 +242,9 @@ class ModelRunner:
         if not self.use_graphs:
             raise ValueError("cudagraph_audit needs CUDA graphs: a CUDA device and enforce_eager=False")
         problems = []
-        for runner in self._new_graph_runners():
+        # The audit's graphs are dropped runner by runner: a pool per runner, so that none is shared
+        # with graphs that are already gone.
+        for runner in self._new_graph_runners(pool_per_runner=True):
             problems += runner.audit_captures(self.max_model_len)
         if problems:
             raise GraphCaptureError("CUDA graph audit failed:\n" + "\n".join(problems))

@@ -16,6 +16,8 @@
 #                                     with and without it (SPARSESERVE_DISABLE_KERNELS=overlap), a batch-1 replay profile
 #   bash tools/gpu_session.sh mtp-audit the two MTP=1 audit tests that failed in session 8, with the side stream forced on
 #                                     and off (full tracebacks), then every gpu test with the default schedule
+#   bash tools/gpu_session.sh fused   the capture-stream fix's tests, the fused mHC kernels' tests, decode steps
+#                                     without / with the fused mHC steps, a decode profile (session 9)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back).
@@ -94,6 +96,19 @@ case "${1:-tests}" in
     } 2>&1 | filter > "$OUT/seed.log"; tail -40 "$OUT/seed.log" ;;
   demo)
     timeout -k 5 300 python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json" 2>&1 | filter | tail -40 ;;
+  fused)
+    # The capture-stream fix (the MTP=1 audits alone in a fresh process; dropped graphs leave their pool
+    # empty), the fused mHC kernels' tests, decode steps without / with the fused mHC steps and fp32 LM head
+    # output, and a profile of the decode step (~6.5 minutes).
+    { timeout -k 5 100 python -m pytest -q -p no:warnings --tb=short tests/test_cuda_graphs_gpu.py \
+        -k "mtp_1 or pool_empty"
+      timeout -k 5 60 python -m pytest -q -p no:warnings tests/test_mhc_fused.py tests/test_mhc_kernel.py
+      for kernels in mhc_fused,lm_head_fp32 ""; do
+        SPARSESERVE_DISABLE_KERNELS=$kernels timeout -k 5 90 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
+          --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_disable_${kernels:-none}.json"
+      done
+      timeout -k 5 50 python tools/profile_steps.py --only decode --graphs-only --out-dir "$OUT"
+    } 2>&1 | filter > "$OUT/fused.log"; tail -40 "$OUT/fused.log" ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"
@@ -103,5 +118,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused" >&2; exit 2 ;;
 esac

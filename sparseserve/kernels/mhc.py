@@ -223,11 +223,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _hc_finalize_kernel(x_ptr, mix_ws_ptr, sq_ws_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
-                            num_tokens, D, K, splits, norm_eps, hc_eps,
+                            norm_w_ptr, num_tokens, D, K, splits, norm_eps, hc_eps, block_eps,
                             HC: tl.constexpr, HP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
-                            ITERS: tl.constexpr, HEAD: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr):
+                            ITERS: tl.constexpr, HEAD: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr,
+                            NORM: tl.constexpr):
         """Program (TB tokens, D block): reduce the split-K partials (fixed order), the rms factor,
-        the coefficients (post/comb stored by D block 0 only), the pre-weighted collapse."""
+        the coefficients (post/comb stored by D block 0 only), the pre-weighted collapse.
+        NORM (one D block holds the whole row): then the block's RMSNorm with weight norm_w, rounded
+        as `rms_norm` rounds (the collapse to the dtype, the normalised row, the weighted row)."""
         tt = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
         tmask = tt < num_tokens
         pid_d = tl.program_id(1)
@@ -271,6 +274,11 @@ if HAS_TRITON:
         x = tl.load(x_ptr + tt[:, None, None] * K + i[None, :, None] * D + d[None, None, :],
                     mask=tmask[:, None, None] & valid[None, :, None] & dmask[None, None, :], other=0.0)
         out = tl.sum(pre[:, :, None] * x.to(tl.float32), axis=1)
+        if NORM:
+            y = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # masked columns are 0
+            rn = tl.rsqrt(tl.sum(y * y, axis=1) / D + block_eps)
+            y = (y * rn[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+            out = y * tl.load(norm_w_ptr + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + tt[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=tmask[:, None] & dmask[None, :])
 
@@ -358,38 +366,70 @@ def mix_config(num_tokens: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
 
 def _collapse_triton(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
                      iters: int, hc_eps: float, norm_eps: float, head: bool, config: dict | None = None):
-    num_tokens, _, dim = streams.shape
+    num_tokens = streams.shape[0]
+    x = streams.contiguous()
+    if num_tokens == 0:
+        return finalize_triton(x, None, base, scale, hc, iters, hc_eps, norm_eps, head)
+    mix_ws, sq_ws = mix_partials_triton(x, fn, config)
+    return finalize_triton(x, (mix_ws, sq_ws), base, scale, hc, iters, hc_eps, norm_eps, head)
+
+
+def mix_partials_triton(x: torch.Tensor, fn: torch.Tensor, config: dict | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K partials of contiguous streams x [T, hc, D]: mixes [T, splits, MP] and sums of
+    squares [T, splits] (fp32)."""
+    num_tokens, hc, dim = x.shape
     k = hc * dim
     m = fn.shape[0]
-    x = streams.contiguous()
-    fn = fn.contiguous()
-    dev = streams.device
-    out = torch.empty(num_tokens, dim, device=dev, dtype=streams.dtype)
+    cfg = dict(mix_config(num_tokens, k, x.dtype), **(config or {}))
+    split_bf16 = cfg["prec"] == "bf16x3"
+    if split_bf16 and x.dtype != torch.bfloat16:
+        raise ValueError("the bf16x3 product needs bf16 streams")
+    mp = mix_width(m)
+    splits = cfg["splits"]
+    mix_ws = torch.empty(num_tokens, splits, mp, device=x.device, dtype=torch.float32)
+    sq_ws = torch.empty(num_tokens, splits, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(num_tokens, cfg["BT"]), splits)
+    _hc_mix_partial_kernel[grid](x, fn.contiguous(), mix_ws, sq_ws, num_tokens, k, m, cfg["chunk"], splits,
+                                 BT=cfg["BT"], BK=cfg["BK"], MP=mp, FMA=cfg["fma"], SPLIT_BF16=split_bf16,
+                                 PREC="ieee" if split_bf16 else cfg["prec"], DOT_F32=_INTERPRET,
+                                 num_warps=cfg["num_warps"])
+    return mix_ws, sq_ws
+
+
+def mix_width(m: int) -> int:
+    """Columns of a partial-mixes row: the (2 + hc) * hc mixes padded to a power of two >= 16."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def finalize_triton(x: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor] | None, base: torch.Tensor,
+                    scale: torch.Tensor, hc: int, iters: int, hc_eps: float, norm_eps: float, head: bool,
+                    norm_weight: torch.Tensor | None = None, block_eps: float = 0.0):
+    """(post, comb, out) from the streams x [T, hc, D] and their partials (None when T = 0): out is
+    the collapse, or with `norm_weight` the block's RMSNorm of it (one program per token)."""
+    num_tokens, _, dim = x.shape
+    dev = x.device
+    out = torch.empty(num_tokens, dim, device=dev, dtype=x.dtype)
     post = comb = None
     if not head:
         post = torch.empty(num_tokens, hc, device=dev, dtype=torch.float32)
         comb = torch.empty(num_tokens, hc, hc, device=dev, dtype=torch.float32)
     if num_tokens == 0:
         return post, comb, out
-    cfg = dict(mix_config(num_tokens, k, streams.dtype), **(config or {}))
-    split_bf16 = cfg["prec"] == "bf16x3"
-    if split_bf16 and streams.dtype != torch.bfloat16:
-        raise ValueError("the bf16x3 product needs bf16 streams")
-    mp = max(16, triton.next_power_of_2(m))
-    splits = cfg["splits"]
-    mix_ws = torch.empty(num_tokens * splits * mp, device=dev, dtype=torch.float32)
-    sq_ws = torch.empty(num_tokens * splits, device=dev, dtype=torch.float32)
-    grid = (triton.cdiv(num_tokens, cfg["BT"]), splits)
-    _hc_mix_partial_kernel[grid](x, fn, mix_ws, sq_ws, num_tokens, k, m, cfg["chunk"], splits,
-                                 BT=cfg["BT"], BK=cfg["BK"], MP=mp, FMA=cfg["fma"], SPLIT_BF16=split_bf16,
-                                 PREC="ieee" if split_bf16 else cfg["prec"], DOT_F32=_INTERPRET,
-                                 num_warps=cfg["num_warps"])
-    tb, bd = row_config(num_tokens, dim)
+    mix_ws, sq_ws = partials
+    splits, mp = mix_ws.shape[1], mix_ws.shape[2]
+    if norm_weight is None:
+        tb, bd = row_config(num_tokens, dim)
+        warps = finalize_warps(tb, hc, bd)
+    else:
+        tb, bd = 1, triton.next_power_of_2(dim)
+        warps = max(1, min(8, bd * triton.next_power_of_2(hc) // 2048))
     _hc_finalize_kernel[(triton.cdiv(num_tokens, tb), triton.cdiv(dim, bd))](
         x, mix_ws, sq_ws, base.contiguous(), scale.contiguous(), post if post is not None else out,
-        comb if comb is not None else out, out, num_tokens, dim, k, splits, norm_eps, hc_eps,
+        comb if comb is not None else out, out, norm_weight if norm_weight is not None else out,
+        num_tokens, dim, hc * dim, splits, norm_eps, hc_eps, block_eps,
         HC=hc, HP=max(2, triton.next_power_of_2(hc)), MP=mp, SP=max(2, triton.next_power_of_2(splits)),
-        ITERS=iters, HEAD=head, TB=tb, BD=bd, num_warps=finalize_warps(tb, hc, bd))
+        ITERS=iters, HEAD=head, TB=tb, BD=bd, NORM=norm_weight is not None, num_warps=warps)
     return post, comb, out
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels.dispatch import use_triton
 from .batch import BatchMetadata
 from .layers.attention import Attention
 from .layers.hyper_connection import HyperConnection, HyperHead
@@ -21,6 +22,9 @@ from .layers.rope import rope_inv_freq
 from .side_stream import SideStreams, SideWork
 from .state import ModelState
 from .step_context import RopeTablePlan, StepContext, TopKFn, build_step_context
+
+# torch.mm(..., out_dtype=torch.float32): bf16/fp16 GEMMs with fp32 output on CUDA (torch >= 2.8).
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype_out")
 
 
 class DecoderLayer(nn.Module):
@@ -37,11 +41,11 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(*hc_args)
 
     def forward(self, streams: torch.Tensor, ctx: StepContext, state) -> torch.Tensor:
-        post, comb, collapsed = self.attn_hc(streams)
-        attn_out = self.self_attn(self.input_layernorm(collapsed), ctx, state)
-        streams = HyperConnection.expand(streams, attn_out, post, comb)
-        post, comb, collapsed = self.ffn_hc(streams)
-        mlp_out = self.mlp(self.post_attention_layernorm(collapsed), ctx.batch.input_ids, ctx.side)
+        post, comb, x = self.attn_hc.collapse_norm(streams, self.input_layernorm)
+        attn_out = self.self_attn(x, ctx, state)
+        streams, post, comb, x = self.ffn_hc.expand_collapse_norm(streams, attn_out, post, comb,
+                                                                  self.post_attention_layernorm)
+        mlp_out = self.mlp(x, ctx.batch.input_ids, ctx.side)
         return HyperConnection.expand(streams, mlp_out, post, comb)
 
 
@@ -108,7 +112,15 @@ class DeepseekV4ForCausalLM(nn.Module):
     def compute_logits(self, streams: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits for the given residual streams [N, hc, D] (written into `out` [N, V] if given:
         captured graphs share one static logits buffer)."""
-        hidden = self.model.norm(self.model.hc_head(streams))
+        return self.logits_of(self.model.hc_head.collapse_norm(streams, self.model.norm), out)
+
+    def logits_of(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of the LM head's inputs. On CUDA the GEMM writes fp32 itself (bf16/fp16
+        inputs, fp32 accumulate, no rounding to bf16 and no conversion kernel after it)."""
+        if _MM_OUT_DTYPE and hidden.dtype in (torch.bfloat16, torch.float16) and use_triton("lm_head_fp32", hidden):
+            weight = self.lm_head.weight.t()
+            return torch.mm(hidden, weight, out_dtype=torch.float32, out=out) if out is not None else \
+                torch.mm(hidden, weight, out_dtype=torch.float32)
         if out is None:
             return self.lm_head(hidden).float()
         return out.copy_(self.lm_head(hidden))

@@ -89,7 +89,7 @@ class MTPModule(nn.Module):
         return self.block(x.contiguous(), ctx, state.layers[0])
 
     def compute_logits(self, streams: torch.Tensor, target: DeepseekV4ForCausalLM) -> torch.Tensor:
-        return target.lm_head(self.norm(self.hc_head(streams))).float()
+        return target.logits_of(self.hc_head.collapse_norm(streams, self.norm))
 
 
 def load_mtp_weights(module: MTPModule, tensors: dict[str, torch.Tensor]) -> None:

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from ...kernels.mhc import hc_collapse, hc_expand, hc_head_collapse
+from ...kernels.mhc_fused import hc_collapse_norm, hc_expand_collapse_norm, hc_head_collapse_norm
+from .norm import RMSNorm
 
 
 class HyperConnection(nn.Module):
@@ -28,6 +30,19 @@ class HyperConnection(nn.Module):
         """streams [T, hc, D] -> (post [T, hc] fp32, comb [T, hc, hc] fp32, collapsed [T, D])."""
         return hc_collapse(streams, self.fn, self.base, self.scale, self.hc_mult, self.sinkhorn_iters,
                            self.hc_eps, self.norm_eps)
+
+    def collapse_norm(self, streams: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(post, comb, the block's input norm(collapsed))."""
+        return hc_collapse_norm(streams, self.fn, self.base, self.scale, self.hc_mult, self.sinkhorn_iters,
+                                self.hc_eps, self.norm_eps, norm.weight, norm.eps)
+
+    def expand_collapse_norm(self, streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
+                             comb: torch.Tensor, norm: RMSNorm
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The previous block's output into the streams (its post and comb), then this collapse and
+        the next block's norm: (new streams, post, comb, the next block's input)."""
+        return hc_expand_collapse_norm(streams, block_out, post, comb, self.fn, self.base, self.scale, self.hc_mult,
+                                       self.sinkhorn_iters, self.hc_eps, self.norm_eps, norm.weight, norm.eps)
 
     @staticmethod
     def expand(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -48,3 +63,8 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         return hc_head_collapse(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps)
+
+    def collapse_norm(self, streams: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """norm(collapse(streams)): the LM head's input."""
+        return hc_head_collapse_norm(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps,
+                                     norm.weight, norm.eps)

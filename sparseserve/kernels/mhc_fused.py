@@ -150,8 +150,10 @@ def expand_mix_config(num_tokens: int, dim: int, dtype: torch.dtype = torch.bflo
     tiles = triton.cdiv(num_tokens, bt)
     want = max(1, min(128, triton.cdiv(TARGET_PROGRAMS, tiles), triton.cdiv(dim, bd)))
     chunk = triton.cdiv(triton.cdiv(dim, want), bd) * bd
-    return {"BT": bt, "BD": bd, "chunk": chunk, "splits": triton.cdiv(dim, chunk), "num_warps": 4, "fma": fma,
-            "prec": "bf16x3" if dtype == torch.bfloat16 else "tf32x3"}
+    # One stage: the loads are small and mostly from L2; pipelining the unrolled hc x hc loads of the
+    # dot path needs more shared memory than an SM has (366 KB at BT 64 with triton 3.6's default 3).
+    return {"BT": bt, "BD": bd, "chunk": chunk, "splits": triton.cdiv(dim, chunk), "num_warps": 4, "num_stages": 1,
+            "fma": fma, "prec": "bf16x3" if dtype == torch.bfloat16 else "tf32x3"}
 
 
 def expand_mix_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -175,7 +177,8 @@ def expand_mix_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torc
             streams, block_out.contiguous(), post.float().contiguous(), comb.float().contiguous(), new,
             fn.contiguous(), mix_ws, sq_ws, num_tokens, dim, hc * dim, m, cfg["chunk"], splits,
             HC=hc, BT=cfg["BT"], BD=cfg["BD"], MP=mp, FMA=cfg["fma"], SPLIT_BF16=split_bf16,
-            PREC="ieee" if split_bf16 else cfg["prec"], DOT_F32=_INTERPRET, num_warps=cfg["num_warps"])
+            PREC="ieee" if split_bf16 else cfg["prec"], DOT_F32=_INTERPRET, num_warps=cfg["num_warps"],
+            num_stages=cfg.get("num_stages", 1))
     return new, (mix_ws, sq_ws)
 
 

@@ -135,24 +135,27 @@ def test_expand_mix_config_is_static_and_covers_d():
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 64, 256])
 def test_gpu_flash_shapes(tokens):
+    """Compiled, the fused and the unfused kernels may contract multiply-adds differently (the
+    interpreter's CPU tests above are exact): equal up to a rounding step of bf16."""
     hc, dim = 4, 4096
     streams, fn, base, scale = make_inputs(tokens, hc, dim, torch.bfloat16, seed=tokens)
     out, post, comb = expand_inputs(tokens, hc, dim, torch.bfloat16, seed=tokens + 1)
     weight = norm_weight(dim, 5)
-    got = hc_expand_collapse_norm(streams, out, post, comb, fn, base, scale, hc, ITERS, HC_EPS, NORM_EPS, weight,
-                                  BLOCK_EPS)
+    got = hc_expand_collapse_norm_triton(streams, out, post, comb, fn, base, scale, hc, ITERS, HC_EPS, NORM_EPS,
+                                         weight, BLOCK_EPS)
     ref = unfused(streams, out, post, comb, fn, base, scale, hc, weight)
-    assert torch.equal(got[0], ref[0])
+    assert_close_dtype(got[0], ref[0], torch.bfloat16)
     assert_coefficients_close(got[1:3], ref[1:3])
     assert_close_dtype(got[3], ref[3], torch.bfloat16)
-    got = hc_collapse_norm(streams, fn, base, scale, hc, ITERS, HC_EPS, NORM_EPS, weight, BLOCK_EPS)
+    got = hc_collapse_norm_triton(streams, fn, base, scale, hc, ITERS, HC_EPS, NORM_EPS, weight, BLOCK_EPS)
     ref = unfused(streams, None, None, None, fn, base, scale, hc, weight)
-    assert torch.equal(got[2], ref[3])
+    assert_coefficients_close(got[:2], ref[1:3])
+    assert_close_dtype(got[2], ref[3], torch.bfloat16)
 
 
 @pytest.mark.gpu
 def test_gpu_graph_replay_equals_eager():
-    hc, dim, tokens = 4, 4096, 8
+    hc, dim, tokens = 4, 4096, mhc_fused.FUSED_MAX_TOKENS
     streams, fn, base, scale = make_inputs(tokens, hc, dim, torch.bfloat16, seed=1)
     out, post, comb = expand_inputs(tokens, hc, dim, torch.bfloat16, seed=2)
     weight = norm_weight(dim, 3)

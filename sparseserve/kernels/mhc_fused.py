@@ -14,9 +14,9 @@ Without an expand (a layer's first collapse, the head) only (b) is new: the coll
 kernel, then finalize with the norm.
 
 The result equals the unfused sequence up to the fp32 summation order of the mixes (the
-partials cover other K subsets); the streams and the collapse round as before. Used for up to
-`FUSED_MAX_TOKENS` tokens (larger steps fill the GPU: one program per token and row would be
-slower than the unfused kernels' tiles), for bf16/fp16 streams on CUDA; the references (the
+partials cover other K subsets); the streams and the collapse round as before (compiled code may
+contract multiply-adds differently: a rounding step apart at most). Used for up to
+`FUSED_MAX_TOKENS` tokens (see there), for bf16/fp16 streams on CUDA; the references (the
 unfused dispatch, in order) run elsewhere and with SPARSESERVE_DISABLE_KERNELS=mhc_fused.
 
 Roofline of (a) per step: reads T*hc*D*e (streams) + T*D*e (block output) + M*hc*D*4 (fn),
@@ -45,7 +45,11 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-FUSED_MAX_TOKENS = 256
+# Measured (H200, 2026-11-29, decode_graphs b2b replay, same call): batch 1 0.793 -> 0.778 ms with the
+# fused steps; batch 8 1.052 -> 1.058 and batch 64 1.167 -> 1.174, i.e. no gain where the mix is a
+# tensor-core dot (the one-program-per-token finalize with the norm takes ~7 us against ~5 + 3). So
+# they run only in the few-token (FMA) regime.
+FUSED_MAX_TOKENS = 4
 
 
 # ----------------------------------------------------------------------------- references

@@ -108,7 +108,7 @@ case "${1:-tests}" in
       timeout -k 5 120 python -m pytest -q -p no:warnings --tb=short tests/test_mhc_fused.py tests/test_mhc_kernel.py
       for kernels in mhc_fused,lm_head_fp32 ""; do
         SPARSESERVE_DISABLE_KERNELS=$kernels timeout -k 5 90 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
-          --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_disable_${kernels:-none}.json"
+          --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_disable_$(echo ${kernels:-none} | tr , _).json"
       done
       timeout -k 5 50 python tools/profile_steps.py --only decode --graphs-only --out-dir "$OUT"
     } 2>&1 | filter > "$OUT/fused.log"; tail -40 "$OUT/fused.log" ;;

@@ -119,8 +119,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         inputs, fp32 accumulate, no rounding to bf16 and no conversion kernel after it)."""
         if _MM_OUT_DTYPE and hidden.dtype in (torch.bfloat16, torch.float16) and use_triton("lm_head_fp32", hidden):
             weight = self.lm_head.weight.t()
-            return torch.mm(hidden, weight, out_dtype=torch.float32, out=out) if out is not None else \
-                torch.mm(hidden, weight, out_dtype=torch.float32)
+            if out is None:
+                return torch.mm(hidden, weight, out_dtype=torch.float32)
+            return torch.mm(hidden, weight, out_dtype=torch.float32, out=out)
         if out is None:
             return self.lm_head(hidden).float()
         return out.copy_(self.lm_head(hidden))

@@ -163,6 +163,32 @@ if HAS_TRITON:
         tl.store(comb_ptr + t * HC * HC + r * HC + c, comb, mask=valid2)
 
     @triton.jit
+    def mix_dot(acc, x_raw, w, SPLIT_BF16: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+        """acc + x @ w^T on the tensor cores, x [rows, k] in the streams dtype, w [MP, k] fp32.
+        SPLIT_BF16 (bf16 x: exact in bf16) splits w into three bf16 parts hi + mid + lo (24 mantissa
+        bits): the three bf16 products are exact and only the fp32 accumulation rounds. Otherwise
+        fp32 operands with input_precision PREC. DOT_F32 (under the interpreter, whose bf16 dot is
+        wrong): the bf16 parts go through fp32 dots, which gives the same exact products."""
+        if SPLIT_BF16:
+            xb = x_raw.to(tl.bfloat16)
+            w_hi = w.to(tl.bfloat16)
+            w_r = w - w_hi.to(tl.float32)
+            w_mid = w_r.to(tl.bfloat16)
+            w_lo = (w_r - w_mid.to(tl.float32)).to(tl.bfloat16)
+            if DOT_F32:
+                xf = xb.to(tl.float32)
+                acc = tl.dot(xf, tl.trans(w_hi.to(tl.float32)), acc, input_precision="ieee")
+                acc = tl.dot(xf, tl.trans(w_mid.to(tl.float32)), acc, input_precision="ieee")
+                acc = tl.dot(xf, tl.trans(w_lo.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xb, tl.trans(w_hi), acc)
+                acc = tl.dot(xb, tl.trans(w_mid), acc)
+                acc = tl.dot(xb, tl.trans(w_lo), acc)
+        else:
+            acc = tl.dot(x_raw.to(tl.float32), tl.trans(w), acc, input_precision=PREC)
+        return acc
+
+    @triton.jit
     def _hc_mix_partial_kernel(x_ptr, fn_ptr, mix_ws_ptr, sq_ws_ptr, num_tokens, K, M, chunk, splits,
                                BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, FMA: tl.constexpr,
                                SPLIT_BF16: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
@@ -170,11 +196,7 @@ if HAS_TRITON:
 
         FMA: elementwise products accumulated in [BT, MP, BK] registers, one reduction at the end
         (few tokens: no padding of the token tile to the 16 rows a dot needs). Else a tensor-core
-        dot: SPLIT_BF16 (bf16 streams only: x is exact in bf16) splits fn into three bf16 parts
-        hi + mid + lo (24 mantissa bits), so the three bf16 products are exact and only the fp32
-        accumulation rounds; otherwise tl.dot on fp32 operands with input_precision PREC.
-        DOT_F32 (under the interpreter, whose bf16 dot is wrong): the bf16 parts go through fp32
-        dots, which gives the same exact products."""
+        dot (`mix_dot`: SPLIT_BF16, PREC, DOT_F32)."""
         pid_t = tl.program_id(0)
         pid_s = tl.program_id(1)
         rows = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
@@ -198,23 +220,8 @@ if HAS_TRITON:
             sq += tl.sum(x * x, axis=1)
             if FMA:
                 acc3 += x[:, None, :] * w[None, :, :]
-            elif SPLIT_BF16:
-                xb = x_raw.to(tl.bfloat16)
-                w_hi = w.to(tl.bfloat16)
-                w_r = w - w_hi.to(tl.float32)
-                w_mid = w_r.to(tl.bfloat16)
-                w_lo = (w_r - w_mid.to(tl.float32)).to(tl.bfloat16)
-                if DOT_F32:  # the same exact products through fp32 dots (the interpreter's bf16 dot is wrong)
-                    xf = xb.to(tl.float32)
-                    acc = tl.dot(xf, tl.trans(w_hi.to(tl.float32)), acc, input_precision="ieee")
-                    acc = tl.dot(xf, tl.trans(w_mid.to(tl.float32)), acc, input_precision="ieee")
-                    acc = tl.dot(xf, tl.trans(w_lo.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(xb, tl.trans(w_hi), acc)
-                    acc = tl.dot(xb, tl.trans(w_mid), acc)
-                    acc = tl.dot(xb, tl.trans(w_lo), acc)
             else:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+                acc = mix_dot(acc, x_raw, w, SPLIT_BF16, PREC, DOT_F32)
         if FMA:
             acc = tl.sum(acc3, axis=2)
         ws = rows * splits + pid_s

@@ -36,6 +36,7 @@ from .mhc import (
     hc_collapse,
     hc_expand,
     hc_head_collapse,
+    mix_dot,
     mix_partials_triton,
     mix_width,
 )
@@ -118,23 +119,8 @@ if HAS_TRITON:
                             other=0.0).to(tl.float32)
                 if FMA:
                     acc3 += x[:, None, :] * w[None, :, :]
-                elif SPLIT_BF16:
-                    xb = x_raw.to(tl.bfloat16)
-                    w_hi = w.to(tl.bfloat16)
-                    w_r = w - w_hi.to(tl.float32)
-                    w_mid = w_r.to(tl.bfloat16)
-                    w_lo = (w_r - w_mid.to(tl.float32)).to(tl.bfloat16)
-                    if DOT_F32:
-                        xf = xb.to(tl.float32)
-                        acc = tl.dot(xf, tl.trans(w_hi.to(tl.float32)), acc, input_precision="ieee")
-                        acc = tl.dot(xf, tl.trans(w_mid.to(tl.float32)), acc, input_precision="ieee")
-                        acc = tl.dot(xf, tl.trans(w_lo.to(tl.float32)), acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(xb, tl.trans(w_hi), acc)
-                        acc = tl.dot(xb, tl.trans(w_mid), acc)
-                        acc = tl.dot(xb, tl.trans(w_lo), acc)
                 else:
-                    acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+                    acc = mix_dot(acc, x_raw, w, SPLIT_BF16, PREC, DOT_F32)
         if FMA:
             acc = tl.sum(acc3, axis=2)
         ws = rows * splits + pid_s

@@ -18,6 +18,7 @@
 #                                     and off (full tracebacks), then every gpu test with the default schedule
 #   bash tools/gpu_session.sh fused   the capture-stream fix's tests, the fused mHC kernels' tests, decode steps
 #                                     without / with the fused mHC steps, a decode profile (session 9)
+#   bash tools/gpu_session.sh carveout  decode steps with cuBLAS leaving 0/8/16/32 SMs to the side stream, a profile
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back).
@@ -112,6 +113,16 @@ case "${1:-tests}" in
       done
       timeout -k 5 50 python tools/profile_steps.py --only decode --graphs-only --out-dir "$OUT"
     } 2>&1 | filter > "$OUT/fused.log"; tail -40 "$OUT/fused.log" ;;
+  carveout)
+    # Decode steps with cuBLAS GEMMs leaving 0 / 8 / 16 / 32 SMs free for the side stream's kernels
+    # (worker/sm_carveout.py), then a profile at 16 (~5.5 minutes).
+    { for sms in "" 8 16 32; do
+        SPARSESERVE_SM_CARVEOUT=$sms timeout -k 5 80 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
+          --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_carveout_${sms:-0}.json"
+      done
+      SPARSESERVE_SM_CARVEOUT=16 timeout -k 5 50 python tools/profile_steps.py --only decode --graphs-only \
+        --out-dir "$OUT"
+    } 2>&1 | filter > "$OUT/carveout.log"; grep -a "graph  0" "$OUT/carveout.log" ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"
@@ -121,5 +132,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout" >&2; exit 2 ;;
 esac

@@ -26,6 +26,7 @@ from .cuda_graph import (BufferSpec, CudaGraphRunner, GraphCaptureError, decode_
                          logits_mode, pad_chunks, pick_bucket, set_positions)
 from .host_copy import to_device, to_host
 from .sampler import SamplingTensors, sample, token_logprobs
+from .sm_carveout import apply_sm_carveout
 from .watchdog import StepWatchdog
 
 logger = logging.getLogger("sparseserve")
@@ -122,12 +123,14 @@ class ModelRunner:
         # both modes compute the same function (DESIGN.md invariant 5).
         k = self.options.num_speculative_tokens
         self.query_lens = [1] + ([1 + k] if k else [])
-        # Captured graphs use the side stream, except with speculation: with it on, the two MTP=1
-        # graph-audit tests failed on the H200 (2026-11-29; cause not yet found, see
-        # docs/performance.md), while every test and audit without speculation passed with it.
-        # SPARSESERVE_SIDE_STREAM=graphs|always|never overrides this (diagnosis).
+        # Captured graphs use the side stream, except with speculation: its graphs (verify, drafter)
+        # have not yet been tested and measured with it on the GPU. (The MTP=1 audit failures that
+        # first kept it off there came from the cuBLAS workspace, not from the side stream; see
+        # CudaGraphRunner.capture.) SPARSESERVE_SIDE_STREAM=graphs|always|never overrides this.
         self.model.side_streams.mode = os.environ.get("SPARSESERVE_SIDE_STREAM") or ("never" if k else "graphs")
         self.pad_like_graphs = device.type == "cuda"
+        if apply_sm_carveout(device):
+            logger.info("cuBLAS GEMMs leave %s SMs free (SPARSESERVE_SM_CARVEOUT)", os.environ["SPARSESERVE_SM_CARVEOUT"])
         self._topk: dict[int, IndexerTopK] = {}
         self.graphs: dict[int, CudaGraphRunner] = {}  # target model, by query length
         self.mtp_graphs: dict[int, CudaGraphRunner] = {}  # the MTP drafter, by query length

@@ -115,14 +115,15 @@ case "${1:-tests}" in
     } 2>&1 | filter > "$OUT/fused.log"; tail -40 "$OUT/fused.log" ;;
   carveout)
     # Decode steps with cuBLAS GEMMs leaving 0 / 8 / 16 / 32 SMs free for the side stream's kernels
-    # (worker/sm_carveout.py), then a profile at 16 (~5.5 minutes).
+    # (worker/sm_carveout.py), a profile at 16, and the fused mHC finalize at 1-8 warps (~6.5 minutes).
     { for sms in "" 8 16 32; do
         SPARSESERVE_SM_CARVEOUT=$sms timeout -k 5 80 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
           --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_carveout_${sms:-0}.json"
       done
       SPARSESERVE_SM_CARVEOUT=16 timeout -k 5 50 python tools/profile_steps.py --only decode --graphs-only \
         --out-dir "$OUT"
-    } 2>&1 | filter > "$OUT/carveout.log"; grep -a "graph  0" "$OUT/carveout.log" ;;
+      timeout -k 5 60 python -m sparseserve.benchmarks.mhc_bench --tokens "" --between 1,2,4 --out "$OUT/mhc_between.json"
+    } 2>&1 | filter > "$OUT/carveout.log"; grep -a "graph  0\|between" "$OUT/carveout.log" ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"

@@ -1,7 +1,7 @@
 """Benchmark of the fused mHC kernels against the unfused PyTorch path (H200).
 
     PYTHONPATH=. python -m sparseserve.benchmarks.mhc_bench [--tokens 1,64,8192] [--sweep] [--decode old|new|ab]
-                                                         [--out PATH]
+                                                         [--between 1,2,4] [--out PATH]
 
 V4-Flash shapes: hc 4, D 4096, bf16 streams, fp32 fn [24, 16384] (the head: [4, 16384]).
 "old" is the reference path exactly as the model ran it before the fused kernels (fp32 copy of
@@ -15,6 +15,8 @@ kernels/mhc.py), against the measured device copy rate (4.23 TB/s).
 --sweep times the collapse with alternative mix-kernel configs (BT, BK, warps, K chunks, and the
 product: FMA, or a dot as three exact bf16 products, tf32x3 or ieee fp32), with the largest
 difference from the default config's post / comb / collapsed.
+--between T,... times the steps between two blocks (expand, collapse, RMSNorm) at T tokens: the
+unfused kernels against kernels/mhc_fused.py with its finalize at 1, 2, 4 and 8 warps.
 --decode old|new|ab times the batch-1 decode forward (graph replay, decode_graphs.measure) with the
 fused path off (the unfused mHC path, as before), on, or both in one process.
 """
@@ -131,6 +133,32 @@ def bench_tokens(tokens: int, sweep: bool) -> list[dict]:
     return rows
 
 
+def bench_between(tokens: int) -> list[dict]:
+    """The steps between two blocks (expand, collapse, the next block's RMSNorm): the unfused
+    kernels in order against `mhc_fused` with the finalize at 1-8 warps (its default: 8)."""
+    from sparseserve.kernels import mhc_fused
+    from sparseserve.kernels.rmsnorm import rms_norm_triton
+
+    streams, fn, base, scale = inputs(tokens, (2 + HC) * HC)
+    out = torch.randn(tokens, DIM, device="cuda").to(torch.bfloat16)
+    post, comb, _ = mhc.hc_collapse_ref(streams, fn, base, scale, HC, ITERS, EPS, EPS)
+    weight = 0.5 + torch.rand(DIM, device="cuda")
+
+    def unfused():
+        new = mhc.hc_expand_triton(streams, out, post, comb)
+        _, _, collapsed = mhc.hc_collapse_triton(new, fn, base, scale, HC, ITERS, EPS, EPS)
+        return rms_norm_triton(collapsed, weight, EPS)
+
+    rows = [{"case": "between-unfused", "tokens": tokens, "ms": graph_ms(unfused, 50)}]
+    for warps in (1, 2, 4, 8):
+        ms = graph_ms(lambda warps=warps: mhc_fused.hc_expand_collapse_norm_triton(
+            streams, out, post, comb, fn, base, scale, HC, ITERS, EPS, EPS, weight, EPS, norm_warps=warps), 50)
+        rows.append({"case": "between-fused", "tokens": tokens, "norm_warps": warps, "ms": ms})
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def decode_ab(steps: int, which: str) -> list[dict]:
     from sparseserve.benchmarks.decode_graphs import measure
 
@@ -156,12 +184,15 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--decode", choices=("none", "old", "new", "ab"), default="none",
                         help="batch-1 decode forward (graph replay) with the fused mHC path off (old), on (new) or both")
+    parser.add_argument("--between", default="", help="token counts for the between-blocks chain, e.g. 1,2,4")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",") if t]:
         rows += bench_tokens(tokens, args.sweep)
+    for tokens in [int(t) for t in args.between.split(",") if t]:
+        rows += bench_between(tokens)
     decode = decode_ab(args.steps, args.decode) if args.decode != "none" else []
     print(f"{'case':>9}{'T':>6}{'old ms':>10}{'new ms':>10}{'floor ms':>10}{'speedup':>9}{'new/floor':>10}")
     for r in rows:

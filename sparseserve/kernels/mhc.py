@@ -411,9 +411,10 @@ def mix_width(m: int) -> int:
 
 def finalize_triton(x: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor] | None, base: torch.Tensor,
                     scale: torch.Tensor, hc: int, iters: int, hc_eps: float, norm_eps: float, head: bool,
-                    norm_weight: torch.Tensor | None = None, block_eps: float = 0.0):
+                    norm_weight: torch.Tensor | None = None, block_eps: float = 0.0, norm_warps: int | None = None):
     """(post, comb, out) from the streams x [T, hc, D] and their partials (None when T = 0): out is
-    the collapse, or with `norm_weight` the block's RMSNorm of it (one program per token)."""
+    the collapse, or with `norm_weight` the block's RMSNorm of it (one program per token, `norm_warps`
+    warps: by default 8 for a 4 x 4096 row)."""
     num_tokens, _, dim = x.shape
     dev = x.device
     out = torch.empty(num_tokens, dim, device=dev, dtype=x.dtype)
@@ -430,7 +431,7 @@ def finalize_triton(x: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor]
         warps = finalize_warps(tb, hc, bd)
     else:
         tb, bd = 1, triton.next_power_of_2(dim)
-        warps = max(1, min(8, bd * triton.next_power_of_2(hc) // 2048))
+        warps = norm_warps or max(1, min(8, bd * triton.next_power_of_2(hc) // 2048))
     _hc_finalize_kernel[(triton.cdiv(num_tokens, tb), triton.cdiv(dim, bd))](
         x, mix_ws, sq_ws, base.contiguous(), scale.contiguous(), post if post is not None else out,
         comb if comb is not None else out, out, norm_weight if norm_weight is not None else out,

@@ -172,17 +172,20 @@ def expand_mix_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torc
     return new, (mix_ws, sq_ws)
 
 
-def hc_collapse_norm_triton(streams, fn, base, scale, hc, iters, hc_eps, norm_eps, norm_weight, block_eps):
+def hc_collapse_norm_triton(streams, fn, base, scale, hc, iters, hc_eps, norm_eps, norm_weight, block_eps,
+                            norm_warps: int | None = None):
     x = streams.contiguous()
     partials = mix_partials_triton(x, fn) if x.shape[0] else None
-    return finalize_triton(x, partials, base, scale, hc, iters, hc_eps, norm_eps, False, norm_weight, block_eps)
+    return finalize_triton(x, partials, base, scale, hc, iters, hc_eps, norm_eps, False, norm_weight, block_eps,
+                           norm_warps)
 
 
 def hc_expand_collapse_norm_triton(streams, block_out, post, comb, fn, base, scale, hc, iters, hc_eps, norm_eps,
-                                   norm_weight, block_eps, config: dict | None = None):
+                                   norm_weight, block_eps, config: dict | None = None, norm_warps: int | None = None):
+    """`config`: the expand+mix kernel's launch (see `expand_mix_config`); `norm_warps`: the finalize's."""
     new, partials = expand_mix_triton(streams, block_out, post, comb, fn, config)
     return (new, *finalize_triton(new, partials if new.shape[0] else None, base, scale, hc, iters, hc_eps,
-                                  norm_eps, False, norm_weight, block_eps))
+                                  norm_eps, False, norm_weight, block_eps, norm_warps))
 
 
 def hc_head_collapse_norm_triton(streams, fn, base, scale, hc_eps, norm_eps, norm_weight, block_eps):

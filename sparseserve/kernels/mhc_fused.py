@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from . import mhc
 from .dispatch import use_triton
 from .mhc import (
-    FUSED_DTYPES,
     HAS_TRITON,
     TARGET_PROGRAMS,
     _INTERPRET,
@@ -199,8 +199,8 @@ def hc_head_collapse_norm_triton(streams, fn, base, scale, hc_eps, norm_eps, nor
 
 def fused_here(streams: torch.Tensor) -> bool:
     """Whether the fused kernels run for these streams (a static fact of the step's shape)."""
-    return (HAS_TRITON and streams.dtype in FUSED_DTYPES and streams.shape[0] <= FUSED_MAX_TOKENS
-            and use_triton("mhc", streams) and use_triton("mhc_fused", streams))
+    # mhc._fused looked up at call time: benchmarks/mhc_bench.py --decode old patches it.
+    return streams.shape[0] <= FUSED_MAX_TOKENS and mhc._fused(streams) and use_triton("mhc_fused", streams)
 
 
 def hc_collapse_norm(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,

@@ -19,6 +19,7 @@
 #   bash tools/gpu_session.sh fused   the capture-stream fix's tests, the fused mHC kernels' tests, decode steps
 #                                     without / with the fused mHC steps, a decode profile (session 9)
 #   bash tools/gpu_session.sh carveout  decode steps with cuBLAS leaving 0/8/16/32 SMs to the side stream, a profile
+#   bash tools/gpu_session.sh ab      decode steps of ab_main/ (an earlier commit) and of this tree, alternating
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back).
@@ -124,6 +125,16 @@ case "${1:-tests}" in
         --out-dir "$OUT"
       timeout -k 5 60 python -m sparseserve.benchmarks.mhc_bench --tokens "" --between 1,2,4 --out "$OUT/mhc_between.json"
     } 2>&1 | filter > "$OUT/carveout.log"; grep -a "graph  0\|between" "$OUT/carveout.log" ;;
+  ab)
+    # Decode steps of the code in ab_main/ (an ignored copy of an earlier commit: `git archive REV sparseserve |
+    # tar -x -C ab_main`, carried with run(carry=["ab_main"])) and of this tree, alternating, two rounds each.
+    { for round in 1 2; do
+        (cd ab_main && PYTHONPATH=. timeout -k 5 80 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
+          --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_ab_main_$round.json")
+        timeout -k 5 80 python -m sparseserve.benchmarks.decode_graphs --steps 12 --batches 1,8,64 --no-eager \
+          --async-steps --out "$OUT/decode_graphs_ab_tree_$round.json"
+      done
+    } 2>&1 | filter > "$OUT/ab.log"; grep -a "graph  0" "$OUT/ab.log" ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"
@@ -133,5 +144,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab" >&2; exit 2 ;;
 esac

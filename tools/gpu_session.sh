@@ -20,6 +20,7 @@
 #                                     without / with the fused mHC steps, a decode profile (session 9)
 #   bash tools/gpu_session.sh carveout  decode steps with cuBLAS leaving 0/8/16/32 SMs to the side stream, a profile
 #   bash tools/gpu_session.sh ab      decode steps of ab_main/ (an earlier commit) and of this tree, alternating
+#   bash tools/gpu_session.sh spec-side  speculative graph tests and verify steps with the side stream on (and off)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back).
@@ -135,6 +136,17 @@ case "${1:-tests}" in
           --async-steps --out "$OUT/decode_graphs_ab_tree_$round.json"
       done
     } 2>&1 | filter > "$OUT/ab.log"; grep -a "graph  0" "$OUT/ab.log" ;;
+  spec-side)
+    # Speculative configurations with the side stream inside their graphs (off by default since session 8;
+    # the failures that turned it off were the cuBLAS workspace, fixed in session 9): their gpu tests, then
+    # verify + draft steps without / with it (~5 minutes).
+    { SPARSESERVE_SIDE_STREAM=graphs timeout -k 5 150 python -m pytest -q -p no:warnings --tb=short \
+        tests/test_cuda_graphs_gpu.py -k "speculative or speculation or mtp_1"
+      for mode in never graphs; do
+        SPARSESERVE_SIDE_STREAM=$mode timeout -k 5 70 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
+          --batches 1,8 --spec-k 1,2 --no-eager --out "$OUT/decode_graphs_spec_side_$mode.json"
+      done
+    } 2>&1 | filter > "$OUT/spec_side.log"; grep -a "passed\|failed\|graph" "$OUT/spec_side.log" | tail -20 ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"
@@ -144,5 +156,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side" >&2; exit 2 ;;
 esac

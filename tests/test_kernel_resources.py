@@ -1,6 +1,6 @@
-"""The launch configs the engine picks fit an H100/H200 SM (tools/kernel_resources.py compiles them
-for sm_90 on the CPU, outside the interpreter, in a subprocess), and the check catches the config
-that failed to launch on the H200."""
+"""The fused mHC kernels' launch configs fit an H100/H200 SM (`tools/kernel_resources.py --mhc-shared`
+compiles them for sm_90 on the CPU, outside the interpreter, in a subprocess), and the check
+catches the config that failed to launch on the H200."""
 import json
 import os
 import subprocess
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_launch_configs_fit_in_shared_memory():
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_resources.py")], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_resources.py"), "--mhc-shared"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode and ("ptxas" in proc.stderr or "backend" in proc.stderr.lower()):
         pytest.skip(f"cannot compile for sm_90 here: {proc.stderr[-300:]}")

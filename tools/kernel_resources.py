@@ -1,32 +1,85 @@
-"""Shared memory of the engine's Triton kernels at their launch configs, compiled for sm_90 on the
-CPU (no GPU needed), with the argument specialisations a real launch gets (16-byte-aligned pointers,
-dims divisible by 16). An H100/H200 SM gives one block at most 232,448 bytes.
+"""Resources of the engine's Triton kernels, compiled for sm_90a offline (no GPU needed: Triton
+compiles to a cubin with its bundled ptxas; cuobjdump reads the resources).
 
-    TRITON_INTERPRET=0 PYTHONPATH=. python tools/kernel_resources.py      # one JSON line per config
+    python tools/kernel_resources.py [--configs 64,64,8,2,1 16,64,4,2,4 ...]   # attention: registers, spills
+    TRITON_INTERPRET=0 python tools/kernel_resources.py --mhc-shared          # one JSON line per config
 
-The first fused expand+mix kernel failed to launch on the H200 with 366,592 bytes (its dot path
-pipelined in three stages); the `expand_mix T=256 stages=3` line reproduces that number. Must run
-with TRITON_INTERPRET=0 (the interpreter's functions cannot be compiled)."""
+Default: registers and spill stack of the sparse-attention kernel's configs.
+
+Each config is BLOCK_H,BLOCK_N,num_warps,num_stages,NUM_SPLITS[,DV_SPLIT[,PREFETCH]]. Arguments are specialised as the
+engine's launches are on the H200 (pointers and int arguments divisible by 16, one head block for
+64 heads), so the numbers match the compile report of `sparseserve.benchmarks.kernels` on the
+device. Run it under each Triton the engine supports (e.g. a venv with triton==3.6.0): register
+allocation differs between versions. Diagnostic only.
+
+--mhc-shared: shared memory per block of the fused mHC kernels at the configs the engine picks,
+against the 232,448 bytes an sm_90 SM gives one block (a CI test runs it). The first fused
+expand+mix kernel failed to launch on the H200 with 366,592 bytes (its dot path pipelined in three
+stages); the `expand_mix T=256 stages=3` line reproduces that number. Must run with
+TRITON_INTERPRET=0 (the interpreter's functions cannot be compiled).
+"""
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import re
+import subprocess
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sparseserve.kernels import mhc_fused
+from sparseserve.kernels import mhc_fused, sparse_attention
 from sparseserve.kernels.mhc import _hc_finalize_kernel
 
 SM90_SHARED_LIMIT = 232448
 
+POINTER_TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*bf16",
+                 "part_ml_ptr": "*bf16", "rows_ptr": "*i32", "band_ptr": "*i32", "sinks_ptr": "*fp32"}
 
-def shared_bytes(fn, signature: dict, constexprs: dict, aligned: list[str], **options) -> int:
+
+def compile_sm90(fn, signature: dict, constexprs: dict, aligned: list[str], **options):
+    """fn compiled for sm_90a, the `aligned` arguments specialised as divisible by 16 (as the
+    engine's launches are: 16-byte-aligned pointers, dims that are multiples of 16)."""
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options=options)
-    return kernel.metadata.shared
+    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                       attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int, dv_split: int = 1,
+              prefetch: bool = False) -> str:
+    fn = sparse_attention._sparse_mqa_fwd_kernel
+    names = fn.arg_names
+    constexprs = {"NUM_SPLITS": splits, "DV_SPLIT": dv_split, "PREFETCH": prefetch, "BLOCK_H": block_h,
+                  "BLOCK_N": block_n, "BLOCK_D": 512}
+    if "SCAN" in names:
+        constexprs["SCAN"] = 256
+    if "BAND_PREPASS" in names:  # a branch's variant: valid-row bands from a pre-pass for 64-head programs
+        constexprs["BAND_PREPASS"] = block_h == 64
+    if block_h == 64:
+        constexprs["head_blocks"] = 1  # 64 heads: the launch passes 1, which Triton specialises
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name == "qk_scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = POINTER_TYPES.get(name, "i32")
+    aligned = [name for name in names if signature[name] not in ("constexpr", "fp32") and name != "rows_per_split"]
+    kernel = compile_sm90(fn, signature, constexprs, aligned, num_warps=warps, num_stages=stages)
+    bindir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    dump = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
+                          capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", dump)
+    return f"registers {usage.group(1)}, spill stack {usage.group(2)} B, shared memory {kernel.metadata.shared} B"
 
 
 def expand_mix(tokens: int, **override) -> dict:
@@ -38,10 +91,10 @@ def expand_mix(tokens: int, **override) -> dict:
     aligned = ["s_ptr", "o_ptr", "post_ptr", "comb_ptr", "new_ptr", "fn_ptr", "mix_ws_ptr", "sq_ws_ptr", "D", "K",
                "chunk"]
     cfg = dict(mhc_fused.expand_mix_config(tokens, 4096), **override)
-    shared = shared_bytes(mhc_fused._hc_expand_mix_kernel, sig,
+    shared = compile_sm90(mhc_fused._hc_expand_mix_kernel, sig,
                           {"HC": 4, "BT": cfg["BT"], "BD": cfg["BD"], "MP": 32, "FMA": cfg["fma"], "SPLIT_BF16": True,
                            "PREC": "ieee", "DOT_F32": False}, aligned,
-                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]).metadata.shared
     return {"kernel": "expand_mix", "tokens": tokens, "stages": cfg["num_stages"], "shared": shared}
 
 
@@ -52,11 +105,12 @@ def finalize_norm(warps: int) -> dict:
                hc_eps="fp32", block_eps="fp32")
     sig.update({n: "constexpr" for n in ("HC", "HP", "MP", "SP", "ITERS", "HEAD", "TB", "BD", "NORM")})
     consts = {"HC": 4, "HP": 4, "MP": 32, "SP": 64, "ITERS": 20, "HEAD": False, "TB": 1, "BD": 4096, "NORM": True}
-    shared = shared_bytes(_hc_finalize_kernel, sig, consts, ["x_ptr", "out_ptr", "D", "K"], num_warps=warps)
+    kernel = compile_sm90(_hc_finalize_kernel, sig, consts, ["x_ptr", "out_ptr", "D", "K"], num_warps=warps)
+    shared = kernel.metadata.shared
     return {"kernel": "finalize_norm", "warps": warps, "shared": shared}
 
 
-def rows() -> list[dict]:
+def mhc_shared_rows() -> list[dict]:
     """Every config above; `expected_over` marks the one known not to fit."""
     out = [expand_mix(t) for t in (1, 4, 16, 256)]
     out.append(dict(expand_mix(256, num_stages=3), expected_over=True))
@@ -64,7 +118,27 @@ def rows() -> list[dict]:
     return out
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="*", default=["64,64,8,2,1", "64,32,8,3,1", "16,64,4,2,4", "16,64,4,2,1"],
+                        help="the engine's defaults; e.g. 64,64,8,2,1,2 (column split), 16,16,4,1,4,1,1 (prefetch)")
+    parser.add_argument("--mhc-shared", action="store_true",
+                        help="shared memory of the fused mHC kernels' configs instead, one JSON line each")
+    args = parser.parse_args()
+    if args.mhc_shared:
+        for row in mhc_shared_rows():
+            row["fits"] = row["shared"] <= SM90_SHARED_LIMIT
+            print(json.dumps(row))
+        return
+    print(f"triton {triton.__version__}, sm_90a, _sparse_mqa_fwd_kernel")
+    for config in args.configs:
+        values = [int(x) for x in config.split(",")]
+        block_h, block_n, warps, stages, splits = values[:5]
+        dv_split = values[5] if len(values) > 5 else 1
+        prefetch = bool(values[6]) if len(values) > 6 else False
+        print(f"  (H{block_h}, N{block_n}, w{warps}, st{stages}, S{splits}, dv{dv_split}, prefetch={prefetch}): "
+              f"{resources(block_h, block_n, warps, stages, splits, dv_split, prefetch)}")
+
+
 if __name__ == "__main__":
-    for row in rows():
-        row["fits"] = row["shared"] <= SM90_SHARED_LIMIT
-        print(json.dumps(row))
+    main()

@@ -14,7 +14,7 @@ sync, deterministic (no atomics: a fixed split-K order, so eager == graph replay
    iteration, launch-bound; the Triton code does one token's projection in registers.
    Roofline: per token (2 + hc) * hc fp32 in, same out; FLOPs ~ 4 * hc^2 * iters.
 
-2. Collapse (`HyperConnection.forward`, `HyperHead.forward`): x = streams.flatten(1) [T, K=hc*D];
+2. Collapse (`HyperConnection.collapse_norm`, `HyperHead.collapse_norm`): x = streams.flatten(1) [T, K=hc*D];
    mixes = (x @ fn^T) * rsqrt(mean(x^2) + eps) (the rms factor is a per-token scalar, so it is
    applied after the product); coefficients; collapsed = sum_j pre[j] * streams[:, j].
    The reference materialises a T x K fp32 copy and its normalised copy and runs ~8 kernels.
@@ -39,7 +39,7 @@ sync, deterministic (no atomics: a fixed split-K order, so eager == graph replay
    Measured (H200, 2026-11-29, graph replays, benchmarks/mhc_bench.py): T=8192 collapse 1.68 ->
    0.22 ms (1.55x the floor), head 1.67 -> 0.19 ms; T=64 36 -> 11 us; T=1 19.4 -> 7.5 us.
 
-3. Expand (`HyperConnection.expand`): new[t,k,:] = post[t,k]*out[t,:] + sum_j comb[t,j,k]*streams[t,j,:]
+3. Expand (`HyperConnection.expand`, `expand_collapse_norm`): new[t,k,:] = post[t,k]*out[t,:] + sum_j comb[t,j,k]*streams[t,j,:]
    The reference runs T batched 4x4 GEMMs through cuBLAS (wmma 32x32 tiles) plus two elementwise
    kernels, rounding comb/post and every partial result to bf16. `_hc_expand_kernel`: one pass,
    fp32 math, one rounding to the streams dtype.
@@ -372,13 +372,13 @@ def mix_config(num_tokens: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
 
 
 def _collapse_triton(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
-                     iters: int, hc_eps: float, norm_eps: float, head: bool, config: dict | None = None):
-    num_tokens = streams.shape[0]
+                     iters: int, hc_eps: float, norm_eps: float, head: bool, config: dict | None = None,
+                     norm_weight: torch.Tensor | None = None, block_eps: float = 0.0, norm_warps: int | None = None):
+    """The split-K mixes, then the finalize (with `norm_weight`: followed by the block's RMSNorm)."""
     x = streams.contiguous()
-    if num_tokens == 0:
-        return finalize_triton(x, None, base, scale, hc, iters, hc_eps, norm_eps, head)
-    mix_ws, sq_ws = mix_partials_triton(x, fn, config)
-    return finalize_triton(x, (mix_ws, sq_ws), base, scale, hc, iters, hc_eps, norm_eps, head)
+    partials = mix_partials_triton(x, fn, config) if x.shape[0] else None
+    return finalize_triton(x, partials, base, scale, hc, iters, hc_eps, norm_eps, head, norm_weight, block_eps,
+                           norm_warps)
 
 
 def mix_partials_triton(x: torch.Tensor, fn: torch.Tensor, config: dict | None = None

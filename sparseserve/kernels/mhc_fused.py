@@ -37,7 +37,6 @@ from .mhc import (
     hc_expand,
     hc_head_collapse,
     mix_dot,
-    mix_partials_triton,
     mix_width,
 )
 from .rmsnorm import rms_norm
@@ -174,10 +173,8 @@ def expand_mix_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torc
 
 def hc_collapse_norm_triton(streams, fn, base, scale, hc, iters, hc_eps, norm_eps, norm_weight, block_eps,
                             norm_warps: int | None = None):
-    x = streams.contiguous()
-    partials = mix_partials_triton(x, fn) if x.shape[0] else None
-    return finalize_triton(x, partials, base, scale, hc, iters, hc_eps, norm_eps, False, norm_weight, block_eps,
-                           norm_warps)
+    return mhc._collapse_triton(streams, fn, base, scale, hc, iters, hc_eps, norm_eps, False, None, norm_weight,
+                                block_eps, norm_warps)
 
 
 def hc_expand_collapse_norm_triton(streams, block_out, post, comb, fn, base, scale, hc, iters, hc_eps, norm_eps,
@@ -189,10 +186,8 @@ def hc_expand_collapse_norm_triton(streams, block_out, post, comb, fn, base, sca
 
 
 def hc_head_collapse_norm_triton(streams, fn, base, scale, hc_eps, norm_eps, norm_weight, block_eps):
-    x = streams.contiguous()
-    partials = mix_partials_triton(x, fn) if x.shape[0] else None
-    return finalize_triton(x, partials, base, scale, x.shape[1], 1, hc_eps, norm_eps, True, norm_weight,
-                           block_eps)[2]
+    return mhc._collapse_triton(streams, fn, base, scale, streams.shape[1], 1, hc_eps, norm_eps, True, None,
+                                norm_weight, block_eps)[2]
 
 
 # ----------------------------------------------------------------------------- dispatch

@@ -129,8 +129,9 @@ class ModelRunner:
         # CudaGraphRunner.capture.) SPARSESERVE_SIDE_STREAM=graphs|always|never overrides this.
         self.model.side_streams.mode = os.environ.get("SPARSESERVE_SIDE_STREAM") or ("never" if k else "graphs")
         self.pad_like_graphs = device.type == "cuda"
-        if apply_sm_carveout(device):
-            logger.info("cuBLAS GEMMs leave %s SMs free (SPARSESERVE_SM_CARVEOUT)", os.environ["SPARSESERVE_SM_CARVEOUT"])
+        carveout = apply_sm_carveout(device)
+        if carveout:
+            logger.info("cuBLAS GEMMs leave %d SMs free (SPARSESERVE_SM_CARVEOUT)", carveout)
         self._topk: dict[int, IndexerTopK] = {}
         self.graphs: dict[int, CudaGraphRunner] = {}  # target model, by query length
         self.mtp_graphs: dict[int, CudaGraphRunner] = {}  # the MTP drafter, by query length
@@ -217,20 +218,18 @@ class ModelRunner:
         logits = BufferSpec((hf.vocab_size,), torch.float32)
         common = dict(state=self.state, max_blocks=self.max_blocks_per_seq, block_tables=self.block_tables,
                       dummy_slot=self.max_num_seqs, short_len=2, stream=self.capture_stream)
-        shared = torch.cuda.graph_pool_handle()
+        pool = None if pool_per_runner else torch.cuda.graph_pool_handle()  # None: each runner makes its own
         runners = []
         for q in self.query_lens:
             outputs = [logits, streams] if self.proposer is not None else [logits]
             runners.append(CudaGraphRunner("target", self._target_step, outputs, rates=self.model_config.rates,
                                            sizes=self.graph_sizes_for(q), query_len=q, num_entries=self.decode_entries,
-                                           topk_for=self.topk_for,
-                                           pool=None if pool_per_runner else shared, **common))
+                                           topk_for=self.topk_for, pool=pool, **common))
         if self.proposer is not None:
             for q in self.query_lens:
                 runners.append(CudaGraphRunner("mtp", self._mtp_step, [streams], rates=self.mtp.config.rates,
                                                sizes=self.graph_sizes_for(q), query_len=q, num_entries={},
-                                               topk_for=None, hidden=streams,
-                                               pool=None if pool_per_runner else shared, **common))
+                                               topk_for=None, hidden=streams, pool=pool, **common))
         return runners
 
     def capture_graphs(self) -> None:

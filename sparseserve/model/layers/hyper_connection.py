@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...kernels.mhc import hc_collapse, hc_expand, hc_head_collapse
+from ...kernels.mhc import hc_expand
 from ...kernels.mhc_fused import hc_collapse_norm, hc_expand_collapse_norm, hc_head_collapse_norm
 from .norm import RMSNorm
 
@@ -26,13 +26,9 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty(mix))
         self.scale = nn.Parameter(torch.empty(3))
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, hc, D] -> (post [T, hc] fp32, comb [T, hc, hc] fp32, collapsed [T, D])."""
-        return hc_collapse(streams, self.fn, self.base, self.scale, self.hc_mult, self.sinkhorn_iters,
-                           self.hc_eps, self.norm_eps)
-
     def collapse_norm(self, streams: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(post, comb, the block's input norm(collapsed))."""
+        """streams [T, hc, D] -> (post [T, hc] fp32, comb [T, hc, hc] fp32, the block's input
+        norm(collapsed) [T, D])."""
         return hc_collapse_norm(streams, self.fn, self.base, self.scale, self.hc_mult, self.sinkhorn_iters,
                                 self.hc_eps, self.norm_eps, norm.weight, norm.eps)
 
@@ -60,9 +56,6 @@ class HyperHead(nn.Module):
         self.hc_fn = nn.Parameter(torch.empty(hc_mult, hc_mult * hidden_size))
         self.hc_base = nn.Parameter(torch.empty(hc_mult))
         self.hc_scale = nn.Parameter(torch.empty(1))
-
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        return hc_head_collapse(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps)
 
     def collapse_norm(self, streams: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """norm(collapse(streams)): the LM head's input."""

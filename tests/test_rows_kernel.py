@@ -119,6 +119,20 @@ def test_emit_pool_rows_cpu(rate, epb, trash):
     _eq(R.emit_pool_rows_triton(*args), ref)
 
 
+@pytest.mark.parametrize("rate,num_entries", [(4, 1000), (4, 3), (128, 2), (1, 7)])
+def test_visible_counts_cpu(rate, num_entries):
+    gen = torch.Generator().manual_seed(rate * 10 + num_entries)
+    pos, *_ = _batch(CHUNKS, _boundary_starts(rate, len(CHUNKS), gen), gen)
+    pos = torch.cat([pos, torch.tensor([-1, -2, -rate - 1])])  # padding-like negatives: floor division
+    ref = R.visible_counts_ref(pos, rate, num_entries)
+    assert ref.dtype == torch.int32
+    if num_entries < 10:
+        assert (ref == num_entries).any()  # the clamp is exercised
+    got = R.visible_counts_triton(pos, rate, num_entries)
+    assert got.dtype == torch.int32 and torch.equal(got, ref)
+    assert R.visible_counts_triton(pos[:0], rate, num_entries).shape == (0,)
+
+
 def test_empty_and_dispatch_cpu():
     gen = torch.Generator().manual_seed(3)
     e = torch.zeros(0, dtype=torch.long)
@@ -175,6 +189,7 @@ def test_rows_flash_shapes_gpu(kind):
             vis = (pos, seq, table, rate, num_entries, epb, staging + 4097)
             _eq(R.visible_pool_rows(*vis), R.visible_pool_rows_ref(*vis))
         else:
+            assert torch.equal(R.visible_counts(pos, rate, num_entries), R.visible_counts_ref(pos, rate, num_entries))
             lengths = ((pos + 1) // rate).clamp(min=1)
             ids = (torch.rand(pos.shape[0], 512, device="cuda") * lengths.unsqueeze(1)).long()
             ids[:, 500:] = -1

@@ -87,6 +87,12 @@ def visible_entry_ids(positions: torch.Tensor, rate: int, num_entries: int) -> t
     return torch.where(visible, entries, torch.full_like(entries, -1))
 
 
+def visible_counts_ref(positions: torch.Tensor, rate: int, num_entries: int) -> torch.Tensor:
+    """Entries [T] visible to each token of a CSA layer (int32): those whose window closed at or
+    before it, at most num_entries."""
+    return ((positions + 1) // rate).clamp(max=num_entries).to(torch.int32)
+
+
 def visible_pool_rows_ref(
     positions: torch.Tensor,
     token_seq: torch.Tensor,
@@ -227,6 +233,15 @@ def _emit_pool_rows_kernel(
 
 
 _BLOCK_T = 8
+@triton.jit
+def _visible_counts_kernel(pos_ptr, out_ptr, num_tokens, rate, num_entries, BLOCK_T: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask = t < num_tokens
+    closed = tl.load(pos_ptr + t, mask=mask, other=0) + 1
+    count = (closed - _floor_mod(closed, rate)) // rate  # floor division for any sign
+    tl.store(out_ptr + t, tl.minimum(count, num_entries).to(tl.int32), mask=mask)
+
+
 _BLOCK_N = 128
 _BLOCK_1D = 256
 
@@ -315,6 +330,15 @@ def emit_pool_rows_triton(positions, token_seq, block_table, rate: int, entries_
     return out
 
 
+def visible_counts_triton(positions, rate: int, num_entries: int) -> torch.Tensor:
+    num_tokens = positions.shape[0]
+    out = torch.empty((num_tokens,), dtype=torch.int32, device=positions.device)
+    if num_tokens:
+        _visible_counts_kernel[(triton.cdiv(num_tokens, _BLOCK_1D),)](
+            _c(positions), out, num_tokens, int(rate), int(num_entries), BLOCK_T=_BLOCK_1D)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Dispatch (the names the model calls): Triton on CUDA, the reference elsewhere
 # ---------------------------------------------------------------------------------------------
@@ -387,3 +411,10 @@ def emit_pool_rows(
     """Pool row [M] each emitting token writes its entry to (trash_row if it closes no window)."""
     fn = emit_pool_rows_triton if use_triton("rows", positions) else emit_pool_rows_ref
     return fn(positions, token_seq, block_table, rate, entries_per_block, comp_base, trash_row)
+
+
+def visible_counts(positions: torch.Tensor, rate: int, num_entries: int) -> torch.Tensor:
+    """Entries [T] visible to each token of a CSA layer, int32, in one launch (the reference's
+    four elementwise kernels sat on the decode step's side-stream chain)."""
+    fn = visible_counts_triton if use_triton("rows", positions) else visible_counts_ref
+    return fn(positions, rate, num_entries)

@@ -153,7 +153,7 @@ def build_step_context(
             if rate in hca_rates:
                 visible = R.visible_pool_rows(pos, seq, batch.block_table, rate, num_entries, epb, comp_base)
             if rate in csa_rates:  # causal: entries whose window closed at or before the token
-                counts = ((pos + 1) // rate).clamp(max=num_entries).to(torch.int32)
+                counts = R.visible_counts(pos, rate, num_entries)
             # Tokens that close no window get out row -1: the compressor reads and writes nothing
             # for them, decided on the device (no host branch).
             ctx.rates[rate] = RateAddresses(

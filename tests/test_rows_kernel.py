@@ -117,6 +117,13 @@ def test_emit_pool_rows_cpu(rate, epb, trash):
     ref = R.emit_pool_rows_ref(*args)
     assert (ref == trash).any()
     _eq(R.emit_pool_rows_triton(*args), ref)
+    # The pair: the same rows at a second base of a pool paged alike, one launch.
+    first, second = R.emit_pool_rows_triton(*args, second_base=7)
+    _eq(first, ref)
+    _eq(second, R.emit_pool_rows_ref(pos, seq, table, rate, epb, 7, trash))
+    for got, want in zip(R.emit_pool_rows_pair(pos, seq, table, rate, epb, (50, 7), trash),
+                         (ref, R.emit_pool_rows_ref(pos, seq, table, rate, epb, 7, trash))):
+        _eq(got, want)
 
 
 @pytest.mark.parametrize("rate,num_entries", [(4, 1000), (4, 3), (128, 2), (1, 7)])
@@ -182,6 +189,9 @@ def test_rows_flash_shapes_gpu(kind):
         table = _block_table(len(chunks), (num_entries + epb - 1) // epb, gen, device="cuda")
         emit_args = (pos, seq, table, rate, epb, staging + 4097, -1)
         _eq(R.emit_pool_rows(*emit_args), R.emit_pool_rows_ref(*emit_args))
+        kv_rows, index_rows = R.emit_pool_rows_pair(pos, seq, table, rate, epb, (staging + 4097, 0), -1)
+        _eq(kv_rows, R.emit_pool_rows_ref(*emit_args))
+        _eq(index_rows, R.emit_pool_rows_ref(pos, seq, table, rate, epb, 0, -1))
         span = torch.arange(-2 * rate + 1, 1, device="cuda")  # the compressor's sources (overlap span)
         src = (pos, seq, start, off, slots, span, 2 * rate + 3, 300 * (2 * rate + 3))
         _eq(R.source_rows(*src), R.source_rows_ref(*src))

@@ -216,10 +216,11 @@ def _entry_rows_kernel(
 
 @triton.jit
 def _emit_pool_rows_kernel(
-    pos_ptr, seq_ptr, bt_ptr, out_ptr,
-    num_tokens, stride_bt, max_blocks, rate, epb, comp_base, trash_row,
-    BLOCK_T: tl.constexpr,
+    pos_ptr, seq_ptr, bt_ptr, out_ptr, out2_ptr,
+    num_tokens, stride_bt, max_blocks, rate, epb, comp_base, base2, trash_row,
+    BLOCK_T: tl.constexpr, HAS_SECOND: tl.constexpr,
 ):
+    # HAS_SECOND: also the rows of a second pool with the same paging at base2 (out2).
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < num_tokens
     pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)
@@ -228,8 +229,10 @@ def _emit_pool_rows_kernel(
     rem = _floor_mod(p1, rate)
     entry = tl.maximum((p1 - rem) // rate - 1, 0)
     rows = _entry_row(entry, seq, bt_ptr, stride_bt, max_blocks, epb, comp_base)
-    rows = tl.where((rem == 0) & (rows >= 0), rows, trash_row)
-    tl.store(out_ptr + t, rows, mask=tmask)
+    emits = (rem == 0) & (rows >= 0)
+    tl.store(out_ptr + t, tl.where(emits, rows, trash_row), mask=tmask)
+    if HAS_SECOND:
+        tl.store(out2_ptr + t, tl.where(emits, rows - comp_base + base2, trash_row), mask=tmask)
 
 
 _BLOCK_T = 8
@@ -316,18 +319,20 @@ def visible_pool_rows_triton(positions, token_seq, block_table, rate: int, num_e
 
 
 def emit_pool_rows_triton(positions, token_seq, block_table, rate: int, entries_per_block: int,
-                          comp_base: int, trash_row: int) -> torch.Tensor:
+                          comp_base: int, trash_row: int, second_base: int | None = None):
+    """The rows at comp_base, and with `second_base` also those at second_base (a pair)."""
     num_tokens = positions.shape[0]
     out = torch.empty((num_tokens,), dtype=torch.int64, device=positions.device)
-    if num_tokens == 0:
-        return out
-    block_table = _c(block_table)
-    _emit_pool_rows_kernel[(triton.cdiv(num_tokens, _BLOCK_1D),)](
-        _c(positions), _c(token_seq), block_table, out,
-        num_tokens, block_table.stride(0), block_table.shape[1], int(rate), int(entries_per_block),
-        int(comp_base), int(trash_row), BLOCK_T=_BLOCK_1D,
-    )
-    return out
+    out2 = torch.empty_like(out) if second_base is not None else out
+    if num_tokens:
+        block_table = _c(block_table)
+        _emit_pool_rows_kernel[(triton.cdiv(num_tokens, _BLOCK_1D),)](
+            _c(positions), _c(token_seq), block_table, out, out2,
+            num_tokens, block_table.stride(0), block_table.shape[1], int(rate), int(entries_per_block),
+            int(comp_base), int(second_base or 0), int(trash_row), BLOCK_T=_BLOCK_1D,
+            HAS_SECOND=second_base is not None,
+        )
+    return (out, out2) if second_base is not None else out
 
 
 def visible_counts_triton(positions, rate: int, num_entries: int) -> torch.Tensor:
@@ -418,3 +423,20 @@ def visible_counts(positions: torch.Tensor, rate: int, num_entries: int) -> torc
     four elementwise kernels sat on the decode step's side-stream chain)."""
     fn = visible_counts_triton if use_triton("rows", positions) else visible_counts_ref
     return fn(positions, rate, num_entries)
+
+
+def emit_pool_rows_pair(
+    positions: torch.Tensor,
+    token_seq: torch.Tensor,
+    block_table: torch.Tensor,
+    rate: int,
+    entries_per_block: int,
+    bases: tuple[int, int],
+    trash_row: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """emit_pool_rows at two bases of pools paged alike (a layer's KV and indexer entries), in one launch."""
+    if use_triton("rows", positions):
+        return emit_pool_rows_triton(positions, token_seq, block_table, rate, entries_per_block, bases[0],
+                                     trash_row, bases[1])
+    return tuple(emit_pool_rows_ref(positions, token_seq, block_table, rate, entries_per_block, base, trash_row)
+                 for base in bases)

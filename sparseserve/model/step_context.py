@@ -156,10 +156,12 @@ def build_step_context(
                 counts = R.visible_counts(pos, rate, num_entries)
             # Tokens that close no window get out row -1: the compressor reads and writes nothing
             # for them, decided on the device (no host branch).
+            emit_kv_rows, emit_index_rows = R.emit_pool_rows_pair(emit_pos, emit_seq, batch.block_table, rate, epb,
+                                                                  (comp_base, 0), -1)
             ctx.rates[rate] = RateAddresses(
                 emit_tokens=emit_tokens,
-                emit_kv_rows=R.emit_pool_rows(emit_pos, emit_seq, batch.block_table, rate, epb, comp_base, -1),
-                emit_index_rows=R.emit_pool_rows(emit_pos, emit_seq, batch.block_table, rate, epb, 0, -1),
+                emit_kv_rows=emit_kv_rows,
+                emit_index_rows=emit_index_rows,
                 emit_cos=cos,
                 emit_sin=sin,
                 visible_rows=visible,

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels.dispatch import use_triton
+from ..kernels.embed import embed_streams
 from .batch import BatchMetadata
 from .layers.attention import Attention
 from .layers.hyper_connection import HyperConnection, HyperHead
@@ -102,8 +103,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         # Only the wait is kept: the work's value is ctx itself, and a cycle would hold the step's
         # tensors until the next garbage collection.
         ctx.side, ctx.built = side, SideWork(None, built.event)
-        embeds = self.model.embed_tokens(batch.input_ids)
-        streams = embeds.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        streams = embed_streams(batch.input_ids, self.model.embed_tokens.weight, self.hc_mult)
         for layer, layer_state in zip(self.model.layers, state.layers):
             streams = layer(streams, ctx, layer_state)
         side.join()

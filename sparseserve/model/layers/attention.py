@@ -19,12 +19,13 @@ from torch import nn
 
 from ...kernels.compressor import compress_windows
 from ...kernels.indexer import indexer_scores
+from ...kernels.norm_rope import norm_rope
 from ...kernels.rows import entry_pool_rows
 from ...kernels.sparse_attention import sparse_mqa_attention
 from ..state import LayerState
 from ..step_context import StepContext
 from .fused_linear import PackedWeight, Span, shared_input_linear
-from .norm import RMSNorm, rms_normalize
+from .norm import RMSNorm
 from .rope import apply_rope
 
 logger = logging.getLogger(__name__)
@@ -162,8 +163,7 @@ class Attention(nn.Module):
             entry_rows = side.run(self._entry_rows, x_proj[2:], q_proj[1:], ctx, state)
         ctx.wait_built()
         cos, sin = ctx.rope[self.rope_name]
-        q = q_proj[0].view(num_tokens, self.num_heads, self.head_dim)
-        q = apply_rope(rms_normalize(q, self.eps), cos, sin)
+        q = norm_rope(q_proj[0].view(num_tokens, self.num_heads, self.head_dim), None, self.eps, cos, sin)
         kv = fresh_kv.result()
         rows = ctx.window_rows if staged is None else torch.cat([ctx.window_rows, entry_rows.result()], dim=1)
         out = sparse_mqa_attention(q, state.kv_pool, rows, self.sinks.float(), self.scale)
@@ -215,9 +215,7 @@ class Attention(nn.Module):
         """This step's KV rows (normed, rotated, in the pool's dtype), written to their staging
         rows: attention reads them there; `_commit` writes them to the ring after it."""
         cos, sin = ctx.rope[self.rope_name]
-        kv = apply_rope(self.kv_norm(kv_proj), cos, sin).to(state.kv_pool.dtype)
-        state.kv_pool.index_copy_(0, ctx.kv_staging_rows, kv)
-        return kv
+        return norm_rope(kv_proj, self.kv_norm.weight, self.kv_norm.eps, cos, sin, state.kv_pool, ctx.kv_staging_rows)
 
     def _entry_rows(self, x_proj: list[torch.Tensor], q_proj: list[torch.Tensor], ctx: StepContext,
                     state: LayerState) -> torch.Tensor:

@@ -20,6 +20,6 @@ def test_launch_configs_fit_in_shared_memory():
         pytest.skip(f"cannot compile for sm_90 here: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 7
+    assert len(rows) >= 7
     for row in rows:
         assert row["fits"] != row.get("expected_over", False), row

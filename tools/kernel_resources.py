@@ -12,7 +12,8 @@ engine's launches are on the H200 (pointers and int arguments divisible by 16, o
 device. Run it under each Triton the engine supports (e.g. a venv with triton==3.6.0): register
 allocation differs between versions. Diagnostic only.
 
---mhc-shared: shared memory per block of the fused mHC kernels at the configs the engine picks,
+--mhc-shared: shared memory per block of the fused mHC kernels (and the fused norm-rope and
+embedding kernels) at the configs the engine picks,
 against the 232,448 bytes an sm_90 SM gives one block (a CI test runs it). The first fused
 expand+mix kernel failed to launch on the H200 with 366,592 bytes (its dot path pipelined in three
 stages); the `expand_mix T=256 stages=3` line reproduces that number. Must run with
@@ -32,7 +33,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from sparseserve.kernels import mhc_fused, sparse_attention
+from sparseserve.kernels.embed import _embed_streams_kernel
 from sparseserve.kernels.mhc import _hc_finalize_kernel
+from sparseserve.kernels.norm_rope import _norm_rope_kernel
 
 SM90_SHARED_LIMIT = 232448
 
@@ -110,11 +113,32 @@ def finalize_norm(warps: int) -> dict:
     return {"kernel": "finalize_norm", "warps": warps, "shared": shared}
 
 
+def norm_rope(weighted: bool, scatter: bool) -> dict:
+    """At V4 shapes: head dim 512, rope half-width 32."""
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16",
+           "pool_ptr": "*bf16", "rows_ptr": "*i64", "heads": "i32", "dim": "i32", "stride_t": "i32", "stride_h": "i32",
+           "eps": "fp32", "HAS_W": "constexpr", "HALF": "constexpr", "BLOCK": "constexpr", "SCATTER": "constexpr"}
+    aligned = ["x_ptr", "w_ptr", "cos_ptr", "sin_ptr", "out_ptr", "pool_ptr", "rows_ptr", "dim", "stride_t",
+               "stride_h"]
+    kernel = compile_sm90(_norm_rope_kernel, sig, {"HAS_W": weighted, "HALF": 32, "BLOCK": 512, "SCATTER": scatter},
+                          aligned, num_warps=4)
+    return {"kernel": "norm_rope", "weighted": weighted, "scatter": scatter, "shared": kernel.metadata.shared}
+
+
+def embed() -> dict:
+    sig = {"ids_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32", "stride_w": "i32",
+           "HC": "constexpr", "BD": "constexpr"}
+    kernel = compile_sm90(_embed_streams_kernel, sig, {"HC": 4, "BD": 1024},
+                          ["ids_ptr", "w_ptr", "out_ptr", "D", "stride_w"], num_warps=4)
+    return {"kernel": "embed_streams", "shared": kernel.metadata.shared}
+
+
 def mhc_shared_rows() -> list[dict]:
     """Every config above; `expected_over` marks the one known not to fit."""
     out = [expand_mix(t) for t in (1, 4, 16, 256)]
     out.append(dict(expand_mix(256, num_stages=3), expected_over=True))
     out += [finalize_norm(w) for w in (1, 8)]
+    out += [norm_rope(False, False), norm_rope(True, True), embed()]
     return out
 
 

@@ -78,6 +78,23 @@ def test_ring_write_rows_cpu():
         _eq(R.ring_write_rows_triton(*args), ref)
 
 
+def test_ring_write_rows_multi_cpu():
+    """Several rings in one launch (and a second launch past four) equal one reference per ring."""
+    gen = torch.Generator().manual_seed(2)
+    pos, seq, start, nt, off, slots = _batch(CHUNKS, _boundary_starts(128, len(CHUNKS), gen), gen)
+    rings = [(16, 999), (131, 5000), (4, 3), (10, 77), (2, 1)]
+    for count in (1, 3, 4):
+        got = R.ring_write_rows_multi_triton(pos, seq, start, nt, slots, rings[:count])
+        assert len(got) == count
+        for rows, (ring, trash) in zip(got, rings):
+            _eq(rows, R.ring_write_rows_ref(pos, seq, start, nt, slots, ring, trash))
+    with pytest.raises(ValueError, match="1 to 4 rings"):
+        R.ring_write_rows_multi_triton(pos, seq, start, nt, slots, rings)
+    # The dispatch on the CPU: the reference per ring, any number of rings.
+    for rows, (ring, trash) in zip(R.ring_write_rows_multi(pos, seq, start, nt, slots, rings), rings):
+        _eq(rows, R.ring_write_rows_ref(pos, seq, start, nt, slots, ring, trash))
+
+
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("K,epb", [(33, 4), (300, 16), (5, 1)])
 def test_entry_pool_rows_cpu(id_dtype, K, epb):
@@ -182,6 +199,9 @@ def test_rows_flash_shapes_gpu(kind):
     _eq(R.source_rows(*args), R.source_rows_ref(*args))
     args = (pos, seq, start, nt, slots, ring, staging + 4096)
     _eq(R.ring_write_rows(*args), R.ring_write_rows_ref(*args))
+    rings = [(ring, staging + 4096), (11, staging + 4097), (259, staging + 4098)]
+    for rows, (ring_rows, trash) in zip(R.ring_write_rows_multi(pos, seq, start, nt, slots, rings), rings):
+        _eq(rows, R.ring_write_rows_ref(pos, seq, start, nt, slots, ring_rows, trash))
     block_size = 128
     for rate in (4, 128):
         epb = block_size // rate

@@ -175,9 +175,14 @@ def _source_rows_kernel(
 @triton.jit
 def _ring_write_rows_kernel(
     pos_ptr, seq_ptr, start_ptr, ntok_ptr, slots_ptr, out_ptr,
-    num_tokens, ring_rows, trash_row,
+    num_tokens, ring0, trash0, ring1, trash1, ring2, trash2, ring3, trash3,
     BLOCK_T: tl.constexpr,
 ):
+    # Up to four rings in one launch: program_id(1) picks the ring, out is [rings, T].
+    r = tl.program_id(1)
+    ring_rows = tl.where(r == 0, ring0, tl.where(r == 1, ring1, tl.where(r == 2, ring2, ring3))).to(tl.int64)
+    trash_row = tl.where(r == 0, trash0, tl.where(r == 1, trash1, tl.where(r == 2, trash2, trash3))).to(tl.int64)
+    out_ptr += r.to(tl.int64) * num_tokens
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < num_tokens
     pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)
@@ -274,17 +279,30 @@ def source_rows_triton(positions, token_seq, seq_start, seq_token_offset, seq_sl
     return out
 
 
+MAX_RINGS_PER_LAUNCH = 4
+
+
+def ring_write_rows_multi_triton(positions, token_seq, seq_start, seq_num_tokens, seq_slots,
+                                 rings: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """ring_write_rows for each (ring_rows, trash_row) of `rings` (at most 4), in one launch."""
+    if not 1 <= len(rings) <= MAX_RINGS_PER_LAUNCH:
+        raise ValueError(f"one launch builds 1 to {MAX_RINGS_PER_LAUNCH} rings' rows, got {len(rings)}")
+    num_tokens = positions.shape[0]
+    out = torch.empty((len(rings), num_tokens), dtype=torch.int64, device=positions.device)
+    if num_tokens:
+        params = [int(v) for ring in rings for v in ring]
+        params += [1, -1] * (MAX_RINGS_PER_LAUNCH - len(rings))
+        _ring_write_rows_kernel[(triton.cdiv(num_tokens, _BLOCK_1D), len(rings))](
+            _c(positions), _c(token_seq), _c(seq_start), _c(seq_num_tokens), _c(seq_slots), out,
+            num_tokens, *params, BLOCK_T=_BLOCK_1D,
+        )
+    return list(out.unbind(0))
+
+
 def ring_write_rows_triton(positions, token_seq, seq_start, seq_num_tokens, seq_slots,
                            ring_rows: int, trash_row: int) -> torch.Tensor:
-    num_tokens = positions.shape[0]
-    out = torch.empty((num_tokens,), dtype=torch.int64, device=positions.device)
-    if num_tokens == 0:
-        return out
-    _ring_write_rows_kernel[(triton.cdiv(num_tokens, _BLOCK_1D),)](
-        _c(positions), _c(token_seq), _c(seq_start), _c(seq_num_tokens), _c(seq_slots), out,
-        num_tokens, int(ring_rows), int(trash_row), BLOCK_T=_BLOCK_1D,
-    )
-    return out
+    return ring_write_rows_multi_triton(positions, token_seq, seq_start, seq_num_tokens, seq_slots,
+                                        [(ring_rows, trash_row)])[0]
 
 
 def _entry_rows_launch(ids, positions, token_seq, block_table, num_cols: int, entries_per_block: int,
@@ -440,3 +458,22 @@ def emit_pool_rows_pair(
                                      trash_row, bases[1])
     return tuple(emit_pool_rows_ref(positions, token_seq, block_table, rate, entries_per_block, base, trash_row)
                  for base in bases)
+
+
+def ring_write_rows_multi(
+    positions: torch.Tensor,
+    token_seq: torch.Tensor,
+    seq_start: torch.Tensor,
+    seq_num_tokens: torch.Tensor,
+    seq_slots: torch.Tensor,
+    rings: list[tuple[int, int]],
+) -> list[torch.Tensor]:
+    """ring_write_rows for every (ring_rows, trash_row) in `rings`: one launch per four rings."""
+    if not use_triton("rows", positions):
+        return [ring_write_rows_ref(positions, token_seq, seq_start, seq_num_tokens, seq_slots, ring, trash)
+                for ring, trash in rings]
+    out = []
+    for i in range(0, len(rings), MAX_RINGS_PER_LAUNCH):
+        out += ring_write_rows_multi_triton(positions, token_seq, seq_start, seq_num_tokens, seq_slots,
+                                            rings[i:i + MAX_RINGS_PER_LAUNCH])
+    return out

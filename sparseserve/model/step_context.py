@@ -116,14 +116,19 @@ def build_step_context(
         index.window_offsets, ring, layout.staging_base(ring),
     )
     tables = rope_tables(pos, rope.offsets_tensor, rope.inv_freq_tensor)  # [n, 2, T, rope_dim / 2], one launch
+    # The compressors' (rate, overlap) keys in layer order; every ring's write rows in one launch.
+    keys = list(dict.fromkeys((model_config.compress_rate(i), model_config.is_csa(i))
+                              for i in range(model_config.num_layers) if model_config.compress_rate(i)))
+    rings = [ring] + [layout.compressor_ring_rows(rate, overlap) for rate, overlap in keys]
+    kv_write_rows, *comp_write_rows = R.ring_write_rows_multi(
+        pos, seq, batch.seq_start, batch.seq_num_tokens, batch.seq_slots, [(r, layout.trash_row(r)) for r in rings])
+    comp_write_rows = dict(zip(keys, comp_write_rows))
     ctx = StepContext(
         batch=batch,
         layout=layout,
         window_rows=window_rows,
         kv_staging_rows=index.staging[ring][:num_tokens],
-        kv_ring_write_rows=R.ring_write_rows(
-            pos, seq, batch.seq_start, batch.seq_num_tokens, batch.seq_slots, ring, layout.trash_row(ring)
-        ),
+        kv_ring_write_rows=kv_write_rows,
         rope={"main": (tables[0, 0], tables[0, 1]), "compress": (tables[1, 0], tables[1, 1])},
         topk=topk or default_topk,
     )
@@ -174,10 +179,7 @@ def build_step_context(
             emit_pos, emit_seq = emit_pos_seq[rate]
             ctx.compressors[key] = CompressorAddresses(
                 staging_rows=index.staging[comp_ring][:num_tokens],
-                ring_write_rows=R.ring_write_rows(
-                    pos, seq, batch.seq_start, batch.seq_num_tokens, batch.seq_slots, comp_ring,
-                    layout.trash_row(comp_ring),
-                ),
+                ring_write_rows=comp_write_rows[key],
                 emit_src_rows=R.source_rows(
                     emit_pos, emit_seq, batch.seq_start, batch.seq_token_offset, batch.seq_slots,
                     index.span_offsets[key], comp_ring, layout.staging_base(comp_ring),

@@ -4,9 +4,13 @@ At batch 1 a decode step's small kernels on the side stream (model/side_stream.p
 when a GEMM beside them frees SMs: the q_b GEMM (171 tiles on 132 SMs) holds every SM for ~24
 us, and the CSA layer's KV and indexer chain waits (docs/performance.md, "Decode steps / Session
 9"). A GEMM that reads weights at batch 1 needs far fewer than 132 SMs to reach the HBM rate, so
-leaving n SMs free may let that chain run beside it. torch applies the carveout to every cuBLAS
-GEMM made after it is set (it is process-wide), captured graphs included: set once, at start-up,
-so eager and graph steps pick the same GEMM kernels (the same numbers)."""
+leaving n SMs free may let that chain run beside it. torch applies the carveout only on its
+cuBLASLt paths (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), and plain bf16 GEMMs take the cuBLAS path
+by default, so setting the knob also makes cuBLASLt torch's preferred BLAS library; n = 0 gives
+that backend alone, with no SMs left out (session 10's first call ran 8/16/32 without the switch:
+the decode steps did not move at all). Both settings are process-wide and read at each GEMM's
+launch, captured graphs included: set once, at start-up, so eager and graph steps pick the same
+GEMM kernels (the same numbers)."""
 from __future__ import annotations
 
 import os
@@ -17,7 +21,8 @@ ENV = "SPARSESERVE_SM_CARVEOUT"
 
 
 def apply_sm_carveout(device: torch.device) -> int:
-    """Read SPARSESERVE_SM_CARVEOUT and apply it; returns the SMs left out (0: unset)."""
+    """Read SPARSESERVE_SM_CARVEOUT and apply it (cuBLASLt, leaving that many SMs out); returns the
+    SMs left out (0: unset, or set to 0)."""
     raw = os.environ.get(ENV, "").strip()
     if not raw:
         return 0
@@ -32,5 +37,7 @@ def apply_sm_carveout(device: torch.device) -> int:
         raise ValueError(f"{ENV} must lie in [0, {sms}) on this GPU ({sms} SMs), got {carveout}")
     if not hasattr(torch._C, "_set_sm_carveout_experimental"):
         raise RuntimeError(f"{ENV} needs torch._C._set_sm_carveout_experimental (torch >= 2.6); unset it")
-    torch._C._set_sm_carveout_experimental(carveout)
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    if carveout:
+        torch._C._set_sm_carveout_experimental(carveout)
     return carveout

@@ -123,21 +123,3 @@ def test_side_stream_schedule_equals_one_stream():
     for a, b in zip(inline, overlapped):
         assert torch.equal(a, b)
 
-
-def test_fused_moe_calls_on_aligned_once_before_the_shared_output_is_read():
-    """The model forks the shared expert in `on_aligned`; the combine then reads its output."""
-    gen = torch.Generator().manual_seed(1)
-    tokens, hidden, inter, experts, top_k = 3, 32, 16, 4, 2
-    x = torch.randn(tokens, hidden, generator=gen)
-    w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
-    w_down = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
-    weights = torch.rand(tokens, top_k, generator=gen)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
-    shared = torch.randn(tokens, hidden, generator=gen)
-    events = []
-    got = moe.fused_moe(x, w_gate_up, w_down, weights, ids, LIMIT,
-                        shared=lambda: events.append("read") or shared,
-                        on_aligned=lambda: events.append("aligned"))
-    assert events == ["aligned", "read"]
-    torch.testing.assert_close(got, moe.fused_moe(x, w_gate_up, w_down, weights, ids, LIMIT, shared=shared),
-                               rtol=0, atol=0)

@@ -57,6 +57,7 @@ CPU_CASES = [
     (3, 16, 32, 65, AttnConfig(16, 16, 4, 2, 1)),
     (4, 4, 64, 130, AttnConfig(16, 32, 4, 2, 3)),
     (3, 16, 64, 33, AttnConfig(16, 16, 4, 2, 4)),  # 4 splits of 16 rows over 33: one split empty
+    (2, 16, 32, 70, AttnConfig(16, 16, 4, 2, 16)),  # 16 splits of 16 rows over 70: eleven empty
     (2, 32, 32, 48, AttnConfig(16, 16, 4, 2, 2)),  # two head blocks
     (4, 16, 64, 50, AttnConfig(16, 16, 4, 2, 1, 2)),  # output columns split in two programs
     (3, 4, 32, 70, AttnConfig(16, 32, 4, 2, 2, 2)),  # column split with row splits

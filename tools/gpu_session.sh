@@ -23,6 +23,7 @@
 #   bash tools/gpu_session.sh spec-side  speculative graph tests and verify steps with the side stream on (and off)
 #   bash tools/gpu_session.sh next    session 10's first call (branch launch-cuts): its gpu tests, decode A/B, carveouts
 #   bash tools/gpu_session.sh route   session 10's second call: MoE route-first, cuBLASLt carveouts, a profile, mHC warps
+#   bash tools/gpu_session.sh split   session 10's third call: attention row splits at small batches, short/long prompts
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back).
@@ -164,14 +165,13 @@ case "${1:-tests}" in
       done
     } 2>&1 | filter > "$OUT/next.log"; grep -a "passed\|failed\|graph  0" "$OUT/next.log" ;;
   route)
-    # Session 10's second call: the side-stream and MoE gpu tests; decode steps with the router before
-    # the shared expert's fork (default) and after it (moe_route_first off), with cuBLASLt alone (carveout
-    # 0) and leaving 16/32 SMs free; a replay profile; the fused mHC finalize at 1-8 warps (~6.5 minutes).
+    # Session 10's second call (measured; the route-first MoE schedule was then dropped): the side-stream and
+    # MoE gpu tests; decode steps with the router before the shared expert's fork and after it, with cuBLASLt
+    # alone (carveout 0) and leaving 16/32 SMs free; a replay profile; the fused mHC finalize at 1-8 warps.
     { timeout -k 5 120 python -m pytest -q -p no:warnings --tb=short -m gpu tests/test_side_stream.py \
         tests/test_moe.py
-      for variant in default route_off lt0 lt16 default2 lt32; do
+      for variant in default lt0 lt16 lt32; do
         case $variant in
-          route_off) env="SPARSESERVE_DISABLE_KERNELS=moe_route_first" ;;
           lt*) env="SPARSESERVE_SM_CARVEOUT=${variant#lt}" ;;
           *) env="SPARSESERVE_UNUSED=1" ;;
         esac
@@ -181,6 +181,25 @@ case "${1:-tests}" in
       timeout -k 5 50 python tools/profile_steps.py --only decode --graphs-only --out-dir "$OUT"
       timeout -k 5 60 python -m sparseserve.benchmarks.mhc_bench --tokens "" --between 1,2,4 --out "$OUT/mhc_between.json"
     } 2>&1 | filter > "$OUT/route.log"; grep -a "passed\|failed\|Error\|graph  0\|between" "$OUT/route.log" ;;
+  split)
+    # Session 10's third call: the attention's row splits at small batches (kernels/sparse_attention.py,
+    # SPLIT_MIN_ROWS / SPLIT_MAX): its gpu tests at the finest split, then decode steps at 128/8 (the old
+    # default), 64/8, 32/8 and 32/16, with 256- and 3000-token prompts (~6 minutes).
+    { SPARSESERVE_ATTN_SPLIT_MIN_ROWS=32 SPARSESERVE_ATTN_SPLIT_MAX=16 timeout -k 5 100 python -m pytest -q \
+        -p no:warnings --tb=short -m gpu tests/test_sparse_attention.py
+      for prompt in 256 3000; do
+        batches=1,8,64; [ $prompt = 256 ] || batches=1,8
+        for split in 128/8 64/8 32/8 32/16; do
+          SPARSESERVE_ATTN_SPLIT_MIN_ROWS=${split%/*} SPARSESERVE_ATTN_SPLIT_MAX=${split#*/} timeout -k 5 70 \
+            python -m sparseserve.benchmarks.decode_graphs --steps 12 --batches $batches --prompt-len $prompt \
+            --no-eager --async-steps --out "$OUT/decode_graphs_split_${split%/*}_${split#*/}_p$prompt.json"
+        done
+      done
+      # One file (at most 8 come back): {run name: its JSON}.
+      python -c "import glob, json, os, sys; fs = sorted(glob.glob(sys.argv[1] + '/decode_graphs_split_*.json'));
+json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in fs}, open(sys.argv[1] + '/split_runs.json', 'w'),
+          indent=1); [os.remove(f) for f in fs]" "$OUT"
+    } 2>&1 | filter > "$OUT/split.log"; grep -a "passed\|failed\|Error\|graph  0" "$OUT/split.log" ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"
@@ -190,5 +209,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|next|route" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|next|route|split" >&2; exit 2 ;;
 esac

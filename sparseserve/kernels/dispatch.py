@@ -2,8 +2,7 @@
 SPARSESERVE_DISABLE_KERNELS=name[,name...] (or `all`) sends the named ones to their
 plain-PyTorch references on CUDA too: attention, indexer, compressor, rows, mhc, mhc_fused, rmsnorm,
 rope, argmax, embed, norm_rope; `overlap` runs the whole step on one stream (see model/side_stream.py), and
-`lm_head_fp32` rounds the logits to the model dtype before converting them (as the oracle does),
-`moe_route_first` forks the shared expert before the router (model/layers/moe.py)."""
+`lm_head_fp32` rounds the logits to the model dtype before converting them (as the oracle does)."""
 from __future__ import annotations
 
 import os

@@ -463,25 +463,19 @@ def fused_moe_triton(
     swiglu_limit: float,
     config: MoeConfig | None = None,
     shared: torch.Tensor | Callable[[], torch.Tensor] | None = None,
-    on_aligned: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Sorted, padded grouped GEMMs in Triton (same contract as fused_moe_ref, graph-safe);
     `shared` [T, D] (the shared expert's output, or a function returning it, called right
-    before the combine) is added in the combine pass. `on_aligned`, if given, is called once the
-    alignment is queued, before the expert GEMMs."""
+    before the combine) is added in the combine pass."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     if num_tokens == 0:
-        if on_aligned is not None:
-            on_aligned()
         return torch.empty_like(x) if shared is None else _resolve(shared).clone()
     cfg = fit_config(config, hidden, inter) if config else moe_config(num_tokens, top_k, num_experts, hidden, inter)
     x = x.contiguous()
     sorted_ids, block_expert = moe_align(topk_ids, num_experts, cfg.block_m)
-    if on_aligned is not None:
-        on_aligned()
     act = moe_gate_up(x, w_gate_up, sorted_ids, block_expert, top_k, swiglu_limit, cfg)
     y = moe_down(act, w_down, sorted_ids, block_expert, topk_weights, cfg)
     return moe_combine(y, top_k, _resolve(shared))
@@ -636,15 +630,6 @@ def _use_triton(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
     )
 
 
-def _use_grouped_mm(x: torch.Tensor) -> bool:
-    return (
-        GROUPED_MM_MIN_TOKENS is not None
-        and x.shape[0] >= GROUPED_MM_MIN_TOKENS
-        and x.dtype == torch.bfloat16
-        and grouped_mm_available(x.device)
-    )
-
-
 def fused_moe(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -653,20 +638,23 @@ def fused_moe(
     topk_ids: torch.Tensor,
     swiglu_limit: float,
     shared: torch.Tensor | Callable[[], torch.Tensor] | None = None,
-    on_aligned: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Dispatch: the Triton grouped kernel on CUDA, the reference elsewhere. `shared` [T, D], if
     given, is added to the result (by the Triton path inside its combine pass); it may be a
     function that returns it, called only when the sum needs it (the shared expert may still be
-    running on another stream). `on_aligned`, if given, is called once the routing is ready for
-    the expert GEMMs (after the Triton path's alignment; first on the other paths): the model
-    forks the shared expert there."""
+    running on another stream)."""
     args = (x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit)
-    if _use_triton(x, w_gate_up) and not _use_grouped_mm(x):
-        return fused_moe_triton(*args, shared=shared, on_aligned=on_aligned)
-    if on_aligned is not None:
-        on_aligned()
-    routed = fused_moe_grouped(*args) if _use_triton(x, w_gate_up) else fused_moe_ref(*args)
+    if not _use_triton(x, w_gate_up):
+        routed = fused_moe_ref(*args)
+    elif (
+        GROUPED_MM_MIN_TOKENS is not None
+        and x.shape[0] >= GROUPED_MM_MIN_TOKENS
+        and x.dtype == torch.bfloat16
+        and grouped_mm_available(x.device)
+    ):
+        routed = fused_moe_grouped(*args)
+    else:
+        return fused_moe_triton(*args, shared=shared)
     return routed if shared is None else routed + _resolve(shared)
 
 

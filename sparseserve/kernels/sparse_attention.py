@@ -20,6 +20,8 @@ still graph-safe): the work follows the rows a token sees, not the list's static
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 import torch
@@ -287,8 +289,8 @@ def attention_config(
       tile feeds an M=64 wgmma and is read once for all heads; 8 warps for the [64, D] fp32
       accumulator; prefill-sized grids take 64-row tiles (rows shared through L2, the kernel
       is compute/latency bound), big decode batches 32-row tiles with 3 stages.
-    - otherwise 16 heads per program (mma.sync, no spills) and the rows split in up to 8
-      pieces of >= 128 rows, until about 2 programs per SM are running. `prefetch` picks the
+    - otherwise 16 heads per program (mma.sync, no spills) and the rows split in up to
+      SPLIT_MAX pieces of >= SPLIT_MIN_ROWS rows, until about 2 programs per SM are running. `prefetch` picks the
       register double-buffered variant there (16-row tiles, the largest that does not spill);
       None = the measured default.
     """
@@ -304,7 +306,8 @@ def attention_config(
         return AttnConfig(64, 32, 8, 3, band_prepass=True)
     block_h = 16
     programs = num_tokens * triton.cdiv(num_heads, block_h)
-    max_splits = min(8, max(1, num_rows // 128))  # each split keeps >= 128 rows so partials stay small
+    # Each split keeps >= SPLIT_MIN_ROWS rows so partials stay small.
+    max_splits = min(SPLIT_MAX, max(1, num_rows // SPLIT_MIN_ROWS))
     splits = 1
     while splits * 2 <= max_splits and programs * splits * 2 <= 2 * num_sms:  # powers of 2: few compiles
         splits *= 2
@@ -314,6 +317,10 @@ def attention_config(
 
 
 _PREFETCH_DEFAULT = False
+# Row splits of the 16-head path (static: a captured graph keeps its split). The environment
+# overrides them only to measure other splits in a whole decode step (gpu_session.sh).
+SPLIT_MIN_ROWS = int(os.environ.get("SPARSESERVE_ATTN_SPLIT_MIN_ROWS", "128"))
+SPLIT_MAX = int(os.environ.get("SPARSESERVE_ATTN_SPLIT_MAX", "8"))
 
 
 def sparse_mqa_attention_triton(

@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.moe import fused_moe, select_experts, swiglu_fused
-from ...kernels.dispatch import enabled_on
-from ..side_stream import SideStream, SideWork
+from ..side_stream import SideStream
 from .fused_linear import PackedWeight, shared_input_linear
 
 
@@ -72,31 +71,14 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, side: SideStream | None = None) -> torch.Tensor:
         """x [T, D] -> [T, D]. The shared expert runs on `side` (the step's side stream, if any),
-        beside the routed experts; the combine waits for it.
-
-        The router's GEMM, the selection and the alignment are queued first and the shared expert
-        is forked after them: they are latency-bound kernels on the critical path, and beside the
-        shared expert's GEMMs (which take every SM) they waited for SMs (batch-1 profile: the
-        128 KB router GEMM took 12 us instead of ~3). The shared expert's weight reads then
-        overlap the routed experts' ones. SPARSESERVE_DISABLE_KERNELS=moe_route_first forks it
-        first, as before (the same kernels and inputs: bitwise equal results)."""
-        side = side or SideStream()
-        if not (side.active and enabled_on("moe_route_first", x.device)):
-            shared = side.run(self.shared_experts, x)
-            weights, ids = self._route(x, input_ids)
-            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.limit,
-                             shared=shared.result)
-        forked: list[SideWork[torch.Tensor]] = []
-        weights, ids = self._route(x, input_ids)
-        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.limit,
-                         shared=lambda: forked[0].result(),
-                         on_aligned=lambda: forked.append(side.run(self.shared_experts, x)))
-
-    def _route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing weights [T, k] (fp32) and expert ids [T, k]."""
+        beside the router and the routed experts; the combine waits for it."""
+        shared = (side or SideStream()).run(self.shared_experts, x)
         logits = F.linear(x, self.gate.weight)
         if self.is_hash:
-            return select_experts(logits, self.top_k, self.scoring_func, self.routed_scaling_factor,
-                                  hash_ids=self.gate.tid2eid[input_ids])
-        return select_experts(logits, self.top_k, self.scoring_func, self.routed_scaling_factor,
-                              correction_bias=self.gate.e_score_correction_bias)
+            weights, ids = select_experts(logits, self.top_k, self.scoring_func, self.routed_scaling_factor,
+                                          hash_ids=self.gate.tid2eid[input_ids])
+        else:
+            weights, ids = select_experts(logits, self.top_k, self.scoring_func, self.routed_scaling_factor,
+                                          correction_bias=self.gate.e_score_correction_bias)
+        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.limit,
+                         shared=shared.result)

@@ -319,7 +319,7 @@ def attention_config(
 _PREFETCH_DEFAULT = False
 # Row splits of the 16-head path (static: a captured graph keeps its split). The environment
 # overrides them only to measure other splits in a whole decode step (gpu_session.sh).
-SPLIT_MIN_ROWS = int(os.environ.get("SPARSESERVE_ATTN_SPLIT_MIN_ROWS", "128"))
+SPLIT_MIN_ROWS = int(os.environ.get("SPARSESERVE_ATTN_SPLIT_MIN_ROWS", "64"))
 SPLIT_MAX = int(os.environ.get("SPARSESERVE_ATTN_SPLIT_MAX", "8"))
 
 

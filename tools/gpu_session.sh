@@ -31,6 +31,12 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 filter() { grep -av "Warning\|warn(\|debug_dump\|^\s*$\|^INFO\|^  [a-z]" ; }
+# The decode_graphs_*.json files under $OUT merged into one, $OUT/$1 ({run name: its JSON}; at most 8 files come back).
+merge_runs() {
+  python -c "import glob, json, os, sys; fs = sorted(glob.glob(sys.argv[1] + '/decode_graphs_*.json'));
+json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in fs}, open(sys.argv[1] + '/' + sys.argv[2], 'w'),
+          indent=1); [os.remove(f) for f in fs]" "$OUT" "$1"
+}
 case "${1:-tests}" in
   tests)
     { timeout -k 5 500 python -m pytest -q -m gpu tests/
@@ -195,10 +201,7 @@ case "${1:-tests}" in
             --no-eager --async-steps --out "$OUT/decode_graphs_split_${split%/*}_${split#*/}_p$prompt.json"
         done
       done
-      # One file (at most 8 come back): {run name: its JSON}.
-      python -c "import glob, json, os, sys; fs = sorted(glob.glob(sys.argv[1] + '/decode_graphs_split_*.json'));
-json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in fs}, open(sys.argv[1] + '/split_runs.json', 'w'),
-          indent=1); [os.remove(f) for f in fs]" "$OUT"
+      merge_runs split_runs.json
     } 2>&1 | filter > "$OUT/split.log"; grep -a "passed\|failed\|Error\|graph  0" "$OUT/split.log" ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \

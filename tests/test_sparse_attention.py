@@ -225,3 +225,16 @@ def test_attention_cuda_graph_replay_gpu():
         torch.cuda.synchronize()
         ref = sparse_mqa_attention_ref(q.float(), kv.float(), rows, sinks, scale)
         assert _rel(out, ref) < 1e-2
+
+
+def test_split_knobs_reject_bad_values(monkeypatch):
+    from sparseserve.kernels.dispatch import env_count
+
+    monkeypatch.delenv("SPARSESERVE_ATTN_SPLIT_MAX", raising=False)
+    assert env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8) == 8
+    monkeypatch.setenv("SPARSESERVE_ATTN_SPLIT_MAX", "16")
+    assert env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8) == 16
+    for bad in ("0", "-2", "x", "1.5"):
+        monkeypatch.setenv("SPARSESERVE_ATTN_SPLIT_MAX", bad)
+        with pytest.raises(ValueError, match="SPARSESERVE_ATTN_SPLIT_MAX must be a whole number"):
+            env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8)

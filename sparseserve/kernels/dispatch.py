@@ -18,3 +18,14 @@ def use_triton(name: str, tensor: torch.Tensor) -> bool:
 
 def enabled_on(name: str, device: torch.device) -> bool:
     return device.type == "cuda" and name not in _DISABLED and "all" not in _DISABLED
+
+
+def env_count(name: str, default: int) -> int:
+    """A positive whole-number tuning knob from the environment (for measuring other settings in a
+    whole step), or `default` when unset."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name} must be a whole number >= 1, got {raw!r}; unset it for the default {default}")
+    return int(raw)

@@ -20,8 +20,6 @@ still graph-safe): the work follows the rows a token sees, not the list's static
 """
 from __future__ import annotations
 
-import os
-
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import use_triton
+from .dispatch import env_count, use_triton
 
 
 def sparse_mqa_attention_ref(
@@ -290,9 +288,9 @@ def attention_config(
       accumulator; prefill-sized grids take 64-row tiles (rows shared through L2, the kernel
       is compute/latency bound), big decode batches 32-row tiles with 3 stages.
     - otherwise 16 heads per program (mma.sync, no spills) and the rows split in up to
-      SPLIT_MAX pieces of >= SPLIT_MIN_ROWS rows, until about 2 programs per SM are running. `prefetch` picks the
-      register double-buffered variant there (16-row tiles, the largest that does not spill);
-      None = the measured default.
+      SPLIT_MAX pieces of >= SPLIT_MIN_ROWS rows, until about 2 programs per SM are running.
+      `prefetch` picks the register double-buffered variant there (16-row tiles, the largest
+      that does not spill); None = the measured default.
     """
     if prefetch is None:
         prefetch = _PREFETCH_DEFAULT
@@ -319,8 +317,8 @@ def attention_config(
 _PREFETCH_DEFAULT = False
 # Row splits of the 16-head path (static: a captured graph keeps its split). The environment
 # overrides them only to measure other splits in a whole decode step (gpu_session.sh).
-SPLIT_MIN_ROWS = int(os.environ.get("SPARSESERVE_ATTN_SPLIT_MIN_ROWS", "64"))
-SPLIT_MAX = int(os.environ.get("SPARSESERVE_ATTN_SPLIT_MAX", "8"))
+SPLIT_MIN_ROWS = env_count("SPARSESERVE_ATTN_SPLIT_MIN_ROWS", 64)
+SPLIT_MAX = env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8)
 
 
 def sparse_mqa_attention_triton(

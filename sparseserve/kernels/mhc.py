@@ -189,6 +189,30 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def mix_step(acc, acc3, sq, x_raw, w, FMA: tl.constexpr, SPLIT_BF16: tl.constexpr, PREC: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+        """One K step of the partial mixes of x_raw [rows, k] (streams dtype) against w [MP, k]
+        fp32: the sum of squares, and x @ w^T into acc3 [rows, MP, k] (FMA: elementwise, reduced
+        once at the end) or acc [rows, MP] (`mix_dot`). Returns (acc, acc3, sq)."""
+        x = x_raw.to(tl.float32)
+        sq += tl.sum(x * x, axis=1)
+        if FMA:
+            acc3 += x[:, None, :] * w[None, :, :]
+        else:
+            acc = mix_dot(acc, x_raw, w, SPLIT_BF16, PREC, DOT_F32)
+        return acc, acc3, sq
+
+    @triton.jit
+    def store_partials(mix_ws_ptr, sq_ws_ptr, acc, acc3, sq, rows, rmask, m, pid_s, splits, MP: tl.constexpr,
+                       FMA: tl.constexpr):
+        """Store a program's partial mixes [rows, MP] and sums of squares at split pid_s."""
+        if FMA:
+            acc = tl.sum(acc3, axis=2)
+        ws = rows * splits + pid_s
+        tl.store(mix_ws_ptr + ws[:, None] * MP + m[None, :], acc, mask=rmask[:, None])
+        tl.store(sq_ws_ptr + ws, sq, mask=rmask)
+
+    @triton.jit
     def _hc_mix_partial_kernel(x_ptr, fn_ptr, mix_ws_ptr, sq_ws_ptr, num_tokens, K, M, chunk, splits,
                                BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, FMA: tl.constexpr,
                                SPLIT_BF16: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
@@ -204,29 +228,18 @@ if HAS_TRITON:
         m = tl.arange(0, MP)
         mmask = m < M
         kk = tl.arange(0, BK)
-        if FMA:
-            acc3 = tl.zeros([BT, MP, BK], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BT, MP], dtype=tl.float32)
+        acc = tl.zeros([BT, MP], dtype=tl.float32)
+        acc3 = tl.zeros([BT, MP, BK] if FMA else [1, 1, 1], dtype=tl.float32)
         sq = tl.zeros([BT], dtype=tl.float32)
         k_start = pid_s * chunk
         for k0 in range(k_start, k_start + chunk, BK):
             k = k0 + kk
             kmask = k < K
             x_raw = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            x = x_raw.to(tl.float32)
             w = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :],
                         other=0.0).to(tl.float32)
-            sq += tl.sum(x * x, axis=1)
-            if FMA:
-                acc3 += x[:, None, :] * w[None, :, :]
-            else:
-                acc = mix_dot(acc, x_raw, w, SPLIT_BF16, PREC, DOT_F32)
-        if FMA:
-            acc = tl.sum(acc3, axis=2)
-        ws = rows * splits + pid_s
-        tl.store(mix_ws_ptr + ws[:, None] * MP + m[None, :], acc, mask=rmask[:, None])
-        tl.store(sq_ws_ptr + ws, sq, mask=rmask)
+            acc, acc3, sq = mix_step(acc, acc3, sq, x_raw, w, FMA, SPLIT_BF16, PREC, DOT_F32)
+        store_partials(mix_ws_ptr, sq_ws_ptr, acc, acc3, sq, rows, rmask, m, pid_s, splits, MP, FMA)
 
     @triton.jit
     def _hc_finalize_kernel(x_ptr, mix_ws_ptr, sq_ws_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,

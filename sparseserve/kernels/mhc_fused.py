@@ -36,7 +36,8 @@ from .mhc import (
     hc_collapse,
     hc_expand,
     hc_head_collapse,
-    mix_dot,
+    mix_step,
+    store_partials,
     mix_width,
 )
 from .rmsnorm import rms_norm
@@ -92,10 +93,8 @@ if HAS_TRITON:
         m = tl.arange(0, MP)
         mmask = m < M
         dd = tl.arange(0, BD)
-        if FMA:
-            acc3 = tl.zeros([BT, MP, BD], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BT, MP], dtype=tl.float32)
+        acc = tl.zeros([BT, MP], dtype=tl.float32)
+        acc3 = tl.zeros([BT, MP, BD] if FMA else [1, 1, 1], dtype=tl.float32)
         sq = tl.zeros([BT], dtype=tl.float32)
         d_start = pid_s * chunk
         for d0 in range(d_start, d_start + chunk, BD):
@@ -112,19 +111,10 @@ if HAS_TRITON:
                     new += cjk[:, None] * sj.to(tl.float32)
                 x_raw = new.to(new_ptr.dtype.element_ty)
                 tl.store(new_ptr + (rows[:, None] * HC + k) * D + d[None, :], x_raw, mask=tdmask)
-                x = x_raw.to(tl.float32)
-                sq += tl.sum(x * x, axis=1)
                 w = tl.load(fn_ptr + m[:, None] * K + k * D + d[None, :], mask=mmask[:, None] & dmask[None, :],
                             other=0.0).to(tl.float32)
-                if FMA:
-                    acc3 += x[:, None, :] * w[None, :, :]
-                else:
-                    acc = mix_dot(acc, x_raw, w, SPLIT_BF16, PREC, DOT_F32)
-        if FMA:
-            acc = tl.sum(acc3, axis=2)
-        ws = rows * splits + pid_s
-        tl.store(mix_ws_ptr + ws[:, None] * MP + m[None, :], acc, mask=rmask[:, None])
-        tl.store(sq_ws_ptr + ws, sq, mask=rmask)
+                acc, acc3, sq = mix_step(acc, acc3, sq, x_raw, w, FMA, SPLIT_BF16, PREC, DOT_F32)
+        store_partials(mix_ws_ptr, sq_ws_ptr, acc, acc3, sq, rows, rmask, m, pid_s, splits, MP, FMA)
 
 
 def expand_mix_config(num_tokens: int, dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:

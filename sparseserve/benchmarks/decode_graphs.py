@@ -7,8 +7,9 @@ decode step; we time whole engine steps (schedule + metadata + forward + samplin
 the forward alone (replay or eager; each forward is synchronised on both sides, so it includes the
 host's metadata build), and with graphs the replay alone (from the replay call to the end of its
 GPU work), median over the steps, and "b2b": the last step's graph replayed 20 times in a row
-between CUDA events (its GPU execution without the launch latency). With --async-steps, also the interval between step() returns with
-async scheduling and no per-step sync (how a server runs decode: its time per token). Floor: the weight bytes a
+between CUDA events (its GPU execution without the launch latency). With --async-steps, also the
+interval between step() returns with async scheduling and no per-step sync (how a server runs
+decode: its time per token). Floor: the weight bytes a
 decode step must read (every parameter except the embedding table; the experts a batch
 touches) over the measured HBM copy bandwidth.
 """

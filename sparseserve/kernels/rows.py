@@ -240,7 +240,6 @@ def _emit_pool_rows_kernel(
         tl.store(out2_ptr + t, tl.where(emits, rows - comp_base + base2, trash_row), mask=tmask)
 
 
-_BLOCK_T = 8
 @triton.jit
 def _visible_counts_kernel(pos_ptr, out_ptr, num_tokens, rate, num_entries, BLOCK_T: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -250,6 +249,7 @@ def _visible_counts_kernel(pos_ptr, out_ptr, num_tokens, rate, num_entries, BLOC
     tl.store(out_ptr + t, tl.minimum(count, num_entries).to(tl.int32), mask=mask)
 
 
+_BLOCK_T = 8
 _BLOCK_N = 128
 _BLOCK_1D = 256
 

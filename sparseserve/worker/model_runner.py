@@ -131,7 +131,7 @@ class ModelRunner:
         self.pad_like_graphs = device.type == "cuda"
         carveout = apply_sm_carveout(device)
         if carveout:
-            logger.info("cuBLAS GEMMs leave %d SMs free (SPARSESERVE_SM_CARVEOUT)", carveout)
+            logger.info("cuBLASLt GEMMs leave %d SMs free (SPARSESERVE_SM_CARVEOUT)", carveout)
         self._topk: dict[int, IndexerTopK] = {}
         self.graphs: dict[int, CudaGraphRunner] = {}  # target model, by query length
         self.mtp_graphs: dict[int, CudaGraphRunner] = {}  # the MTP drafter, by query length

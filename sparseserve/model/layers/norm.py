@@ -1,15 +1,10 @@
-"""RMS normalisation, weighted and unweighted, computed in fp32."""
+"""RMS normalisation with a learned weight, computed in fp32."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from ...kernels.rmsnorm import rms_norm
-
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, in fp32, returned in x's dtype."""
-    return rms_norm(x, None, eps)
 
 
 class RMSNorm(nn.Module):

@@ -178,6 +178,67 @@ def _gpu_case(T: int, H: int, L: int, window: int, pool: int, seed: int):
     return q, kv, rows, sinks, D**-0.5
 
 
+def _rope_tables(num_tokens: int, half: int, gen: torch.Generator, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of random angles (not a rope schedule: any angle must rotate the right pairs)."""
+    angle = torch.rand(num_tokens, half, generator=gen) * 12.0 - 6.0
+    return angle.cos().to(device), angle.sin().to(device)
+
+
+@cpu_interp
+@pytest.mark.parametrize("T,H,D,L,half,cfg", [
+    (4, 16, 64, 70, 8, AttnConfig(16, 16, 4, 2, 3)),  # fused in the merge (row splits)
+    (3, 32, 64, 50, 16, AttnConfig(16, 16, 4, 2, 2, 2)),  # fused, two head blocks, column split
+    (4, 16, 32, 70, 8, AttnConfig(16, 16, 4, 2, 1)),  # no split: the rope kernel's path after it
+])
+def test_attention_inverse_rope_matches_separate_rotation_cpu(T, H, D, L, half, cfg):
+    """The output's rope channels rotated back inside the launches equal the attention output
+    rotated by `apply_rope(..., inverse=True)` afterwards, in bf16 (the engine's dtype): the same
+    rounding (the output first, then the rotated channels), so equal up to fp32 contraction
+    (<= 1 bf16 ulp on the rotated channels); the other channels bit for bit."""
+    from sparseserve.kernels.rope import apply_rope_ref
+
+    gen = torch.Generator().manual_seed(77 + T * D + half)
+    pool = 3 * L + 7
+    q = torch.randn(T, H, D, generator=gen).bfloat16()
+    kv = torch.randn(pool, D, generator=gen).bfloat16()
+    rows = _make_rows(T, L, pool, gen)
+    sinks = torch.randn(H, generator=gen) * 2
+    cos, sin = _rope_tables(T, half, gen)
+    plain = sparse_mqa_attention_triton(q, kv, rows, sinks, D**-0.5, cfg)
+    fused = sparse_mqa_attention_triton(q, kv, rows, sinks, D**-0.5, cfg, inverse_rope=(cos, sin))
+    expect = apply_rope_ref(plain, cos, sin, inverse=True)
+    assert torch.equal(fused[..., :-2 * half], plain[..., :-2 * half])
+    diff = (fused[..., -2 * half:].float() - expect[..., -2 * half:].float()).abs()
+    ulp = expect[..., -2 * half:].float().abs().clamp_min(1e-30) * 2.0**-7
+    assert (diff <= ulp).all()
+    assert not torch.equal(fused, plain)  # the rotation happened
+    # the reference dispatch (CPU) rotates as well
+    ref = sparse_mqa_attention(q.float(), kv.float(), rows, sinks, D**-0.5, inverse_rope=(cos, sin))
+    base = sparse_mqa_attention_ref(q.float(), kv.float(), rows, sinks, D**-0.5)
+    assert torch.allclose(ref, apply_rope_ref(base, cos, sin, inverse=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_INTERPRET, reason="GPU tests need TRITON_INTERPRET=0")
+def test_attention_inverse_rope_real_shapes_gpu():
+    """V4 shapes (head_dim 512, rope 64): the fused rotation (split configs) and the rope kernel after
+    the direct config both match attention then `apply_rope(..., inverse=True)`."""
+    from sparseserve.kernels.rope import apply_rope
+
+    for T, H, L in ((1, 64, 128 + 512), (8, 64, 128 + 1024), (4, 128, 130)):
+        q, kv, rows, sinks, scale = _gpu_case(T, H, L, 128, 50_000, seed=T + L)
+        gen = torch.Generator().manual_seed(T * 3 + H)
+        cos, sin = _rope_tables(T, 32, gen, "cuda")
+        for cfg in (None, AttnConfig(64, 32, 8, 3, 1), AttnConfig(16, 32, 4, 3, 4), AttnConfig(64, 16, 4, 3, 2, 2)):
+            plain = sparse_mqa_attention_triton(q, kv, rows, sinks, scale, cfg)
+            fused = sparse_mqa_attention_triton(q, kv, rows, sinks, scale, cfg, inverse_rope=(cos, sin))
+            expect = apply_rope(plain.clone(), cos, sin, inverse=True)
+            torch.cuda.synchronize()
+            assert torch.equal(fused[..., :-64], plain[..., :-64]), (T, H, cfg)
+            diff = (fused.float() - expect.float()).abs()
+            assert (diff <= expect.float().abs() * 2.0**-7 + 1e-30).all(), (T, H, cfg)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(_INTERPRET, reason="GPU tests need TRITON_INTERPRET=0")
 @pytest.mark.parametrize(

@@ -22,8 +22,8 @@ sync, deterministic (no atomics: a fixed split-K order, so eager == graph replay
      a. `_hc_mix_partial_kernel`, split-K over K: one pass over the streams gives each token's
         partial sum of squares and partial fp32 mixes (exact products, fp32 accumulate; below).
      b. `_hc_finalize_kernel`: sums the partials (fixed order), applies the rms factor, the
-        coefficients (Sinkhorn; `post`/`comb` written by the D-block 0 program only) and the
-        `pre`-weighted collapse of its D block.
+        `pre` coefficients and the `pre`-weighted collapse of its D block; `post`/`comb` (Sinkhorn)
+        come from one extra D block of programs, beside the collapse.
    Roofline (e = streams element bytes, M = (2 + hc) * hc mixes, MP = M padded to >= 16):
      bytes = T*K*e (a: streams) + T*K*e (b: streams again, often from L2) + T*D*e (collapsed)
              + M*K*4 (fn; re-read per token tile from L2) + T*(hc + hc^2)*4 (post, comb)
@@ -248,9 +248,12 @@ if HAS_TRITON:
                             ITERS: tl.constexpr, HEAD: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr,
                             NORM: tl.constexpr):
         """Program (TB tokens, D block): reduce the split-K partials (fixed order), the rms factor,
-        the coefficients (post/comb stored by D block 0 only), the pre-weighted collapse.
-        NORM (one D block holds the whole row): then the block's RMSNorm with weight norm_w, rounded
-        as `rms_norm` rounds (the collapse to the dtype, the normalised row, the weighted row)."""
+        the `pre` coefficients and the pre-weighted collapse of its D block. NORM (one D block holds
+        the whole row): then the block's RMSNorm with weight norm_w, rounded as `rms_norm` rounds
+        (the collapse to the dtype, the normalised row, the weighted row).
+        Unless HEAD, the grid has one D block more: its programs compute post and comb (Sinkhorn)
+        beside the collapse instead of before it, which the next GEMM waits for (batch 1: a layer's
+        finalize took ~7 us, the head's, without them, ~4; H200 profile, session 11)."""
         tt = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
         tmask = tt < num_tokens
         pid_d = tl.program_id(1)
@@ -262,45 +265,45 @@ if HAS_TRITON:
         i = tl.arange(0, HP)
         valid = i < HC
         pmask = tsmask[:, :, None] & valid[None, None, :]
-        m_pre = tl.sum(tl.load(ws[:, :, None] + i[None, None, :], mask=pmask, other=0.0), axis=1) * r
-        s0 = tl.load(scale_ptr + 0).to(tl.float32)
-        b_pre = tl.load(base_ptr + i, mask=valid, other=0.0).to(tl.float32)
-        pre = tl.sigmoid(m_pre * s0 + b_pre[None, :]) + hc_eps
-        pre = tl.where(valid[None, :], pre, 0.0)  # [TB, HP]
-        if not HEAD:  # noqa: SIM102 (a compile-time branch around a runtime one)
-            if pid_d == 0:
-                s1 = tl.load(scale_ptr + 1).to(tl.float32)
-                s2 = tl.load(scale_ptr + 2).to(tl.float32)
-                m_post = tl.sum(tl.load(ws[:, :, None] + HC + i[None, None, :], mask=pmask, other=0.0), axis=1) * r
-                b_post = tl.load(base_ptr + HC + i, mask=valid, other=0.0).to(tl.float32)
-                post = 2.0 * tl.sigmoid(m_post * s1 + b_post[None, :])
-                tl.store(post_ptr + tt[:, None] * HC + i[None, :], post, mask=tmask[:, None] & valid[None, :])
-                # comb logits as a flat [HP * HP] index q = j * HP + k, then [TB, HP, HP]
-                q = tl.arange(0, HP * HP)
-                qj = q // HP
-                qk = q % HP
-                qvalid = (qj < HC) & (qk < HC)
-                cidx = 2 * HC + qj * HC + qk
-                m_comb = tl.sum(tl.load(ws[:, :, None] + cidx[None, None, :],
-                                        mask=tsmask[:, :, None] & qvalid[None, None, :], other=0.0), axis=1) * r
-                b_comb = tl.load(base_ptr + cidx, mask=qvalid, other=0.0).to(tl.float32)
-                logits = tl.reshape(m_comb * s2 + b_comb[None, :], [TB, HP, HP])
-                valid3 = (i[:, None] < HC) & (i[None, :] < HC)
-                comb = _sinkhorn(logits, valid3[None, :, :], hc_eps, ITERS, 2, 1)
-                cptr = comb_ptr + tt[:, None, None] * (HC * HC) + i[None, :, None] * HC + i[None, None, :]
-                tl.store(cptr, comb, mask=tmask[:, None, None] & valid3[None, :, :])
-        d = pid_d * BD + tl.arange(0, BD)
-        dmask = d < D
-        x = tl.load(x_ptr + tt[:, None, None] * K + i[None, :, None] * D + d[None, None, :],
-                    mask=tmask[:, None, None] & valid[None, :, None] & dmask[None, None, :], other=0.0)
-        out = tl.sum(pre[:, :, None] * x.to(tl.float32), axis=1)
-        if NORM:
-            y = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # masked columns are 0
-            rn = tl.rsqrt(tl.sum(y * y, axis=1) / D + block_eps)
-            y = (y * rn[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
-            out = y * tl.load(norm_w_ptr + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + tt[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=tmask[:, None] & dmask[None, :])
+        if pid_d < tl.num_programs(1) - (1 - HEAD):
+            m_pre = tl.sum(tl.load(ws[:, :, None] + i[None, None, :], mask=pmask, other=0.0), axis=1) * r
+            s0 = tl.load(scale_ptr + 0).to(tl.float32)
+            b_pre = tl.load(base_ptr + i, mask=valid, other=0.0).to(tl.float32)
+            pre = tl.sigmoid(m_pre * s0 + b_pre[None, :]) + hc_eps
+            pre = tl.where(valid[None, :], pre, 0.0)  # [TB, HP]
+            d = pid_d * BD + tl.arange(0, BD)
+            dmask = d < D
+            x = tl.load(x_ptr + tt[:, None, None] * K + i[None, :, None] * D + d[None, None, :],
+                        mask=tmask[:, None, None] & valid[None, :, None] & dmask[None, None, :], other=0.0)
+            out = tl.sum(pre[:, :, None] * x.to(tl.float32), axis=1)
+            if NORM:
+                y = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # masked columns are 0
+                rn = tl.rsqrt(tl.sum(y * y, axis=1) / D + block_eps)
+                y = (y * rn[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+                out = y * tl.load(norm_w_ptr + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + tt[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=tmask[:, None] & dmask[None, :])
+        elif not HEAD:
+            s1 = tl.load(scale_ptr + 1).to(tl.float32)
+            s2 = tl.load(scale_ptr + 2).to(tl.float32)
+            m_post = tl.sum(tl.load(ws[:, :, None] + HC + i[None, None, :], mask=pmask, other=0.0), axis=1) * r
+            b_post = tl.load(base_ptr + HC + i, mask=valid, other=0.0).to(tl.float32)
+            post = 2.0 * tl.sigmoid(m_post * s1 + b_post[None, :])
+            tl.store(post_ptr + tt[:, None] * HC + i[None, :], post, mask=tmask[:, None] & valid[None, :])
+            # comb logits as a flat [HP * HP] index q = j * HP + k, then [TB, HP, HP]
+            q = tl.arange(0, HP * HP)
+            qj = q // HP
+            qk = q % HP
+            qvalid = (qj < HC) & (qk < HC)
+            cidx = 2 * HC + qj * HC + qk
+            m_comb = tl.sum(tl.load(ws[:, :, None] + cidx[None, None, :],
+                                    mask=tsmask[:, :, None] & qvalid[None, None, :], other=0.0), axis=1) * r
+            b_comb = tl.load(base_ptr + cidx, mask=qvalid, other=0.0).to(tl.float32)
+            logits = tl.reshape(m_comb * s2 + b_comb[None, :], [TB, HP, HP])
+            valid3 = (i[:, None] < HC) & (i[None, :] < HC)
+            comb = _sinkhorn(logits, valid3[None, :, :], hc_eps, ITERS, 2, 1)
+            cptr = comb_ptr + tt[:, None, None] * (HC * HC) + i[None, :, None] * HC + i[None, None, :]
+            tl.store(cptr, comb, mask=tmask[:, None, None] & valid3[None, :, :])
 
     @triton.jit
     def _hc_expand_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, new_ptr, num_tokens, D,
@@ -445,7 +448,8 @@ def finalize_triton(x: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor]
     else:
         tb, bd = 1, triton.next_power_of_2(dim)
         warps = norm_warps or max(1, min(8, bd * triton.next_power_of_2(hc) // 2048))
-    _hc_finalize_kernel[(triton.cdiv(num_tokens, tb), triton.cdiv(dim, bd))](
+    coefficient_blocks = 0 if head else 1  # see the kernel: post and comb on programs of their own
+    _hc_finalize_kernel[(triton.cdiv(num_tokens, tb), triton.cdiv(dim, bd) + coefficient_blocks)](
         x, mix_ws, sq_ws, base.contiguous(), scale.contiguous(), post if post is not None else out,
         comb if comb is not None else out, out, norm_weight if norm_weight is not None else out,
         num_tokens, dim, hc * dim, splits, norm_eps, hc_eps, block_eps,

@@ -166,7 +166,8 @@ class Attention(nn.Module):
         q = norm_rope(q_proj[0].view(num_tokens, self.num_heads, self.head_dim), None, self.eps, cos, sin)
         kv = fresh_kv.result()
         rows = ctx.window_rows if staged is None else torch.cat([ctx.window_rows, entry_rows.result()], dim=1)
-        out = sparse_mqa_attention(q, state.kv_pool, rows, self.sinks.float(), self.scale)
+        # The output's rope channels are rotated back inside the attention launches.
+        out = sparse_mqa_attention(q, state.kv_pool, rows, self.sinks.float(), self.scale, inverse_rope=(cos, sin))
         # Commit after every read of the rings, queued after attention: beside it, even tiny
         # kernels slowed attention by half (H200 profile, 2026-11-29). Nothing waits for the
         # commit before the forward's end, and the staged projections may be views of this
@@ -174,7 +175,6 @@ class Attention(nn.Module):
         staged_rows = staged.value if staged is not None else (None, None)
         side.keep_until_done(*staged_rows)
         side.run(self._commit, staged_rows, kv, ctx, state)
-        out = apply_rope(out, cos, sin, inverse=True)
         return self._project_out(out)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:

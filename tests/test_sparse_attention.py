@@ -299,3 +299,13 @@ def test_split_knobs_reject_bad_values(monkeypatch):
         monkeypatch.setenv("SPARSESERVE_ATTN_SPLIT_MAX", bad)
         with pytest.raises(ValueError, match="SPARSESERVE_ATTN_SPLIT_MAX must be a whole number"):
             env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8)
+
+
+def test_merge_heads_knob_must_be_a_power_of_two():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPARSESERVE_ATTN_MERGE_HEADS": "3"}
+    run = subprocess.run([sys.executable, "-c", "import sparseserve.kernels.sparse_attention"], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "SPARSESERVE_ATTN_MERGE_HEADS must be a power of two, got 3" in run.stderr

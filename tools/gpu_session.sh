@@ -24,7 +24,7 @@
 #   bash tools/gpu_session.sh next    session 10's first call (branch launch-cuts): its gpu tests, decode A/B, carveouts
 #   bash tools/gpu_session.sh route   session 10's second call: MoE route-first, cuBLASLt carveouts, a profile, mHC warps
 #   bash tools/gpu_session.sh split   session 10's third call: attention row splits at small batches, short/long prompts
-#   bash tools/gpu_session.sh fin11    session 11: decode A/B of branch finalize-rope against ab_main/, then every gpu test
+#   bash tools/gpu_session.sh ab-suite decode A/B of a branch against ab_main/ (two rounds each), then every gpu test
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back).
@@ -204,16 +204,16 @@ case "${1:-tests}" in
       done
       merge_runs split_runs.json
     } 2>&1 | filter > "$OUT/split.log"; grep -a "passed\|failed\|Error\|graph  0" "$OUT/split.log" ;;
-  fin11)
-    # Session 11 (branch finalize-rope, ab_main/ holding main, carried): decode steps of ab_main/ and the tree
-    # (two rounds each), then every gpu test and the kernel files' tests on the GPU (~9.5 minutes).
+  ab-suite)
+    # A branch in the tree, ab_main/ holding main (carried): decode steps of ab_main/ and the tree (two rounds
+    # each), then every gpu test and the kernel files' tests on the GPU (~8 minutes; session 11 as `fin11`).
     { for variant in ab_main tree ab_main2 tree2; do
         dir=.; [ "${variant#ab_main}" = "$variant" ] || dir=ab_main
         (cd $dir && env PYTHONPATH=. timeout -k 5 90 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
           --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_$variant.json")
       done
-      merge_runs fin11_runs.json
-    } 2>&1 | filter > "$OUT/fin11_bench.log"; grep -a "graph  0" "$OUT/fin11_bench.log"
+      merge_runs ab_suite_runs.json
+    } 2>&1 | filter > "$OUT/ab_suite_bench.log"; grep -a "graph  0" "$OUT/ab_suite_bench.log"
     { timeout -k 5 ${T_SUITE:-350} python -m pytest -q -m gpu tests/
       timeout -k 5 45 python -m pytest -q tests/test_mhc_kernel.py tests/test_norm_rope_kernels.py \
         tests/test_argmax_kernel.py
@@ -227,5 +227,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|next|route|split" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|next|route|split|next11|ab-suite" >&2; exit 2 ;;
 esac

@@ -335,7 +335,7 @@ _PREFETCH_DEFAULT = False
 SPLIT_MIN_ROWS = env_count("SPARSESERVE_ATTN_SPLIT_MIN_ROWS", 64)
 SPLIT_MAX = env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8)
 # Heads per merge program (a power of two): 4 gives a batch-1 token 16 programs at 64 heads instead of 4
-# (H200, session 11: batch-1 b2b step 0.746 -> 0.738 ms, batch 8 0.999 -> 0.992).
+# (H200, session 11, b2b steps: batch 1 0.746 / 0.747 -> 0.739 / 0.738 ms, batch 8 0.998 / 1.000 -> 0.994 / 0.991).
 MERGE_HEADS = env_count("SPARSESERVE_ATTN_MERGE_HEADS", 4)
 if MERGE_HEADS & (MERGE_HEADS - 1):
     raise ValueError(f"SPARSESERVE_ATTN_MERGE_HEADS must be a power of two, got {MERGE_HEADS}")

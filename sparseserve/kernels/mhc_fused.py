@@ -9,7 +9,8 @@ H200, on the step's critical path five times per step). Here they take two:
      accumulates their partial sums of squares and fp32 mixes from the rounded values (the
      collapse reads the stored streams: the same numbers);
   b. `_hc_finalize_kernel` with NORM: one program per token sums the partials, computes the
-     coefficients, the collapse and the block's RMSNorm.
+     `pre` coefficients, the collapse and the block's RMSNorm; a second program per token
+     computes post and comb (Sinkhorn) beside it.
 Without an expand (a layer's first collapse, the head) only (b) is new: the collapse's mix
 kernel, then finalize with the norm.
 

@@ -21,13 +21,12 @@
 #   bash tools/gpu_session.sh carveout  decode steps with cuBLAS leaving 0/8/16/32 SMs to the side stream, a profile
 #   bash tools/gpu_session.sh ab      decode steps of ab_main/ (an earlier commit) and of this tree, alternating
 #   bash tools/gpu_session.sh spec-side  speculative graph tests and verify steps with the side stream on (and off)
-#   bash tools/gpu_session.sh next    session 10's first call (branch launch-cuts): its gpu tests, decode A/B, carveouts
-#   bash tools/gpu_session.sh route   session 10's second call: MoE route-first, cuBLASLt carveouts, a profile, mHC warps
 #   bash tools/gpu_session.sh split   session 10's third call: attention row splits at small batches, short/long prompts
 #   bash tools/gpu_session.sh ab-suite decode A/B of a branch against ab_main/ (two rounds each), then every gpu test
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
-# Logs and JSON go to $OUT (at most 8 files come back).
+# Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
+# (next11 on indexer-side, next12 on next12, topk-split on topk-split-finish); session 10's `next` and `route` are in the history (`git show 49f7a6d:tools/gpu_session.sh`).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -157,37 +156,6 @@ case "${1:-tests}" in
           --batches 1,8 --spec-k 1,2 --no-eager --out "$OUT/decode_graphs_spec_side_$mode.json"
       done
     } 2>&1 | filter > "$OUT/spec_side.log"; grep -a "passed\|failed\|graph" "$OUT/spec_side.log" | tail -20 ;;
-  next)
-    # Session 10's first call, on branch launch-cuts with ab_main/ holding e07a193 (carried): the gpu tests of
-    # what the branch changes, decode steps of ab_main/ and of the tree, then the tree with cuBLAS leaving
-    # 8/16/32 SMs to the side stream (~9.5 minutes).
-    { timeout -k 5 220 python -m pytest -q -p no:warnings --tb=short -m gpu tests/test_rows_kernel.py \
-        tests/test_embed_kernel.py tests/test_norm_rope_fused.py tests/test_model_gpu.py tests/test_side_stream.py \
-        tests/test_cuda_graphs_gpu.py -k "not speculative and not speculation and not mtp_1 and not watchdog"
-      (cd ab_main && PYTHONPATH=. timeout -k 5 65 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
-        --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_ab_main.json")
-      for sms in "" 8 16 32; do
-        SPARSESERVE_SM_CARVEOUT=$sms timeout -k 5 65 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
-          --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_tree_carveout_${sms:-0}.json"
-      done
-    } 2>&1 | filter > "$OUT/next.log"; grep -a "passed\|failed\|graph  0" "$OUT/next.log" ;;
-  route)
-    # Session 10's second call (measured; the route-first MoE schedule was then dropped): the side-stream and
-    # MoE gpu tests; decode steps with the router before the shared expert's fork and after it, with cuBLASLt
-    # alone (carveout 0) and leaving 16/32 SMs free; a replay profile; the fused mHC finalize at 1-8 warps.
-    { timeout -k 5 120 python -m pytest -q -p no:warnings --tb=short -m gpu tests/test_side_stream.py \
-        tests/test_moe.py
-      for variant in default lt0 lt16 lt32; do
-        case $variant in
-          lt*) env="SPARSESERVE_SM_CARVEOUT=${variant#lt}" ;;
-          *) env="SPARSESERVE_UNUSED=1" ;;
-        esac
-        env $env timeout -k 5 65 python -m sparseserve.benchmarks.decode_graphs --steps 12 --batches 1,8,64 \
-          --no-eager --async-steps --out "$OUT/decode_graphs_$variant.json"
-      done
-      timeout -k 5 50 python tools/profile_steps.py --only decode --graphs-only --out-dir "$OUT"
-      timeout -k 5 60 python -m sparseserve.benchmarks.mhc_bench --tokens "" --between 1,2,4 --out "$OUT/mhc_between.json"
-    } 2>&1 | filter > "$OUT/route.log"; grep -a "passed\|failed\|Error\|graph  0\|between" "$OUT/route.log" ;;
   split)
     # Session 10's third call: the attention's row splits at small batches (kernels/sparse_attention.py,
     # SPLIT_MIN_ROWS / SPLIT_MAX): its gpu tests at the finest split, then decode steps at 128/8 (the old
@@ -227,5 +195,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|next|route|split|next11|ab-suite" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite" >&2; exit 2 ;;
 esac

@@ -73,3 +73,25 @@ def test_block_table_cache_follows_growth_and_slot_reuse():
             b = [77]  # slot 2 freed and taken by a request with a shorter, new list
     with pytest.raises(ValueError, match="columns"):
         cache.table([SequenceChunk(slot=1, start_pos=0, token_ids=[1], block_ids=list(range(width + 1)))])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_logits_streams_equal_the_gather(seed):
+    """`logits_streams` skips the gather exactly when every token wants logits; for any mix of
+    chunks (decode, verify, prefill, none) it returns the rows the gather returns."""
+    import torch
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        chunks = []
+        for slot in range(rng.randint(1, 6)):
+            n = rng.choice([1, 1, 2, 3, 7])
+            want = rng.choice(["last", "all", "none"] if seed % 2 else ["last", "all"])
+            chunks.append(SequenceChunk(slot=slot, start_pos=rng.randint(0, 50), token_ids=[5] * n,
+                                        block_ids=[slot], want_logits=want))
+        batch = build_batch(chunks, [4, 128])
+        streams = torch.randn(batch.num_tokens, 2, 3)
+        got = batch.logits_streams(streams)
+        assert torch.equal(got, streams[batch.logits_indices])
+        every = all(c.want_logits == "all" or (c.want_logits == "last" and len(c.token_ids) == 1) for c in chunks)
+        assert (got is streams) == every

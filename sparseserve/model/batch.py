@@ -41,6 +41,15 @@ class BatchMetadata:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
+    def logits_streams(self, streams: torch.Tensor) -> torch.Tensor:
+        """The rows of `streams` [T, ...] whose logits are wanted. When every token wants them (a
+        shape fact: decode and verify steps, captured graphs included), `build_batch` lists them in
+        order, so the rows are `streams` itself and the gather (a copy on the step's critical path)
+        is skipped."""
+        if self.logits_indices.shape[0] == self.num_tokens:
+            return streams
+        return streams[self.logits_indices]
+
 
 # The per-token and per-sequence int64 fields, in the order build_batch lays them out in one buffer.
 INT64_FIELDS = ("input_ids", "positions", "token_seq", "seq_slots", "seq_start", "seq_num_tokens",

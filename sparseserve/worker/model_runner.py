@@ -205,7 +205,7 @@ class ModelRunner:
 
     def _target_step(self, batch, topk, hidden, outputs) -> None:
         streams = self.model(batch, self.state, topk=topk)
-        self.model.compute_logits(streams[batch.logits_indices], out=outputs[0])
+        self.model.compute_logits(batch.logits_streams(streams), out=outputs[0])
         if len(outputs) > 1:  # the drafter reads every token's streams
             outputs[1].copy_(streams)
 
@@ -426,7 +426,7 @@ class ModelRunner:
             if fix_inputs is not None:
                 fix_inputs(batch.input_ids)
             streams = self.model(batch, self.state, topk=topk_fn)
-            logits = self.model.compute_logits(streams[batch.logits_indices])[:rows]
+            logits = self.model.compute_logits(batch.logits_streams(streams))[:rows]
             mode = f"eager decode step (bucket {bucket}, query_len {q}), topk_path={path}"
         else:
             topk_fn, path = self.topk_for(self.max_num_batched_tokens)
@@ -435,7 +435,7 @@ class ModelRunner:
             if fix_inputs is not None:
                 fix_inputs(batch.input_ids)
             streams = self.model(batch, self.state, topk=topk_fn)
-            logits = self.model.compute_logits(streams[batch.logits_indices])
+            logits = self.model.compute_logits(batch.logits_streams(streams))
             mode = f"eager step, topk_path={path}"
         self.last_streams = streams if self.proposer is not None else None
 

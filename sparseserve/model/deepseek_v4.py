@@ -42,12 +42,24 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(*hc_args)
 
     def forward(self, streams: torch.Tensor, ctx: StepContext, state) -> torch.Tensor:
-        post, comb, x = self.attn_hc.collapse_norm(streams, self.input_layernorm)
+        streams, pending = self.forward_deferred(streams, ctx, state)
+        return HyperConnection.expand(streams, *pending)
+
+    def forward_deferred(self, streams: torch.Tensor, ctx: StepContext, state,
+                         pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The layer with the last expand left to the caller: returns (streams, (mlp_out, post, comb)).
+        `pending` is the previous layer's: its expand and this layer's collapse then run as one
+        expand+collapse step, as between the two sub-blocks (two launches for small steps, not three)."""
+        if pending is None:
+            post, comb, x = self.attn_hc.collapse_norm(streams, self.input_layernorm)
+        else:
+            streams, post, comb, x = self.attn_hc.expand_collapse_norm(streams, *pending, self.input_layernorm)
         attn_out = self.self_attn(x, ctx, state)
         streams, post, comb, x = self.ffn_hc.expand_collapse_norm(streams, attn_out, post, comb,
                                                                   self.post_attention_layernorm)
         mlp_out = self.mlp(x, ctx.batch.input_ids, ctx.side)
-        return HyperConnection.expand(streams, mlp_out, post, comb)
+        return streams, (mlp_out, post, comb)
 
 
 class DeepseekV4Decoder(nn.Module):
@@ -104,8 +116,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         # tensors until the next garbage collection.
         ctx.side, ctx.built = side, SideWork(None, built.event)
         streams = embed_streams(batch.input_ids, self.model.embed_tokens.weight, self.hc_mult)
+        pending = None  # each layer's last expand runs inside the next layer's first collapse
         for layer, layer_state in zip(self.model.layers, state.layers):
-            streams = layer(streams, ctx, layer_state)
+            streams, pending = layer.forward_deferred(streams, ctx, layer_state, pending)
+        if pending is not None:
+            streams = HyperConnection.expand(streams, *pending)
         side.join()
         return streams
 

@@ -200,7 +200,7 @@ case "${1:-tests}" in
       merge_runs next12_runs.json
       timeout -k 5 40 python tools/profile_steps.py --only decode --graphs-only --out-dir "$OUT"
     } 2>&1 | filter > "$OUT/next12_bench.log"; grep -a "graph  0" "$OUT/next12_bench.log"
-    { timeout -k 5 ${T_SUITE:-330} python -m pytest -q -m gpu tests/
+    { timeout -k 5 ${T_SUITE:-300} python -m pytest -q -m gpu tests/
       timeout -k 5 40 python -m pytest -q tests/test_mhc_kernel.py tests/test_norm_rope_kernels.py \
         tests/test_argmax_kernel.py
     } 2>&1 | filter > "$OUT/tests.log"; tail -4 "$OUT/tests.log" ;;

@@ -111,6 +111,11 @@ def test_entry_pool_rows_cpu(id_dtype, K, epb):
     # A strided (column-sliced) id list.
     wide = torch.randint(-1, epb * max_blocks, (T, K + 3), generator=gen).to(id_dtype)
     _eq(R.entry_pool_rows_triton(wide[:, 3:], seq, table, epb, 0), R.entry_pool_rows_ref(wide[:, 3:], seq, table, epb, 0))
+    # After prefix rows (the window rows; here a strided slice with -1 holes): the concatenation.
+    prefix = torch.randint(-1, 10_000, (T, 140), generator=gen)[:, 3:]
+    got = R.entry_pool_rows_triton(*args, prefix=prefix)
+    _eq(got, R.entry_pool_rows_ref(*args, prefix=prefix))
+    _eq(got, torch.cat([prefix, ref], dim=1))
 
 
 @pytest.mark.parametrize("rate,epb,num_entries", [(2, 8, 70), (4, 16, 300), (16, 4, 9), (128, 1, 5), (4, 3, 1)])
@@ -122,6 +127,10 @@ def test_visible_pool_rows_cpu(rate, epb, num_entries):
     ref = R.visible_pool_rows_ref(*args)
     assert torch.equal(ref, R.entry_pool_rows_ref(R.visible_entry_ids(pos, rate, num_entries), seq, table, epb, 40))
     _eq(R.visible_pool_rows_triton(*args), ref)
+    prefix = torch.randint(-1, 10_000, (pos.shape[0], 37), generator=gen)
+    got = R.visible_pool_rows_triton(*args, prefix=prefix)
+    _eq(got, R.visible_pool_rows_ref(*args, prefix=prefix))
+    _eq(got, torch.cat([prefix, ref], dim=1))
 
 
 @pytest.mark.parametrize("rate,epb", [(2, 8), (4, 16), (16, 4), (128, 1)])
@@ -164,6 +173,7 @@ def test_empty_and_dispatch_cpu():
     assert R.source_rows_triton(e, e, e, e, e, torch.arange(-3, 1), 8, 0).shape == (0, 4)
     assert R.entry_pool_rows_triton(torch.zeros(0, 5, dtype=torch.long), e, table, 4, 0).shape == (0, 5)
     assert R.visible_pool_rows_triton(e, e, table, 4, 7, 4, 0).shape == (0, 7)
+    assert R.visible_pool_rows_triton(e, e, table, 4, 7, 4, 0, prefix=torch.zeros(0, 3, dtype=torch.long)).shape == (0, 10)
     assert R.emit_pool_rows_triton(e, e, table, 4, 4, 0, -1).shape == (0,)
     assert R.ring_write_rows_triton(e, e, e, e, e, 8, 0).shape == (0,)
     # On the CPU the public names are the references (the model's CPU parity path).
@@ -218,6 +228,8 @@ def test_rows_flash_shapes_gpu(kind):
         if rate == 128:
             vis = (pos, seq, table, rate, num_entries, epb, staging + 4097)
             _eq(R.visible_pool_rows(*vis), R.visible_pool_rows_ref(*vis))
+            window = R.source_rows(*src)[:, :128].contiguous()  # stands in for the window rows
+            _eq(R.visible_pool_rows(*vis, prefix=window), R.visible_pool_rows_ref(*vis, prefix=window))
         else:
             assert torch.equal(R.visible_counts(pos, rate, num_entries), R.visible_counts_ref(pos, rate, num_entries))
             lengths = ((pos + 1) // rate).clamp(min=1)
@@ -226,6 +238,9 @@ def test_rows_flash_shapes_gpu(kind):
             ids = ids.int()  # top-k hands out int32
             _eq(R.entry_pool_rows(ids, seq, table, epb, staging + 4097),
                 R.entry_pool_rows_ref(ids, seq, table, epb, staging + 4097))
+            window = R.source_rows(*src)[:, :128].contiguous()
+            _eq(R.entry_pool_rows(ids, seq, table, epb, staging + 4097, prefix=window),
+                R.entry_pool_rows_ref(ids, seq, table, epb, staging + 4097, prefix=window))
 
 
 @pytest.mark.gpu

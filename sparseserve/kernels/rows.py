@@ -70,14 +70,17 @@ def entry_pool_rows_ref(
     block_table: torch.Tensor,
     entries_per_block: int,
     comp_base: int,
+    prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pool rows of compressed entries `entry_ids [T, K]` (-1 stays -1)."""
+    """Pool rows of compressed entries `entry_ids [T, K]` (-1 stays -1), after the `prefix` rows
+    [T, P] if given (a layer's window rows: the row list attention reads)."""
     ids = entry_ids.long()
     safe = ids.clamp(min=0)
     block_col = (safe // entries_per_block).clamp(max=block_table.shape[1] - 1)
     blocks = block_table[token_seq].long().gather(1, block_col)
     rows = comp_base + blocks * entries_per_block + safe % entries_per_block
-    return torch.where((ids >= 0) & (blocks >= 0), rows, torch.full_like(rows, -1))
+    rows = torch.where((ids >= 0) & (blocks >= 0), rows, torch.full_like(rows, -1))
+    return rows if prefix is None else torch.cat([prefix.long(), rows], dim=1)
 
 
 def visible_entry_ids(positions: torch.Tensor, rate: int, num_entries: int) -> torch.Tensor:
@@ -101,10 +104,12 @@ def visible_pool_rows_ref(
     num_entries: int,
     entries_per_block: int,
     comp_base: int,
+    prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pool rows [T, num_entries] of every entry visible to each token (HCA), -1 elsewhere."""
+    """Pool rows [T, num_entries] of every entry visible to each token (HCA), -1 elsewhere; after
+    the `prefix` rows [T, P] if given."""
     ids = visible_entry_ids(positions, rate, num_entries)
-    return entry_pool_rows_ref(ids, token_seq, block_table, entries_per_block, comp_base)
+    return entry_pool_rows_ref(ids, token_seq, block_table, entries_per_block, comp_base, prefix)
 
 
 def emit_pool_rows_ref(
@@ -197,25 +202,32 @@ def _ring_write_rows_kernel(
 
 @triton.jit
 def _entry_rows_kernel(
-    ids_ptr, pos_ptr, seq_ptr, bt_ptr, out_ptr,
-    num_tokens, num_cols, stride_ids, stride_bt, max_blocks, epb, comp_base, rate, stride_out,
+    ids_ptr, pos_ptr, seq_ptr, bt_ptr, out_ptr, pre_ptr,
+    num_tokens, num_cols, stride_ids, stride_bt, max_blocks, epb, comp_base, rate, stride_out, pre_cols, stride_pre,
     VISIBLE: tl.constexpr,  # ids are the visible entries of each token's position (HCA)
+    HAS_PREFIX: tl.constexpr,  # out = prefix rows [T, pre_cols], then the entries' rows
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output column
+    e = n - pre_cols  # entry column (< 0: a prefix column)
     tmask = t < num_tokens
-    mask = tmask[:, None] & (n < num_cols)[None, :]
+    mask = tmask[:, None] & (e < num_cols)[None, :]
+    emask = mask & (e >= 0)[None, :]
     seq = tl.load(seq_ptr + t, mask=tmask, other=0).to(tl.int64)
     if VISIBLE:
         pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)
         p1 = pos + 1
         closed = (p1 - _floor_mod(p1, rate)) // rate  # floor((t + 1) / rate), exact division
-        ids = tl.where(n[None, :] < closed[:, None], n[None, :].to(tl.int64), -1)
+        ids = tl.where((e[None, :] >= 0) & (e[None, :] < closed[:, None]), e[None, :].to(tl.int64), -1)
     else:
-        ids = tl.load(ids_ptr + t[:, None].to(tl.int64) * stride_ids + n[None, :], mask=mask, other=-1).to(tl.int64)
+        ids = tl.load(ids_ptr + t[:, None].to(tl.int64) * stride_ids + e[None, :], mask=emask, other=-1).to(tl.int64)
     # Masked-off lanes have ids -1 and seq 0: their (clamped) block-table read stays in bounds.
     rows = _entry_row(ids, seq[:, None], bt_ptr, stride_bt, max_blocks, epb, comp_base)
+    if HAS_PREFIX:
+        pmask = mask & (e < 0)[None, :]
+        pre = tl.load(pre_ptr + t[:, None].to(tl.int64) * stride_pre + n[None, :], mask=pmask, other=-1)
+        rows = tl.where((e < 0)[None, :], pre.to(tl.int64), rows)
     tl.store(out_ptr + t[:, None].to(tl.int64) * stride_out + n[None, :], rows, mask=mask)
 
 
@@ -306,34 +318,38 @@ def ring_write_rows_triton(positions, token_seq, seq_start, seq_num_tokens, seq_
 
 
 def _entry_rows_launch(ids, positions, token_seq, block_table, num_cols: int, entries_per_block: int,
-                       comp_base: int, rate: int, visible: bool) -> torch.Tensor:
+                       comp_base: int, rate: int, visible: bool, prefix: torch.Tensor | None) -> torch.Tensor:
     num_tokens = token_seq.shape[0]
-    out = torch.empty((num_tokens, num_cols), dtype=torch.int64, device=token_seq.device)
+    pre_cols = prefix.shape[1] if prefix is not None else 0
+    out = torch.empty((num_tokens, pre_cols + num_cols), dtype=torch.int64, device=token_seq.device)
     if out.numel() == 0:
         return out
     if block_table.shape[1] == 0:  # the reference's gather cannot run either; nothing is paged
         raise ValueError("block_table has no columns")
     block_table = _c(block_table)
-    block_t, block_n, grid = _tiles(num_tokens, num_cols)
+    prefix = _c(prefix) if prefix is not None else out
+    block_t, block_n, grid = _tiles(num_tokens, pre_cols + num_cols)
     _entry_rows_kernel[grid](
-        ids, positions, _c(token_seq), block_table, out,
+        ids, positions, _c(token_seq), block_table, out, prefix,
         num_tokens, num_cols, ids.stride(0), block_table.stride(0), block_table.shape[1],
-        int(entries_per_block), int(comp_base), int(rate), out.stride(0),
-        VISIBLE=visible, BLOCK_T=block_t, BLOCK_N=block_n,
+        int(entries_per_block), int(comp_base), int(rate), out.stride(0), pre_cols, prefix.stride(0),
+        VISIBLE=visible, HAS_PREFIX=pre_cols > 0, BLOCK_T=block_t, BLOCK_N=block_n,
     )
     return out
 
 
-def entry_pool_rows_triton(entry_ids, token_seq, block_table, entries_per_block: int, comp_base: int) -> torch.Tensor:
+def entry_pool_rows_triton(entry_ids, token_seq, block_table, entries_per_block: int, comp_base: int,
+                           prefix: torch.Tensor | None = None) -> torch.Tensor:
     ids = _c(entry_ids)
-    return _entry_rows_launch(ids, ids, token_seq, block_table, ids.shape[1], entries_per_block, comp_base, 1, False)
+    return _entry_rows_launch(ids, ids, token_seq, block_table, ids.shape[1], entries_per_block, comp_base, 1, False,
+                              prefix)
 
 
 def visible_pool_rows_triton(positions, token_seq, block_table, rate: int, num_entries: int,
-                             entries_per_block: int, comp_base: int) -> torch.Tensor:
+                             entries_per_block: int, comp_base: int, prefix: torch.Tensor | None = None) -> torch.Tensor:
     pos = _c(positions)
     return _entry_rows_launch(pos.unsqueeze(1), pos, token_seq, block_table, num_entries, entries_per_block,
-                              comp_base, rate, True)
+                              comp_base, rate, True, prefix)
 
 
 def emit_pool_rows_triton(positions, token_seq, block_table, rate: int, entries_per_block: int,
@@ -402,10 +418,12 @@ def entry_pool_rows(
     block_table: torch.Tensor,
     entries_per_block: int,
     comp_base: int,
+    prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pool rows of compressed entries `entry_ids [T, K]` (-1 stays -1)."""
+    """Pool rows of compressed entries `entry_ids [T, K]` (-1 stays -1), after the `prefix` rows
+    [T, P] if given, in one launch (no cat after it)."""
     fn = entry_pool_rows_triton if use_triton("rows", entry_ids) else entry_pool_rows_ref
-    return fn(entry_ids, token_seq, block_table, entries_per_block, comp_base)
+    return fn(entry_ids, token_seq, block_table, entries_per_block, comp_base, prefix)
 
 
 def visible_pool_rows(
@@ -416,10 +434,11 @@ def visible_pool_rows(
     num_entries: int,
     entries_per_block: int,
     comp_base: int,
+    prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """entry_pool_rows(visible_entry_ids(positions, rate, num_entries), ...) in one launch."""
+    """entry_pool_rows(visible_entry_ids(positions, rate, num_entries), ..., prefix) in one launch."""
     fn = visible_pool_rows_triton if use_triton("rows", positions) else visible_pool_rows_ref
-    return fn(positions, token_seq, block_table, rate, num_entries, entries_per_block, comp_base)
+    return fn(positions, token_seq, block_table, rate, num_entries, entries_per_block, comp_base, prefix)
 
 
 def emit_pool_rows(

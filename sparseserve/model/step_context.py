@@ -42,7 +42,9 @@ class RateAddresses:
     emit_index_rows: torch.Tensor  # [M] indexer-pool rows (CSA only; -1 if none)
     emit_cos: torch.Tensor
     emit_sin: torch.Tensor
-    visible_rows: torch.Tensor | None  # [T, E] KV-pool rows of visible entries (HCA)
+    # [T, W + E] the rows an HCA layer attends to: the window rows, then the visible entries' rows
+    # (made here once per rate and step: no cat on each layer's critical path)
+    visible_rows: torch.Tensor | None
     num_entries: int
     visible_counts: torch.Tensor | None = None  # [T] int32 entries each token may select (CSA top-k)
 
@@ -156,7 +158,8 @@ def build_step_context(
             cos, sin = emit_table[0], emit_table[1]
             visible = counts = None
             if rate in hca_rates:
-                visible = R.visible_pool_rows(pos, seq, batch.block_table, rate, num_entries, epb, comp_base)
+                visible = R.visible_pool_rows(pos, seq, batch.block_table, rate, num_entries, epb, comp_base,
+                                              prefix=window_rows)
             if rate in csa_rates:  # causal: entries whose window closed at or before the token
                 counts = R.visible_counts(pos, rate, num_entries)
             # Tokens that close no window get out row -1: the compressor reads and writes nothing

@@ -165,7 +165,7 @@ class Attention(nn.Module):
         cos, sin = ctx.rope[self.rope_name]
         q = norm_rope(q_proj[0].view(num_tokens, self.num_heads, self.head_dim), None, self.eps, cos, sin)
         kv = fresh_kv.result()
-        rows = ctx.window_rows if staged is None else torch.cat([ctx.window_rows, entry_rows.result()], dim=1)
+        rows = ctx.window_rows if staged is None else entry_rows.result()  # window rows, then entries
         # The output's rope channels are rotated back inside the attention launches.
         out = sparse_mqa_attention(q, state.kv_pool, rows, self.sinks.float(), self.scale, inverse_rope=(cos, sin))
         # Commit after every read of the rings, queued after attention: beside it, even tiny
@@ -219,8 +219,8 @@ class Attention(nn.Module):
 
     def _entry_rows(self, x_proj: list[torch.Tensor], q_proj: list[torch.Tensor], ctx: StepContext,
                     state: LayerState) -> torch.Tensor:
-        """KV-pool rows of the compressed entries each token attends to: the indexer's top-k (CSA)
-        or every visible entry (HCA). q_proj: [indexer q] (CSA)."""
+        """KV-pool rows each token attends to: its window rows, then those of the compressed entries,
+        the indexer's top-k (CSA) or every visible entry (HCA). q_proj: [indexer q] (CSA)."""
         rate_addr = ctx.rates[self.rate]
         if not self.is_csa:
             return rate_addr.visible_rows
@@ -236,7 +236,7 @@ class Attention(nn.Module):
                                 idx.softmax_scale, rate_addr.num_entries, weights_scale=idx.weights_scale)
         chosen = ctx.topk(scores, rate_addr.visible_counts, idx.topk, batch.max_seq_len)
         return entry_pool_rows(chosen, batch.token_seq, batch.block_table,
-                               ctx.layout.entries_per_block(self.rate), ctx.layout.comp_base())
+                               ctx.layout.entries_per_block(self.rate), ctx.layout.comp_base(), prefix=ctx.window_rows)
 
     def _commit(self, staged: tuple[torch.Tensor | None, torch.Tensor | None], kv: torch.Tensor, ctx: StepContext,
                 state: LayerState) -> None:

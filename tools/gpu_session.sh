@@ -189,10 +189,14 @@ case "${1:-tests}" in
     } 2>&1 | filter > "$OUT/tests.log"; tail -4 "$OUT/tests.log" ;;
   next12)
     # Session 12's first call (branch next12, ab_main/ holding main, carried): decode steps of ab_main/ and the
-    # tree (two rounds each) and of the tree with the metadata forked first (once), a replay profile, then every
-    # gpu test and the kernel files' tests on the GPU (~9 minutes).
-    { for variant in ab_main tree no_collapse_first ab_main2 tree2; do
-        env="SPARSESERVE_UNUSED=1"; [ $variant = no_collapse_first ] && env="SPARSESERVE_DISABLE_KERNELS=collapse_first"
+    # tree (two rounds each) and of the tree with the metadata forked first and with the cuBLAS router (once
+    # each), a replay profile, then every gpu test and the kernel files' tests on the GPU (~9.5 minutes).
+    { for variant in ab_main tree no_collapse_first no_router ab_main2 tree2; do
+        case $variant in
+          no_collapse_first) env="SPARSESERVE_DISABLE_KERNELS=collapse_first" ;;
+          no_router) env="SPARSESERVE_DISABLE_KERNELS=router" ;;
+          *) env="SPARSESERVE_UNUSED=1" ;;
+        esac
         dir=.; [ "${variant#ab_main}" = "$variant" ] || dir=ab_main
         (cd $dir && env PYTHONPATH=. $env timeout -k 5 90 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
           --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_$variant.json")
@@ -200,7 +204,7 @@ case "${1:-tests}" in
       merge_runs next12_runs.json
       timeout -k 5 40 python tools/profile_steps.py --only decode --graphs-only --out-dir "$OUT"
     } 2>&1 | filter > "$OUT/next12_bench.log"; grep -a "graph  0" "$OUT/next12_bench.log"
-    { timeout -k 5 ${T_SUITE:-300} python -m pytest -q -m gpu tests/
+    { timeout -k 5 ${T_SUITE:-290} python -m pytest -q -m gpu tests/
       timeout -k 5 40 python -m pytest -q tests/test_mhc_kernel.py tests/test_norm_rope_kernels.py \
         tests/test_argmax_kernel.py
     } 2>&1 | filter > "$OUT/tests.log"; tail -4 "$OUT/tests.log" ;;

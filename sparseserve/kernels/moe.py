@@ -679,13 +679,22 @@ if HAS_TRITON:
         logits_ptr, bias_ptr, hash_ptr, weights_ptr, ids_ptr,
         num_experts, stride_l, scale,
         TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SCORING: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_HASH: tl.constexpr, ROUND: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_HASH: tl.constexpr, ROUND: tl.constexpr, NUM_PARTS: tl.constexpr = 0,
     ):
         # One program per token: score, (bias), top-k by repeated max, gather, normalise.
+        # NUM_PARTS > 0: logits_ptr holds fp32 partial logits [NUM_PARTS, T, E] (kernels/router.py),
+        # summed here in part order and rounded to the logits dtype, as the GEMM's output is.
         row = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, E_PAD)
         valid = e < num_experts
-        x = tl.load(logits_ptr + row * stride_l + e, mask=valid, other=0.0).to(tl.float32)
+        if NUM_PARTS > 0:
+            num_tokens = tl.num_programs(0)
+            x = tl.zeros([E_PAD], dtype=tl.float32)
+            for part in tl.static_range(NUM_PARTS):
+                x += tl.load(logits_ptr + (part * num_tokens + row) * num_experts + e, mask=valid, other=0.0)
+            x = _round_like(x, ROUND)
+        else:
+            x = tl.load(logits_ptr + row * stride_l + e, mask=valid, other=0.0).to(tl.float32)
         if SCORING == 0:
             ex = tl.exp(tl.minimum(x, 20.0))
             u = 1.0 + ex

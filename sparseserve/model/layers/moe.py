@@ -4,10 +4,10 @@ Names follow `transformers`' DeepseekV4SparseMoeBlock."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.moe import fused_moe, select_experts, swiglu_fused
+from ...kernels.moe import fused_moe, swiglu_fused
+from ...kernels.router import router_select
 from ..side_stream import SideStream
 from .fused_linear import PackedWeight, shared_input_linear
 
@@ -73,12 +73,13 @@ class SparseMoE(nn.Module):
         """x [T, D] -> [T, D]. The shared expert runs on `side` (the step's side stream, if any),
         beside the router and the routed experts; the combine waits for it."""
         shared = (side or SideStream()).run(self.shared_experts, x)
-        logits = F.linear(x, self.gate.weight)
+        # The router's logits and selection (small steps: two small launches beside the shared
+        # expert's GEMMs instead of a cuBLAS GEMM that waits for SMs; kernels/router.py).
         if self.is_hash:
-            weights, ids = select_experts(logits, self.top_k, self.scoring_func, self.routed_scaling_factor,
-                                          hash_ids=self.gate.tid2eid[input_ids])
+            weights, ids = router_select(x, self.gate.weight, self.top_k, self.scoring_func,
+                                         self.routed_scaling_factor, hash_ids=self.gate.tid2eid[input_ids])
         else:
-            weights, ids = select_experts(logits, self.top_k, self.scoring_func, self.routed_scaling_factor,
-                                          correction_bias=self.gate.e_score_correction_bias)
+            weights, ids = router_select(x, self.gate.weight, self.top_k, self.scoring_func,
+                                         self.routed_scaling_factor, correction_bias=self.gate.e_score_correction_bias)
         return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.limit,
                          shared=shared.result)

@@ -70,6 +70,21 @@ def test_router_random_inputs_close_to_linear_cpu():
     torch.testing.assert_close(weights.sum(1), w_ref.sum(1), rtol=1e-5, atol=1e-5)
 
 
+@cpu_interp
+def test_router_reads_the_hash_table_at_the_token_ids_cpu():
+    """Hash layers: the whole tid2eid table and the token ids give what the gathered rows give."""
+    gen = torch.Generator().manual_seed(12)
+    x, w = _exact_inputs(5, 16, 256, gen)
+    table = torch.randint(0, 16, (50, 6), generator=gen)
+    token_ids = torch.tensor([3, 49, 0, 3, 17])
+    got = router_select_triton(x, w, 6, "sqrtsoftplus", 1.5, None, table, token_ids)
+    want = router_select_triton(x, w, 6, "sqrtsoftplus", 1.5, None, table[token_ids])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[1], table[token_ids])
+    ref = router_select(x.float(), w.float(), 6, "sqrtsoftplus", 1.5, None, table, token_ids)  # CPU: reference
+    assert torch.equal(ref[1], table[token_ids])
+
+
 def test_router_plan_reads_about_16_kb_per_program():
     for experts, dim in ((16, 4096), (256, 4096), (384, 7168), (8, 64)):
         block_e, block_k, parts = router_plan(experts, dim)

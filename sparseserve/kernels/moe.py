@@ -676,15 +676,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _select_experts_kernel(
-        logits_ptr, bias_ptr, hash_ptr, weights_ptr, ids_ptr,
+        logits_ptr, bias_ptr, hash_ptr, token_ptr, weights_ptr, ids_ptr,
         num_experts, stride_l, scale,
         TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SCORING: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_HASH: tl.constexpr, ROUND: tl.constexpr, NUM_PARTS: tl.constexpr = 0,
+        HASH_BY_TOKEN: tl.constexpr = False,
     ):
         # One program per token: score, (bias), top-k by repeated max, gather, normalise.
         # NUM_PARTS > 0: logits_ptr holds fp32 partial logits [NUM_PARTS, T, E] (kernels/router.py),
         # summed here in part order and rounded to the logits dtype, as the GEMM's output is.
+        # HASH_BY_TOKEN: hash_ptr is the whole table tid2eid [V, k], read at the token's id (token_ptr)
+        # here instead of by a gather kernel before this one.
         row = tl.program_id(0).to(tl.int64)
+        hash_row = row
+        if HASH_BY_TOKEN:
+            hash_row = tl.load(token_ptr + row).to(tl.int64)
         e = tl.arange(0, E_PAD)
         valid = e < num_experts
         if NUM_PARTS > 0:
@@ -720,7 +726,7 @@ if HAS_TRITON:
         id_vec = tl.zeros([K_PAD], dtype=tl.int32)
         for j in tl.static_range(TOP_K):
             if HAS_HASH:
-                idx = tl.load(hash_ptr + row * TOP_K + j).to(tl.int32)
+                idx = tl.load(hash_ptr + hash_row * TOP_K + j).to(tl.int32)
             else:
                 best = tl.max(sel, 0)
                 idx = tl.min(tl.where(sel == best, e, E_PAD), 0)  # tie rule: the lower expert id
@@ -757,7 +763,7 @@ def select_experts_triton(
         return weights, ids
     e_pad = max(16, triton.next_power_of_2(num_experts))
     _select_experts_kernel[(num_tokens,)](
-        router_logits, bias, hash_ids if hash_ids is not None else ids, weights, ids,
+        router_logits, bias, hash_ids if hash_ids is not None else ids, ids, weights, ids,
         num_experts, router_logits.stride(0), float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=e_pad,
         SCORING=_SCORING_IDS[scoring_func], HAS_BIAS=correction_bias is not None and hash_ids is None,

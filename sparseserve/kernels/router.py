@@ -61,10 +61,13 @@ def router_plan(num_experts: int, dim: int) -> tuple[int, int, int]:
 
 def router_select_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, scoring_func: str,
                          routed_scaling_factor: float, correction_bias: torch.Tensor | None = None,
-                         hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`select_experts(F.linear(x, weight), ...)` in two launches; x [T <= 16, D], weight [E, D]."""
+                         hash_ids: torch.Tensor | None = None, token_ids: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts(F.linear(x, weight), ...)` in two launches; x [T <= 16, D], weight [E, D].
+    With token_ids [T], hash_ids is the whole table tid2eid [V, k], read inside the selection."""
     num_tokens, dim = x.shape
     num_experts = weight.shape[0]
+    by_token = hash_ids is not None and token_ids is not None
     weights = torch.empty(num_tokens, top_k if hash_ids is None else hash_ids.shape[1], dtype=torch.float32,
                           device=x.device)
     ids = torch.empty(weights.shape, dtype=torch.int64, device=x.device)
@@ -82,32 +85,41 @@ def router_select_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, scor
         top_k = hash_ids.shape[1]
     bias = correction_bias.contiguous() if correction_bias is not None else weights
     _select_experts_kernel[(num_tokens,)](
-        partials, bias, hash_ids if hash_ids is not None else ids, weights, ids,
+        partials, bias, hash_ids if hash_ids is not None else ids, token_ids.contiguous() if by_token else ids,
+        weights, ids,
         num_experts, 0, float(routed_scaling_factor),
         TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=max(16, triton.next_power_of_2(num_experts)),
         SCORING=_SCORING_IDS[scoring_func], HAS_BIAS=correction_bias is not None and hash_ids is None,
         HAS_HASH=hash_ids is not None, ROUND={torch.bfloat16: 1, torch.float16: 2}[x.dtype], NUM_PARTS=parts,
-        num_warps=4,
+        HASH_BY_TOKEN=by_token, num_warps=4,
     )
     return weights, ids
 
 
 def router_select_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, scoring_func: str,
                       routed_scaling_factor: float, correction_bias: torch.Tensor | None = None,
-                      hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      hash_ids: torch.Tensor | None = None, token_ids: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    if hash_ids is not None and token_ids is not None:
+        hash_ids = hash_ids[token_ids]
     return select_experts_ref(F.linear(x, weight), top_k, scoring_func, routed_scaling_factor, correction_bias,
                               hash_ids)
 
 
 def router_select(x: torch.Tensor, weight: torch.Tensor, top_k: int, scoring_func: str,
                   routed_scaling_factor: float, correction_bias: torch.Tensor | None = None,
-                  hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's logits and the selection: (weights fp32 [T, k], ids int64 [T, k]). The two
+                  hash_ids: torch.Tensor | None = None, token_ids: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's logits and the selection: (weights fp32 [T, k], ids int64 [T, k]). hash_ids:
+    the experts per token [T, k], or with token_ids [T] the whole table tid2eid [V, k]. The two
     launches above for small bf16/fp16 steps on CUDA (a static fact of the step's shape), else the
     GEMM and `select_experts` (which has its own Triton kernel on CUDA)."""
     if (use_triton("router", x) and x.shape[0] <= ROUTER_MAX_TOKENS and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and scoring_func in _SCORING_IDS
             and (hash_ids is not None or top_k <= weight.shape[0])):
-        return router_select_triton(x, weight, top_k, scoring_func, routed_scaling_factor, correction_bias, hash_ids)
+        return router_select_triton(x, weight, top_k, scoring_func, routed_scaling_factor, correction_bias, hash_ids,
+                                    token_ids)
+    if hash_ids is not None and token_ids is not None:
+        hash_ids = hash_ids[token_ids]
     return select_experts(F.linear(x, weight), top_k, scoring_func, routed_scaling_factor, correction_bias,
                           hash_ids)

@@ -77,7 +77,7 @@ class SparseMoE(nn.Module):
         # expert's GEMMs instead of a cuBLAS GEMM that waits for SMs; kernels/router.py).
         if self.is_hash:
             weights, ids = router_select(x, self.gate.weight, self.top_k, self.scoring_func,
-                                         self.routed_scaling_factor, hash_ids=self.gate.tid2eid[input_ids])
+                                         self.routed_scaling_factor, hash_ids=self.gate.tid2eid, token_ids=input_ids)
         else:
             weights, ids = router_select(x, self.gate.weight, self.top_k, self.scoring_func,
                                          self.routed_scaling_factor, correction_bias=self.gate.e_score_correction_bias)

@@ -70,23 +70,3 @@ def test_chunked_prefill_and_decode_match_oracle_full_forward(name):
     for i, ref in enumerate(refs):
         err = (torch.cat(got[i]) - ref).abs().max().item()
         assert err < ATOL, (name, i, err)
-
-
-def test_collapse_first_schedule_gives_the_same_logits():
-    """The first layer's collapse queued before or after the step's metadata: the same kernels on the
-    same inputs, so the same logits (prefill, then decode steps over compress boundaries)."""
-    cfg = tiny_config(**CONFIGS["all-kinds-deeper"])
-    _, ours = make_pair(cfg, seed=8)
-    gen = torch.Generator().manual_seed(9)
-    ids = torch.randint(0, cfg.vocab_size, (40,), generator=gen).tolist()
-
-    def run(collapse_first: bool) -> list[torch.Tensor]:
-        ours.collapse_first = collapse_first
-        driver = Driver(ours)
-        out = [driver.step([(0, 0, ids[:30])])[0]]
-        for pos in range(30, 40):
-            out.append(driver.step([(0, pos, [ids[pos]])])[0])
-        return out
-
-    for a, b in zip(run(True), run(False)):
-        assert torch.equal(a, b)

@@ -2,8 +2,7 @@
 SPARSESERVE_DISABLE_KERNELS=name[,name...] (or `all`) sends the named ones to their
 plain-PyTorch references on CUDA too: attention, indexer, compressor, rows, mhc, mhc_fused, rmsnorm,
 rope, argmax, embed, norm_rope, router; `overlap` runs the whole step on one stream (see model/side_stream.py), and
-`lm_head_fp32` rounds the logits to the model dtype before converting them (as the oracle does), and
-`collapse_first` forks the step's metadata before the first layer's collapse (model/deepseek_v4.py)."""
+`lm_head_fp32` rounds the logits to the model dtype before converting them (as the oracle does)."""
 from __future__ import annotations
 
 import os
@@ -15,12 +14,6 @@ _DISABLED = {n.strip() for n in os.environ.get("SPARSESERVE_DISABLE_KERNELS", ""
 
 def use_triton(name: str, tensor: torch.Tensor) -> bool:
     return enabled_on(name, tensor.device)
-
-
-def schedule_enabled(name: str) -> bool:
-    """A schedule choice that holds on every device (so the CPU tests run it too), unless named in
-    SPARSESERVE_DISABLE_KERNELS (`all` disables kernels only)."""
-    return name not in _DISABLED
 
 
 def enabled_on(name: str, device: torch.device) -> bool:

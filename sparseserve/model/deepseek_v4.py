@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..kernels.dispatch import schedule_enabled, use_triton
+from ..kernels.dispatch import use_triton
 from ..kernels.embed import embed_streams
 from .batch import BatchMetadata
 from .layers.attention import Attention
@@ -46,16 +46,12 @@ class DecoderLayer(nn.Module):
         return HyperConnection.expand(streams, *pending)
 
     def forward_deferred(self, streams: torch.Tensor, ctx: StepContext, state,
-                         pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                         collapsed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                         pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The layer with the last expand left to the caller: returns (streams, (mlp_out, post, comb)).
         `pending` is the previous layer's: its expand and this layer's collapse then run as one
-        expand+collapse step, as between the two sub-blocks (two launches for small steps, not three).
-        `collapsed`: this layer's first collapse, already queued by the caller (post, comb, x)."""
-        if collapsed is not None:
-            post, comb, x = collapsed
-        elif pending is None:
+        expand+collapse step, as between the two sub-blocks (two launches for small steps, not three)."""
+        if pending is None:
             post, comb, x = self.attn_hc.collapse_norm(streams, self.input_layernorm)
         else:
             streams, post, comb, x = self.attn_hc.expand_collapse_norm(streams, *pending, self.input_layernorm)
@@ -88,9 +84,6 @@ class DeepseekV4ForCausalLM(nn.Module):
             self.register_buffer(name, value, persistent=False)
         self._rope_tables = RopeTablePlan.for_model(model_config)  # static; its tensors are the buffers
         self.side_streams = SideStreams()
-        # Queue the first layer's collapse before the step's metadata (see forward); a static schedule
-        # choice, SPARSESERVE_DISABLE_KERNELS=collapse_first forks the metadata first.
-        self.collapse_first = schedule_enabled("collapse_first")
 
     @staticmethod
     def rope_buffers(model_config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -116,16 +109,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         entries (default: the stateless dispatch); the runner passes its graph-safe one."""
         side = self.side_streams.for_step(batch.input_ids.device, batch.num_tokens)
         streams = embed_streams(batch.input_ids, self.model.embed_tokens.weight, self.hc_mult)
-        first = self.model.layers[0] if len(self.model.layers) else None
-        collapsed = None
-        if first is not None and self.collapse_first:
-            # The first layer's collapse is queued before the metadata fork: in batch-1 replays the
-            # collapse started ~9 us after the embedding, behind the metadata kernels, although it
-            # does not depend on them (H200 profiles, session 11). The metadata then runs beside
-            # the first projections instead; attention is the first reader.
-            collapsed = first.attn_hc.collapse_norm(streams, first.input_layernorm)
-        # The step's metadata is built on the side stream, beside the first layer's projections;
-        # attention waits for it (ctx.wait_built).
+        # The step's metadata is built on the side stream, beside the first layer's collapse and
+        # projections; attention waits for it (ctx.wait_built). Queueing that collapse before the
+        # fork was slower at every batch on the H200 (session 12), so the fork comes first.
         built = side.run(self.prepare, batch, state, topk)
         ctx = built.value
         # Only the wait is kept: the work's value is ctx itself, and a cycle would hold the step's
@@ -133,8 +119,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         ctx.side, ctx.built = side, SideWork(None, built.event)
         pending = None  # each layer's last expand runs inside the next layer's first collapse
         for layer, layer_state in zip(self.model.layers, state.layers):
-            streams, pending = layer.forward_deferred(streams, ctx, layer_state, pending, collapsed)
-            collapsed = None
+            streams, pending = layer.forward_deferred(streams, ctx, layer_state, pending)
         if pending is not None:
             streams = HyperConnection.expand(streams, *pending)
         side.join()

@@ -755,22 +755,45 @@ def select_experts_triton(
         router_logits = router_logits.contiguous()
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if num_tokens:
+        launch_select_experts(router_logits, router_logits.stride(0), router_logits.dtype, num_experts, weights, ids,
+                              top_k, scoring_func, routed_scaling_factor, correction_bias, hash_ids)
+    return weights, ids
+
+
+def launch_select_experts(
+    logits: torch.Tensor,
+    stride_l: int,
+    logits_dtype: torch.dtype,
+    num_experts: int,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    routed_scaling_factor: float,
+    correction_bias: torch.Tensor | None,
+    hash_ids: torch.Tensor | None,
+    token_ids: torch.Tensor | None = None,
+    num_parts: int = 0,
+) -> None:
+    """The selection kernel, one program per row of `weights`/`ids` [T, k] (written). logits: [T, E]
+    rows `stride_l` apart, or with num_parts > 0 fp32 partial logits [num_parts, T, E] (kernels/router.py)
+    summed and rounded to `logits_dtype`. hash_ids: the experts per token [T, k], or with token_ids [T]
+    the whole table [V, k], read at each token's id."""
     if hash_ids is not None:
         hash_ids = hash_ids.contiguous()
         top_k = hash_ids.shape[1]
+    by_token = hash_ids is not None and token_ids is not None
     bias = correction_bias.contiguous() if correction_bias is not None else weights
-    if num_tokens == 0:
-        return weights, ids
-    e_pad = max(16, triton.next_power_of_2(num_experts))
-    _select_experts_kernel[(num_tokens,)](
-        router_logits, bias, hash_ids if hash_ids is not None else ids, ids, weights, ids,
-        num_experts, router_logits.stride(0), float(routed_scaling_factor),
-        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=e_pad,
+    _select_experts_kernel[(weights.shape[0],)](
+        logits, bias, hash_ids if hash_ids is not None else ids, token_ids.contiguous() if by_token else ids,
+        weights, ids,
+        num_experts, stride_l, float(routed_scaling_factor),
+        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=max(16, triton.next_power_of_2(num_experts)),
         SCORING=_SCORING_IDS[scoring_func], HAS_BIAS=correction_bias is not None and hash_ids is None,
-        HAS_HASH=hash_ids is not None,
-        ROUND={torch.bfloat16: 1, torch.float16: 2}.get(router_logits.dtype, 0), num_warps=4,
+        HAS_HASH=hash_ids is not None, ROUND={torch.bfloat16: 1, torch.float16: 2}.get(logits_dtype, 0),
+        NUM_PARTS=num_parts, HASH_BY_TOKEN=by_token, num_warps=4,
     )
-    return weights, ids
 
 
 def select_experts(

@@ -15,8 +15,8 @@ Roofline: E * D * 2 bytes of weights + T * D * 2 of activations + 2 * P * T * E 
 FLOPs 2 * T * D * E (fp32 FMA, a token at a time). Latency-bound at these sizes.
 
 Used for steps of at most `ROUTER_MAX_TOKENS` tokens with bf16/fp16 weights on CUDA (larger steps
-fill the GPU and keep the GEMM); the reference (F.linear, then `select_experts_ref`) elsewhere and
-with SPARSESERVE_DISABLE_KERNELS=router.
+fill the GPU and keep the GEMM); elsewhere, and with SPARSESERVE_DISABLE_KERNELS=router, F.linear then
+`select_experts` (on the CPU its reference, `select_experts_ref`).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
-from .moe import _SCORING_IDS, _select_experts_kernel, select_experts, select_experts_ref
+from .moe import _SCORING_IDS, launch_select_experts, select_experts
 
 ROUTER_MAX_TOKENS = 16
 WEIGHT_BYTES_PER_PROGRAM = 16384
@@ -67,7 +67,6 @@ def router_select_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, scor
     With token_ids [T], hash_ids is the whole table tid2eid [V, k], read inside the selection."""
     num_tokens, dim = x.shape
     num_experts = weight.shape[0]
-    by_token = hash_ids is not None and token_ids is not None
     weights = torch.empty(num_tokens, top_k if hash_ids is None else hash_ids.shape[1], dtype=torch.float32,
                           device=x.device)
     ids = torch.empty(weights.shape, dtype=torch.int64, device=x.device)
@@ -80,30 +79,9 @@ def router_select_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, scor
     _router_partials_kernel[(parts, triton.cdiv(num_experts, block_e))](
         x, weight, partials, num_tokens, num_experts, dim, x.stride(0), weight.stride(0),
         BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
-    if hash_ids is not None:
-        hash_ids = hash_ids.contiguous()
-        top_k = hash_ids.shape[1]
-    bias = correction_bias.contiguous() if correction_bias is not None else weights
-    _select_experts_kernel[(num_tokens,)](
-        partials, bias, hash_ids if hash_ids is not None else ids, token_ids.contiguous() if by_token else ids,
-        weights, ids,
-        num_experts, 0, float(routed_scaling_factor),
-        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=max(16, triton.next_power_of_2(num_experts)),
-        SCORING=_SCORING_IDS[scoring_func], HAS_BIAS=correction_bias is not None and hash_ids is None,
-        HAS_HASH=hash_ids is not None, ROUND={torch.bfloat16: 1, torch.float16: 2}[x.dtype], NUM_PARTS=parts,
-        HASH_BY_TOKEN=by_token, num_warps=4,
-    )
+    launch_select_experts(partials, 0, x.dtype, num_experts, weights, ids, top_k, scoring_func, routed_scaling_factor,
+                          correction_bias, hash_ids, token_ids, num_parts=parts)
     return weights, ids
-
-
-def router_select_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, scoring_func: str,
-                      routed_scaling_factor: float, correction_bias: torch.Tensor | None = None,
-                      hash_ids: torch.Tensor | None = None, token_ids: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    if hash_ids is not None and token_ids is not None:
-        hash_ids = hash_ids[token_ids]
-    return select_experts_ref(F.linear(x, weight), top_k, scoring_func, routed_scaling_factor, correction_bias,
-                              hash_ids)
 
 
 def router_select(x: torch.Tensor, weight: torch.Tensor, top_k: int, scoring_func: str,

@@ -22,12 +22,12 @@
 #   bash tools/gpu_session.sh ab      decode steps of ab_main/ (an earlier commit) and of this tree, alternating
 #   bash tools/gpu_session.sh spec-side  speculative graph tests and verify steps with the side stream on (and off)
 #   bash tools/gpu_session.sh split   session 10's third call: attention row splits at small batches, short/long prompts
-#   bash tools/gpu_session.sh ab-suite decode A/B of a branch against ab_main/ (two rounds each), then every gpu test
-#   bash tools/gpu_session.sh final12  session 12's last call: decode A/B against ab_main/, the gpu tests
+#   bash tools/gpu_session.sh ab-suite decode A/B of a branch against ab_main/ (AB_VARIANTS), then the gpu tests
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
-# (next11 on indexer-side, next12 on next12, topk-split on topk-split-finish); session 10's `next` and `route` are in the history (`git show 49f7a6d:tools/gpu_session.sh`).
+# (next11 on indexer-side, next12 on next12, topk-split and topk-scale on topk-split-finish); session 10's `next`
+# and `route` and session 12's `final12` are in the history (`git show 49f7a6d:tools/gpu_session.sh`, `71faa93`).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -37,6 +37,17 @@ merge_runs() {
   python -c "import glob, json, os, sys; fs = sorted(glob.glob(sys.argv[1] + '/decode_graphs_*.json'));
 json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in fs}, open(sys.argv[1] + '/' + sys.argv[2], 'w'),
           indent=1); [os.remove(f) for f in fs]" "$OUT" "$1"
+}
+# Decode steps (graphs, async too) of each variant in $1, in order: ab_main* runs ab_main/ (an ignored copy of an
+# earlier commit: `git archive REV sparseserve | tar -x -C ab_main`, carried with run(carry=["ab_main"])), any
+# other name this tree; NAME:VAR=VALUE also sets VAR for that run (e.g. no_fan:SPARSESERVE_DISABLE_KERNELS=x).
+ab_steps() {
+  for spec in $1; do
+    variant=${spec%%:*}; env=SPARSESERVE_UNUSED=1; [ "$spec" = "$variant" ] || env=${spec#*:}
+    dir=.; [ "${variant#ab_main}" = "$variant" ] || dir=ab_main
+    (cd $dir && env PYTHONPATH=. "$env" timeout -k 5 90 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
+      --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_$variant.json")
+  done
 }
 case "${1:-tests}" in
   tests)
@@ -137,15 +148,9 @@ case "${1:-tests}" in
       timeout -k 5 60 python -m sparseserve.benchmarks.mhc_bench --tokens "" --between 1,2,4 --out "$OUT/mhc_between.json"
     } 2>&1 | filter > "$OUT/carveout.log"; grep -a "graph  0\|between" "$OUT/carveout.log" ;;
   ab)
-    # Decode steps of the code in ab_main/ (an ignored copy of an earlier commit: `git archive REV sparseserve |
-    # tar -x -C ab_main`, carried with run(carry=["ab_main"])) and of this tree, alternating, two rounds each.
-    { for round in 1 2; do
-        (cd ab_main && PYTHONPATH=. timeout -k 5 80 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
-          --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_ab_main_$round.json")
-        timeout -k 5 80 python -m sparseserve.benchmarks.decode_graphs --steps 12 --batches 1,8,64 --no-eager \
-          --async-steps --out "$OUT/decode_graphs_ab_tree_$round.json"
-      done
-    } 2>&1 | filter > "$OUT/ab.log"; grep -a "graph  0" "$OUT/ab.log" ;;
+    # Decode steps of ab_main/ and of this tree, alternating, two rounds each (see ab_steps).
+    { ab_steps "ab_main tree ab_main2 tree2"; merge_runs ab_runs.json; } 2>&1 | filter > "$OUT/ab.log"
+    grep -a "graph  0" "$OUT/ab.log" ;;
   spec-side)
     # Speculative configurations with the side stream inside their graphs (off by default since session 8;
     # the failures that turned it off were the cuBLAS workspace, fixed in session 9): their gpu tests, then
@@ -174,33 +179,17 @@ case "${1:-tests}" in
       merge_runs split_runs.json
     } 2>&1 | filter > "$OUT/split.log"; grep -a "passed\|failed\|Error\|graph  0" "$OUT/split.log" ;;
   ab-suite)
-    # A branch in the tree, ab_main/ holding main (carried): decode steps of ab_main/ and the tree (two rounds
-    # each), then every gpu test and the kernel files' tests on the GPU (~8 minutes; session 11 as `fin11`).
-    { for variant in ab_main tree ab_main2 tree2; do
-        dir=.; [ "${variant#ab_main}" = "$variant" ] || dir=ab_main
-        (cd $dir && env PYTHONPATH=. timeout -k 5 90 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
-          --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_$variant.json")
-      done
+    # A branch in the tree against ab_main/: decode steps of AB_VARIANTS (default: ab_main tree ab_main2 tree2;
+    # see ab_steps), with AB_PROFILE=1 a replay profile, then the gpu tests (AB_SUITE_ARGS, e.g.
+    # --ignore=tests/test_topk_gpu.py) and the kernel files' tests on the GPU (~8 minutes; session 11's `fin11`,
+    # session 12's `next12` and `final12` were this with other variants).
+    { ab_steps "${AB_VARIANTS:-ab_main tree ab_main2 tree2}"
       merge_runs ab_suite_runs.json
+      [ "${AB_PROFILE:-0}" = 1 ] && timeout -k 5 40 python tools/profile_steps.py --only decode --graphs-only \
+        --out-dir "$OUT"
     } 2>&1 | filter > "$OUT/ab_suite_bench.log"; grep -a "graph  0" "$OUT/ab_suite_bench.log"
-    { timeout -k 5 ${T_SUITE:-350} python -m pytest -q -m gpu tests/
+    { timeout -k 5 ${T_SUITE:-350} python -m pytest -q -m gpu tests/ ${AB_SUITE_ARGS:-}
       timeout -k 5 45 python -m pytest -q tests/test_mhc_kernel.py tests/test_norm_rope_kernels.py \
-        tests/test_argmax_kernel.py
-    } 2>&1 | filter > "$OUT/tests.log"; tail -4 "$OUT/tests.log" ;;
-  final12)
-    # Session 12's last call (ab_main/ holding the previous main, carried): decode steps of ab_main/ and the
-    # tree (two rounds each, alternating) and of the tree with the cuBLAS router, then every gpu test but the
-    # top-k file's (its code is unchanged; the topk mode runs it) and the kernel files' tests (~7 minutes).
-    { for variant in tree ab_main no_router tree2 ab_main2; do
-        env="SPARSESERVE_UNUSED=1"; [ $variant = no_router ] && env="SPARSESERVE_DISABLE_KERNELS=router"
-        dir=.; [ "${variant#ab_main}" = "$variant" ] || dir=ab_main
-        (cd $dir && env PYTHONPATH=. $env timeout -k 5 80 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
-          --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_$variant.json")
-      done
-      merge_runs final12_runs.json
-    } 2>&1 | filter > "$OUT/final12_bench.log"; grep -a "graph  0" "$OUT/final12_bench.log"
-    { timeout -k 5 ${T_SUITE:-300} python -m pytest -q -m gpu tests/ --ignore=tests/test_topk_gpu.py
-      timeout -k 5 40 python -m pytest -q tests/test_mhc_kernel.py tests/test_norm_rope_kernels.py \
         tests/test_argmax_kernel.py
     } 2>&1 | filter > "$OUT/tests.log"; tail -4 "$OUT/tests.log" ;;
   check)
@@ -212,5 +201,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|final12" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite" >&2; exit 2 ;;
 esac

@@ -389,12 +389,11 @@ def mix_config(num_tokens: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
 
 def _collapse_triton(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
                      iters: int, hc_eps: float, norm_eps: float, head: bool, config: dict | None = None,
-                     norm_weight: torch.Tensor | None = None, block_eps: float = 0.0, norm_warps: int | None = None):
+                     norm_weight: torch.Tensor | None = None, block_eps: float = 0.0):
     """The split-K mixes, then the finalize (with `norm_weight`: followed by the block's RMSNorm)."""
     x = streams.contiguous()
     partials = mix_partials_triton(x, fn, config) if x.shape[0] else None
-    return finalize_triton(x, partials, base, scale, hc, iters, hc_eps, norm_eps, head, norm_weight, block_eps,
-                           norm_warps)
+    return finalize_triton(x, partials, base, scale, hc, iters, hc_eps, norm_eps, head, norm_weight, block_eps)
 
 
 def mix_partials_triton(x: torch.Tensor, fn: torch.Tensor, config: dict | None = None

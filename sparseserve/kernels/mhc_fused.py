@@ -162,10 +162,9 @@ def expand_mix_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torc
     return new, (mix_ws, sq_ws)
 
 
-def hc_collapse_norm_triton(streams, fn, base, scale, hc, iters, hc_eps, norm_eps, norm_weight, block_eps,
-                            norm_warps: int | None = None):
+def hc_collapse_norm_triton(streams, fn, base, scale, hc, iters, hc_eps, norm_eps, norm_weight, block_eps):
     return mhc._collapse_triton(streams, fn, base, scale, hc, iters, hc_eps, norm_eps, False, None, norm_weight,
-                                block_eps, norm_warps)
+                                block_eps)
 
 
 def hc_expand_collapse_norm_triton(streams, block_out, post, comb, fn, base, scale, hc, iters, hc_eps, norm_eps,

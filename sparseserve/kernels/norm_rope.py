@@ -91,4 +91,3 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     if _fusable(x, cos, pool):
         return norm_rope_triton(x, weight, eps, cos, sin, pool, pool_rows)
     return norm_rope_ref(x, weight, eps, cos, sin, pool, pool_rows)
-

@@ -45,7 +45,7 @@ ab_steps() {
   for spec in $1; do
     variant=${spec%%:*}; env=SPARSESERVE_UNUSED=1; [ "$spec" = "$variant" ] || env=${spec#*:}
     dir=.; [ "${variant#ab_main}" = "$variant" ] || dir=ab_main
-    (cd $dir && env PYTHONPATH=. "$env" timeout -k 5 90 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
+    (cd $dir && env PYTHONPATH=. "$env" timeout -k 5 120 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
       --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_$variant.json")
   done
 }
@@ -81,7 +81,7 @@ case "${1:-tests}" in
     { timeout -k 5 200 python -m pytest -q -m gpu ${OVERLAP_TESTS:-tests/test_side_stream.py tests/test_model_gpu.py \
         tests/test_cuda_graphs_gpu.py} -k "not speculative and not speculation and not watchdog and not mtp_1"
       for kernels in overlap ""; do
-        SPARSESERVE_DISABLE_KERNELS=$kernels timeout -k 5 90 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
+        SPARSESERVE_DISABLE_KERNELS=$kernels timeout -k 5 120 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
           --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_disable_${kernels:-none}.json"
       done
       timeout -k 5 60 python tools/profile_steps.py --only decode --graphs-only --out-dir "$OUT"
@@ -131,7 +131,7 @@ case "${1:-tests}" in
         tests/test_cuda_graphs_gpu.py -k "mtp_1 or pool_empty"
       timeout -k 5 120 python -m pytest -q -p no:warnings --tb=short tests/test_mhc_fused.py tests/test_mhc_kernel.py
       for kernels in mhc_fused,lm_head_fp32 ""; do
-        SPARSESERVE_DISABLE_KERNELS=$kernels timeout -k 5 90 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
+        SPARSESERVE_DISABLE_KERNELS=$kernels timeout -k 5 120 python -m sparseserve.benchmarks.decode_graphs --steps 12 \
           --batches 1,8,64 --no-eager --async-steps --out "$OUT/decode_graphs_disable_$(echo ${kernels:-none} | tr , _).json"
       done
       timeout -k 5 50 python tools/profile_steps.py --only decode --graphs-only --out-dir "$OUT"

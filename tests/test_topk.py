@@ -242,6 +242,50 @@ def test_bug_switch_is_detected():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("per_item", [2, 3, 4])
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "relu"])
+def test_items_of_several_chunks_match_one_chunk_items(per_item, kind):
+    """The persistent select with several adjacent chunks per item (3 does not divide the 4
+    chunks of a row: its second item has one chunk) writes exactly what one chunk per item
+    writes, on ragged rows (several chunks, fewer than k, none); the bug switch still poisons."""
+    gen = torch.Generator().manual_seed(per_item * 7 + len(kind))
+    k, width = 48, 3500
+    scores = make_rows(5, width, gen, kind)
+    lengths = torch.tensor([width, 2100, k + 3, k - 5, 0], dtype=torch.int32)
+    one = IndexerTopK(5, width, k, backend="persistent", device="cpu", num_programs=3, _tile=1024)
+    several = IndexerTopK(5, width, k, backend="persistent", device="cpu", num_programs=3, _tile=1024,
+                          _chunks_per_item=per_item, _debug_skip_reset_when_short=True)
+    expected = one(scores, lengths).clone()
+    assert_topk_valid(expected, scores, lengths, k)
+    assert torch.equal(several(scores, lengths, max_seq_len=width).clone(), expected)
+    out = several(scores, lengths, max_seq_len=k).clone()  # frozen short length: stale counters
+    assert (out[:3] == -2).all(), "rows longer than k must be poisoned by stale counters"
+
+
+def test_persistent_plan_makes_one_wave_of_items():
+    """Where 8K chunks make more items than resident programs, items take several chunks so that
+    the grid is one wave (8 x 256K on 132 SMs: 32 chunks a row, 2 per item, 128 items)."""
+    from sparseserve.kernels.topk import _persistent_config
+    assert _persistent_config(8, 262144, 132, 1024) == (8192, 32, 2, 8)
+    assert _persistent_config(1, 262144, 132, 1024)[1:3] == (64, 1)  # 4K chunks
+    assert _persistent_config(8, 65536, 132, 1024)[1:3] == (16, 1)
+    for rows, width in ((8, 262144), (32, 262144), (3, 100000), (64, 65536)):
+        chunk, cpr, per_item, _ = _persistent_config(rows, width, 132, 512)
+        assert rows * -(-cpr // per_item) <= 132 and cpr * chunk >= width
+
+
+@needs_interpreter
+def test_default_plan_with_several_chunks_per_item():
+    """No overrides: on the CPU (4 'SMs') a few long rows plan several chunks per item."""
+    gen = torch.Generator().manual_seed(17)
+    k, width = 64, 40000
+    scores = make_rows(3, width, gen, "random")
+    lengths = torch.tensor([width, 30001, 8193], dtype=torch.int32)
+    op = IndexerTopK(3, width, k, backend="persistent", device="cpu")
+    assert_topk_valid(op(scores, lengths).clone(), scores, lengths, k)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("path", ["standard", "persistent"])
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "fewfinite", "relu", "mixed"])
 def test_multi_block_rows_every_kind(path, kind):

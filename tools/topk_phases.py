@@ -51,7 +51,7 @@ def main() -> None:
     if args.variants:
         runs += [("persistent", {"num_programs": sms}), ("persistent", {"_maxnreg": 128}),
                  ("persistent", {"_maxnreg": 128, "_tile": 4096, "num_programs": 4 * sms}),
-                 ("persistent", {"_tile": 4096, "num_programs": 4 * sms})]
+                 ("persistent", {"_tile": 4096, "num_programs": 4 * sms}), ("persistent", {"_chunks_per_item": 1})]
     if args.step_cost:  # what one search step costs: fewer steps (inexact results), other warp counts
         runs += [("persistent", {"_lb_steps": 4}), ("persistent", {"_exact_steps": 8}),
                  ("persistent", {"_lb_steps": 4, "_exact_steps": 8}), ("persistent", {"_warps": 4}),

@@ -99,6 +99,9 @@ def grid_cell(rows: int, width: int, k: int, gen: torch.Generator, warmup_ms: in
     scores = make_scores(rows, width, "random", gen)
     lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
     ops = {p: IndexerTopK(rows, width, k, backend=p) for p in PATHS}
+    if ops["persistent"].chunks_per_item(rows, width) > 1:
+        # The same run's baseline: the select kernel with one chunk per item (before session 13).
+        ops["persistent_one_chunk_items"] = IndexerTopK(rows, width, k, backend="persistent", _chunks_per_item=1)
     e: dict = {"k": k, "rows": rows, "width": width, "auto_path": auto_path(rows, width)}
     e["correct"] = _check(ops, rows, width, k, gen)
     fns = {"torch_topk": lambda: torch.topk(scores, k, dim=1)}
@@ -131,6 +134,8 @@ def run_grid(rows_list, widths, ks, warmup_ms, rep_ms, log) -> list[dict]:
                     f" | std {e['standard_eager_us']:7.1f}/{e['standard_graph_us']:7.1f}"
                     f" | pers {e['persistent_eager_us']:7.1f}/{e['persistent_graph_us']:7.1f} us (eager/graph)"
                     f" | roof {e['roofline_us']:6.2f} | auto {e['auto_path'][:4]} | ok {all(e['correct'].values())}"
+                    + (f" | pers, one chunk per item {e['persistent_one_chunk_items_graph_us']:7.1f}"
+                       if "persistent_one_chunk_items_graph_us" in e else "")
                 )
     return entries
 

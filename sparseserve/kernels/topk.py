@@ -505,80 +505,92 @@ if _HAVE_TRITON:
             idx = tl.load(ci + p, mask=pm, other=0, cache_modifier=".cg")
             _select_write(key, idx, t, exact_set, K, orow)
 
-    @triton.jit(do_not_specialize=["W", "n_items", "CPR", "ONE"])
+    @triton.jit
+    def _p_select_chunk(scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, cand_v_ptr, cand_i_ptr, out_ptr, stride_o,
+                        W, CPR, row, chunk, offs, p, cidx, ONE, K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr,
+                        C: tl.constexpr, FB: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, EXACT_STEPS: tl.constexpr):
+        """One chunk of the select launch (see _p_select_kernel): compact, arrive, and finish the
+        row if this chunk arrived last."""
+        start = chunk * CHUNK
+        n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), W)
+        srow = scores_ptr + row.to(tl.int64) * stride_s
+        orow = out_ptr + row.to(tl.int64) * stride_o
+        c = start + offs
+        if n > K:
+            wrow = ws_ptr + row.to(tl.int64) * WS
+            cv = cand_v_ptr + row.to(tl.int64) * C
+            ci = cand_i_ptr + row.to(tl.int64) * C
+            info = cinfo_ptr + (row.to(tl.int64) * CPR + chunk) * 4
+            lo = _key_float(tl.load(wrow + _WS_BOUND))
+            x = _load_scores(srow, c, start, n, CHUNK)
+            g32 = (x > lo).to(tl.int32)  # -inf past n never passes
+            count = tl.sum(g32, axis=0)
+            base = tl.atomic_add(wrow + _WS_TOTAL, count, sem="relaxed")
+            rank = base + tl.cumsum(g32, axis=0) - 1
+            keep = (g32 != 0) & (rank < C)
+            tl.store(cv + rank, x, mask=keep)
+            tl.store(ci + rank, c, mask=keep)
+            tl.store(info, count)
+            tl.store(info + 1, base)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(wrow + _WS_ARRIVE2, 1, sem="acq_rel")
+            if arrived % CPR == CPR - 1:
+                if arrived >= CPR:
+                    # Counters were not zero at launch: poison the row (detectable, never a hang).
+                    _fill(orow, 0, K, -2, K, FB)
+                else:
+                    # Independent loads first (one round trip): the count, the chunk records
+                    # and the buffer's first half (slots past the count are masked later).
+                    first = row.to(tl.int64) * CPR
+                    cm = cidx < CPR
+                    total = tl.load(wrow + _WS_TOTAL, cache_modifier=".cg")
+                    cnt = tl.load(cinfo_ptr + (first + cidx) * 4, mask=cm, other=0, cache_modifier=".cg")
+                    bas = tl.load(cinfo_ptr + (first + cidx) * 4 + 1, mask=cm, other=0, cache_modifier=".cg")
+                    ph = tl.arange(0, C // 2) * ONE
+                    v = tl.load(cv + ph, cache_modifier=".cg")
+                    idx = tl.load(ci + ph, cache_modifier=".cg")
+                    if total <= C // 2:
+                        # The usual case (about 1.25 K candidates): half the block, half the work.
+                        _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo,
+                                  K, offs, ONE, CHUNK, C // 2, EXACT_STEPS)
+                    elif total <= C:
+                        v_all = tl.load(cv + p, cache_modifier=".cg")
+                        idx_all = tl.load(ci + p, cache_modifier=".cg")
+                        _p_finish(v_all, idx_all, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo,
+                                  K, offs, ONE, CHUNK, C, EXACT_STEPS)
+                    else:
+                        _exact_row(srow, n, orow, K, FALLBACK_BLOCK)  # too many candidates: exact, slow
+        else:
+            # Every valid entry is chosen: slot j holds column j.
+            tl.store(orow + c, c, mask=c < n)
+            if chunk == 0:
+                _fill(orow, n, K, -1, K, FB)
+
+    @triton.jit(do_not_specialize=["W", "n_items", "CPR", "IPR", "SUB", "ONE"])
     def _p_select_kernel(
         scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, cand_v_ptr, cand_i_ptr, out_ptr, stride_o,
-        W, n_items, CPR,
+        W, n_items, CPR, IPR, SUB,
         ONE,
         K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr, C: tl.constexpr, CPR_P2: tl.constexpr,
         FB: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, EXACT_STEPS: tl.constexpr,
     ):
         """Launch 2: every chunk compacts its entries above the row's bound into the row's
         candidate buffer (at a base taken with an atomic); the last chunk of the row to arrive
-        puts the candidates in index order, selects the K-th score among them and writes the row."""
+        puts the candidates in index order, selects the K-th score among them and writes the row.
+        An item is SUB adjacent chunks of one row (IPR items per row), done one after another."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         offs = tl.arange(0, CHUNK) * ONE  # one layout for load, scan and scatter (see the standard kernel)
         p = tl.arange(0, C) * ONE
         cidx = tl.arange(0, CPR_P2)
         for item in range(pid, n_items, nprog):
-            row = item // CPR
-            chunk = item % CPR
-            start = chunk * CHUNK
-            n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), W)
-            srow = scores_ptr + row.to(tl.int64) * stride_s
-            orow = out_ptr + row.to(tl.int64) * stride_o
-            c = start + offs
-            if n > K:
-                wrow = ws_ptr + row.to(tl.int64) * WS
-                cv = cand_v_ptr + row.to(tl.int64) * C
-                ci = cand_i_ptr + row.to(tl.int64) * C
-                info = cinfo_ptr + tl.cast(item, tl.int64) * 4
-                lo = _key_float(tl.load(wrow + _WS_BOUND))
-                x = _load_scores(srow, c, start, n, CHUNK)
-                g32 = (x > lo).to(tl.int32)  # -inf past n never passes
-                count = tl.sum(g32, axis=0)
-                base = tl.atomic_add(wrow + _WS_TOTAL, count, sem="relaxed")
-                rank = base + tl.cumsum(g32, axis=0) - 1
-                keep = (g32 != 0) & (rank < C)
-                tl.store(cv + rank, x, mask=keep)
-                tl.store(ci + rank, c, mask=keep)
-                tl.store(info, count)
-                tl.store(info + 1, base)
-                tl.debug_barrier()
-                arrived = tl.atomic_add(wrow + _WS_ARRIVE2, 1, sem="acq_rel")
-                if arrived % CPR == CPR - 1:
-                    if arrived >= CPR:
-                        # Counters were not zero at launch: poison the row (detectable, never a hang).
-                        _fill(orow, 0, K, -2, K, FB)
-                    else:
-                        # Independent loads first (one round trip): the count, the chunk records
-                        # and the buffer's first half (slots past the count are masked later).
-                        first = row.to(tl.int64) * CPR
-                        cm = cidx < CPR
-                        total = tl.load(wrow + _WS_TOTAL, cache_modifier=".cg")
-                        cnt = tl.load(cinfo_ptr + (first + cidx) * 4, mask=cm, other=0, cache_modifier=".cg")
-                        bas = tl.load(cinfo_ptr + (first + cidx) * 4 + 1, mask=cm, other=0, cache_modifier=".cg")
-                        ph = tl.arange(0, C // 2) * ONE
-                        v = tl.load(cv + ph, cache_modifier=".cg")
-                        idx = tl.load(ci + ph, cache_modifier=".cg")
-                        if total <= C // 2:
-                            # The usual case (about 1.25 K candidates): half the block, half the work.
-                            _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo,
-                                      K, offs, ONE, CHUNK, C // 2, EXACT_STEPS)
-                        elif total <= C:
-                            v_all = tl.load(cv + p, cache_modifier=".cg")
-                            idx_all = tl.load(ci + p, cache_modifier=".cg")
-                            _p_finish(v_all, idx_all, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo,
-                                      K, offs, ONE, CHUNK, C, EXACT_STEPS)
-                        else:
-                            _exact_row(srow, n, orow, K, FALLBACK_BLOCK)  # too many candidates: exact, slow
-            else:
-                # Every valid entry is chosen: slot j holds column j.
-                tl.store(orow + c, c, mask=c < n)
-                if chunk == 0:
-                    _fill(orow, n, K, -1, K, FB)
-
+            row = item // IPR
+            for sub in range(SUB):
+                chunk = (item % IPR) * SUB + sub
+                if chunk < CPR:
+                    _p_select_chunk(scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, cand_v_ptr, cand_i_ptr,
+                                    out_ptr, stride_o, W, CPR, row, chunk, offs, p, cidx, ONE, K, CHUNK, WS, C, FB,
+                                    FALLBACK_BLOCK, EXACT_STEPS)
 
 # ----------------------------------------------------------------------------- planning
 
@@ -612,15 +624,21 @@ def _standard_config(width: int, k: int) -> tuple[int, int]:
     return block, _warps(block, _capacity(k))
 
 
-def _persistent_config(rows: int, width: int, resident_programs: int, k: int) -> tuple[int, int, int]:
-    """(CHUNK, chunks_per_row, num_warps) of the select kernel: about one item per resident
-    program (its registers fit one per SM), chunks of 4K..8K (4K chunks beat 1K-2K ones at
-    1 x 256K: fewer items, fewer atomics per row). 8 x 128K: 8K chunks, one wave, 24.1 us;
-    4K chunks, two waves, 28.6 us (session 6)."""
+def _persistent_config(rows: int, width: int, resident_programs: int, k: int) -> tuple[int, int, int, int]:
+    """(CHUNK, chunks_per_row, chunks_per_item, num_warps) of the select kernel: about one item
+    per resident program (its registers fit one per SM), chunks of 4K..8K (4K chunks beat 1K-2K
+    ones at 1 x 256K: fewer items, fewer atomics per row). 8 x 128K: 8K chunks, one wave, 24.1 us;
+    4K chunks, two waves, 28.6 us (session 6). Where 8K chunks still make more items than
+    resident programs (8 x 256K: 256 for 132 SMs), an item is several adjacent chunks of one
+    row, done in turn, so the grid is one wave: in a second wave the rows whose last chunk
+    arrives late start their finish (~8 us in one program) only after it (session 12's phases)."""
     groups = _persistent_groups(k)
-    target = -(-rows * width // max(1, resident_programs))
+    resident = max(1, resident_programs)
+    target = -(-rows * width // resident)
     chunk = max(groups, min(8192, max(4096, _next_pow2(target))))
-    return chunk, -(-width // chunk), _warps(chunk, _capacity(k))
+    cpr = -(-width // chunk)
+    per_item = -(-rows * cpr // resident)
+    return chunk, cpr, min(per_item, cpr), _warps(chunk, _capacity(k))
 
 
 def _bound_chunk(width: int, k: int) -> int:
@@ -743,6 +761,8 @@ class IndexerTopK:
         _warps: benchmark-only override of the warps per program.
         _maxnreg: benchmark-only register cap of the persistent select kernel (two programs per
             SM fit at 128).
+        _chunks_per_item: benchmark/test-only override of the persistent select kernel's chunks
+            per item (1: every chunk its own item, as before session 13).
         _debug_skip_reset_when_short: TEST ONLY. Restores the historical vLLM bug: the
             workspace zeroing is guarded by a host ``if`` on the caller's ``max_seq_len``
             (skipped when it is <= k), so a graph captured at a short length records no
@@ -773,6 +793,7 @@ class IndexerTopK:
         _cap: int | None = None,
         _warps: int | None = None,
         _maxnreg: int | None = None,
+        _chunks_per_item: int | None = None,
         _lb_steps: int = LB_STEPS,
         _exact_steps: int = 16,
     ) -> None:
@@ -806,6 +827,9 @@ class IndexerTopK:
         if _warps is not None and _warps not in (4, 8, 16):
             raise ValueError(f"_warps must be 4, 8 or 16, got {_warps!r}")
         self._tile = _tile
+        if _chunks_per_item is not None and (not isinstance(_chunks_per_item, int) or _chunks_per_item < 1):
+            raise ValueError(f"_chunks_per_item must be a positive int, got {_chunks_per_item!r}")
+        self._chunks_per_item = _chunks_per_item
         self._warps = _warps
         if _maxnreg is not None and _maxnreg not in (64, 96, 128, 168):
             raise ValueError(f"_maxnreg must be 64, 96, 128 or 168, got {_maxnreg!r}")
@@ -868,6 +892,14 @@ class IndexerTopK:
             self._persistent(scores, lengths, out, max_seq_len)
         return out
 
+    def chunks_per_item(self, rows: int, width: int) -> int:
+        """The persistent select kernel's chunks per item for a call of rows x width (1 on other paths)."""
+        if self.path != "persistent":
+            return 1
+        if self._chunks_per_item or self._tile is not None:
+            return self._chunks_per_item or 1
+        return _persistent_config(rows, width, min(self.num_programs, self._sms), self.k)[2]
+
     def _persistent(self, scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, max_seq_len: int | None) -> None:
         rows, width = scores.shape
         if rows == 0:
@@ -880,15 +912,17 @@ class IndexerTopK:
         if width == 0:
             out.fill_(-1)
             return
-        chunk, cpr, warps = _persistent_config(rows, width, min(self.num_programs, self._sms), self.k)
+        chunk, cpr, per_item, warps = _persistent_config(rows, width, min(self.num_programs, self._sms), self.k)
         bound_chunk = _bound_chunk(width, self.k)
         if self._tile is not None:
             chunk = bound_chunk = self._tile
-            cpr, warps = -(-width // chunk), _warps(chunk, self.cap)
+            cpr, per_item, warps = -(-width // chunk), 1, _warps(chunk, self.cap)
+        per_item = self._chunks_per_item or per_item
         warps = self._warps or warps
-        n_items = rows * cpr
-        if n_items > self._items_cap or cpr > self._cpr_p2:
-            raise ValueError(f"{rows} x {width} needs {n_items} chunks, more than the {self._items_cap} planned")
+        if rows * cpr > self._items_cap or cpr > self._cpr_p2:
+            raise ValueError(f"{rows} x {width} needs {rows * cpr} chunks, more than the {self._items_cap} planned")
+        items_per_row = -(-cpr // per_item)
+        n_items = rows * items_per_row
         bound_cpr = -(-width // bound_chunk)
         bound_items = rows * bound_cpr
         _p_bound_kernel[(min(self.num_programs, bound_items),)](
@@ -899,7 +933,7 @@ class IndexerTopK:
         grid = (min(self.num_programs, n_items),)
         _p_select_kernel[grid](
             scores, scores.stride(0), lengths, ws, self.chunk_info, self.cand_v, self.cand_i, out, out.stride(0),
-            width, n_items, cpr, 1,
+            width, n_items, cpr, items_per_row, per_item, 1,
             K=self.k, CHUNK=chunk, WS=self._ws_stride, C=self.cap, CPR_P2=self._cpr_p2,
             FB=min(1024, _next_pow2(self.k)), FALLBACK_BLOCK=FALLBACK_BLOCK, EXACT_STEPS=self._exact_steps,
             num_warps=warps,

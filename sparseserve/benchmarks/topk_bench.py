@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--no-data", action="store_true")
+    ap.add_argument("--sweep-ks", default="512", help="k values of the crossover sweep (comma-separated)")
     ap.add_argument("--precompile", type=int, default=0, metavar="N",
                     help="only fill Triton's kernel cache, with N processes, and exit")
     ap.add_argument("--warmup-ms", type=int, default=5)
@@ -326,12 +327,18 @@ def main(argv: list[str] | None = None) -> int:
         result["data_kinds"] = run_data_kinds(args.warmup_ms, args.rep_ms, log)
         save()
     if not args.quick and not args.no_sweep:
+        sweep_ks = [int(k) for k in args.sweep_ks.split(",")]
         result["sweep"] = run_sweep(
-            [1, 2, 4, 8, 16, 32, 64, 128, 256], [8192, 16384, 32768, 65536, 131072, 262144], [512],
+            [1, 2, 4, 8, 16, 32, 64, 128, 256], [8192, 16384, 32768, 65536, 131072, 262144], sweep_ks,
             args.warmup_ms, args.rep_ms, log,
         )
-        result["suggested_auto_max_rows_persistent"] = suggest_auto_table(result["sweep"])
-        log(f"suggested auto table (width, max rows for persistent): {result['suggested_auto_max_rows_persistent']}")
+        # Per k, then the smaller row limit of the two at each width (auto does not know k's speed).
+        per_k = {k: suggest_auto_table([e for e in result["sweep"] if e["k"] == k]) for k in sweep_ks}
+        result["suggested_auto_max_rows_persistent_per_k"] = {str(k): table for k, table in per_k.items()}
+        result["suggested_auto_max_rows_persistent"] = [
+            (width, min(dict(table)[width] for table in per_k.values())) for width, _ in per_k[sweep_ks[0]]]
+        log(f"suggested auto table (width, max rows for persistent): {result['suggested_auto_max_rows_persistent']}"
+            f" (per k: {per_k})")
         save()
     if not args.quick and not args.no_variants:
         result["variants"] = run_variants(args.warmup_ms, args.rep_ms, log)

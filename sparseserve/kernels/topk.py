@@ -99,12 +99,13 @@ STD_PROGRAMS_PER_SM = 2  # standard-path grid cap (and candidate buffers) per SM
 PERSISTENT_PROGRAMS_PER_SM = 2
 KEY_NEG_INF = -2139095041  # the int32 key of -inf
 
-# "auto" crossover (docs/performance.md, measured on one H200, 2026-11-29 19:29 UTC, with the v5
-# kernels; `topk_bench` prints the suggestion): the persistent path is picked when a step has at most
-# this many rows for its padded width (width limits ascending; the last is unbounded), i.e. where it
-# was >= 1.3x faster than the standard path at every row count up to the limit in the sweep (graph
-# replay, k = 512). Up to 16K columns it never was.
-_AUTO_MAX_ROWS_PERSISTENT = ((16384, 0), (32768, 16), (1 << 62, 32))
+# "auto" crossover (docs/performance.md; `topk_bench --sweep-ks 512,1024` prints the suggestion): the
+# persistent path is picked when a step has at most this many rows for its padded width (width limits
+# ascending; the last is unbounded), i.e. where it was >= 1.3x faster than the standard path at every
+# row count up to the limit in the sweep, at k = 512 and 1024 (graph replay; one H200, 2026-11-30
+# 04:16 UTC, session 13's kernels). Up to 16K columns it never was. 64 rows pass at 256K columns
+# (1.36x / 1.32x) but not at 128K (1.26x / 1.21x), so widths between keep 32.
+_AUTO_MAX_ROWS_PERSISTENT = ((16384, 0), (32768, 16), (262143, 32), (1 << 62, 64))
 
 
 def topk_indices_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:

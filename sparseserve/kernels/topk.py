@@ -53,7 +53,8 @@ Algorithm (both paths), for a row of n > k valid scores:
   two launches. Launch 1: each chunk folds its group maxima into the row's workspace with
   atomic max; the last chunk of the row to arrive (an atomic arrival counter; no program
   ever waits for another, so no hang is possible, also under TRITON_INTERPRET=1) computes
-  ``lo``. Launch 2: each chunk compacts its entries > lo into the row's buffer at a base
+  ``lo``. Launch 2 (its items are one or more adjacent chunks of a row, so that the grid is
+  one wave): each chunk compacts its entries > lo into the row's buffer at a base
   taken with an atomic add and records (count, base); the last chunk to arrive puts
   the candidates in index order from those records (deterministic output), selects and
   writes the row. The per-row workspace (arrival counters, candidate count, group maxima)

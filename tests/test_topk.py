@@ -262,6 +262,23 @@ def test_items_of_several_chunks_match_one_chunk_items(per_item, kind):
     assert (out[:3] == -2).all(), "rows longer than k must be poisoned by stale counters"
 
 
+@needs_interpreter
+@pytest.mark.parametrize("select_chunk, per_item", [(1024, 1), (1024, 3), (2048, 2)])
+def test_select_chunk_override_matches_the_default(select_chunk, per_item):
+    """The benchmark knobs for the select kernel alone (its CHUNK, warps, chunks per item) leave
+    the output as the default plan writes it (the bound kernel keeps its 4K chunks here)."""
+    gen = torch.Generator().manual_seed(select_chunk + per_item)
+    k, width = 48, 3500
+    scores = make_rows(4, width, gen, "ties")
+    lengths = torch.tensor([width, 2100, k + 3, 0], dtype=torch.int32)
+    default = IndexerTopK(4, width, k, backend="persistent", device="cpu", num_programs=3)
+    expected = default(scores, lengths).clone()
+    assert_topk_valid(expected, scores, lengths, k)
+    op = IndexerTopK(4, width, k, backend="persistent", device="cpu", num_programs=5, _select_chunk=select_chunk,
+                     _select_warps=4, _chunks_per_item=per_item)
+    assert torch.equal(op(scores, lengths).clone(), expected)
+
+
 def test_persistent_plan_makes_one_wave_of_items():
     """Where 8K chunks make more items than resident programs, items take several chunks so that
     the grid is one wave (8 x 256K on 132 SMs: 32 chunks a row, 2 per item, 128 items)."""
@@ -421,6 +438,9 @@ def test_torch_backend_matches_reference():
         {"max_rows": 2, "max_width": 10, "k": 4.0},
         {"max_rows": 2, "max_width": 10, "k": 4, "_lb_steps": 0},
         {"max_rows": 2, "max_width": 10, "k": 4, "_exact_steps": 17},
+        {"max_rows": 2, "max_width": 10, "k": 4, "_chunks_per_item": 0},
+        {"max_rows": 2, "max_width": 10, "k": 4, "_select_chunk": 3000},
+        {"max_rows": 2, "max_width": 10, "k": 4, "_select_warps": 2},
     ],
 )
 def test_bad_constructor_arguments(kwargs):

@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--paths", default="persistent,standard")
     ap.add_argument("--variants", action="store_true",
                     help="also the persistent path with other grids, chunks and register caps")
+    ap.add_argument("--select-variants", action="store_true",
+                    help="also the persistent select kernel at 4K/2K chunks and 4 warps (two programs per SM)")
     ap.add_argument("--step-cost", action="store_true",
                     help="also the persistent path with fewer search steps (inexact; timing only) and other warps")
     ap.add_argument("--ks", default="512,1024")
@@ -52,6 +54,10 @@ def main() -> None:
         runs += [("persistent", {"num_programs": sms}), ("persistent", {"_maxnreg": 128}),
                  ("persistent", {"_maxnreg": 128, "_tile": 4096, "num_programs": 4 * sms}),
                  ("persistent", {"_tile": 4096, "num_programs": 4 * sms}), ("persistent", {"_chunks_per_item": 1})]
+    if args.select_variants:  # the select kernel alone: smaller programs, two per SM, items of 1-4 chunks
+        for chunk, per_item, programs in ((4096, 2, 2 * sms), (4096, 1, 4 * sms), (4096, 4, sms), (2048, 4, 2 * sms)):
+            runs.append(("persistent", {"_select_chunk": chunk, "_select_warps": 4, "_chunks_per_item": per_item,
+                                        "num_programs": programs}))
     if args.step_cost:  # what one search step costs: fewer steps (inexact results), other warp counts
         runs += [("persistent", {"_lb_steps": 4}), ("persistent", {"_exact_steps": 8}),
                  ("persistent", {"_lb_steps": 4, "_exact_steps": 8}), ("persistent", {"_warps": 4}),

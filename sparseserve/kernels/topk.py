@@ -765,6 +765,10 @@ class IndexerTopK:
             SM fit at 128).
         _chunks_per_item: benchmark/test-only override of the persistent select kernel's chunks
             per item (1: every chunk its own item, as before session 13).
+        _select_chunk, _select_warps: benchmark/test-only CHUNK and warps of the persistent select
+            kernel alone (the bound kernel keeps its own); one chunk per item unless
+            _chunks_per_item says otherwise. At CHUNK 4096 and 4 warps the kernel takes 248
+            registers: two programs fit an SM (give num_programs for them).
         _debug_skip_reset_when_short: TEST ONLY. Restores the historical vLLM bug: the
             workspace zeroing is guarded by a host ``if`` on the caller's ``max_seq_len``
             (skipped when it is <= k), so a graph captured at a short length records no
@@ -796,6 +800,8 @@ class IndexerTopK:
         _warps: int | None = None,
         _maxnreg: int | None = None,
         _chunks_per_item: int | None = None,
+        _select_chunk: int | None = None,
+        _select_warps: int | None = None,
         _lb_steps: int = LB_STEPS,
         _exact_steps: int = 16,
     ) -> None:
@@ -832,6 +838,11 @@ class IndexerTopK:
         if _chunks_per_item is not None and (not isinstance(_chunks_per_item, int) or _chunks_per_item < 1):
             raise ValueError(f"_chunks_per_item must be a positive int, got {_chunks_per_item!r}")
         self._chunks_per_item = _chunks_per_item
+        if _select_chunk is not None and _select_chunk not in (1024, 2048, 4096, 8192, 16384):
+            raise ValueError(f"_select_chunk must be one of 1024, 2048, 4096, 8192, 16384, got {_select_chunk!r}")
+        if _select_warps is not None and _select_warps not in (4, 8, 16):
+            raise ValueError(f"_select_warps must be 4, 8 or 16, got {_select_warps!r}")
+        self._select_chunk, self._select_warps = _select_chunk, _select_warps
         self._warps = _warps
         if _maxnreg is not None and _maxnreg not in (64, 96, 128, 168):
             raise ValueError(f"_maxnreg must be 64, 96, 128 or 168, got {_maxnreg!r}")
@@ -855,15 +866,16 @@ class IndexerTopK:
             self._sms = _num_sms(self.device)
             self.num_programs = num_programs or PERSISTENT_PROGRAMS_PER_SM * self._sms
             self.groups = _persistent_groups(k)
-            if _tile is not None and _tile < self.groups:
-                raise ValueError(f"_tile={_tile} is below the persistent path's {self.groups} groups for k={k}")
+            for name, value in (("_tile", _tile), ("_select_chunk", _select_chunk)):
+                if value is not None and value < self.groups:
+                    raise ValueError(f"{name}={value} is below the persistent path's {self.groups} groups for k={k}")
             self._ws_stride = WS_GMAX + self.groups
             max_cpr = -(-max_width // max(1024, self.groups))  # the smallest chunk gives the most chunks
             self._cpr_p2 = max(256, _next_pow2(max_cpr))  # 256 up to 256K columns: one compiled variant
             # Items of any call: chunks >= 1024 and about one item per program until chunks reach
             # 8192, so at most num_programs + max_rows * (ceil(max_width / 8192) + 1); a _tile
             # override may need more.
-            tile = _tile or 8192
+            tile = _tile or _select_chunk or 8192
             self._items_cap = max(
                 self.num_programs + max_rows * (-(-max_width // 8192) + 1), max_rows * -(-max_width // tile)
             )
@@ -898,7 +910,7 @@ class IndexerTopK:
         """The persistent select kernel's chunks per item for a call of rows x width (1 on other paths)."""
         if self.path != "persistent":
             return 1
-        if self._chunks_per_item or self._tile is not None:
+        if self._chunks_per_item or self._tile is not None or self._select_chunk is not None:
             return self._chunks_per_item or 1
         return _persistent_config(rows, width, min(self.num_programs, self._sms), self.k)[2]
 
@@ -919,8 +931,11 @@ class IndexerTopK:
         if self._tile is not None:
             chunk = bound_chunk = self._tile
             cpr, per_item, warps = -(-width // chunk), 1, _warps(chunk, self.cap)
+        if self._select_chunk is not None:
+            chunk = self._select_chunk
+            cpr, per_item = -(-width // chunk), 1
         per_item = self._chunks_per_item or per_item
-        warps = self._warps or warps
+        warps = self._select_warps or self._warps or warps
         if rows * cpr > self._items_cap or cpr > self._cpr_p2:
             raise ValueError(f"{rows} x {width} needs {rows * cpr} chunks, more than the {self._items_cap} planned")
         items_per_row = -(-cpr // per_item)

@@ -12,7 +12,6 @@
 #                                     decode steps, synchronous and async (~9.5 minutes at most)
 #   bash tools/gpu_session.sh prefill the prefill attention cases of the kernel benchmark
 #   bash tools/gpu_session.sh topk    top-k gpu tests, per-kernel times with variants, the grid against torch.topk
-#   bash tools/gpu_session.sh topk-next  the select kernel at two programs per SM (issue 5's 8 x 256K cell), tests, grid
 #   bash tools/gpu_session.sh overlap the side-stream schedule: its gpu tests with the model/graph ones, decode steps
 #                                     with and without it (SPARSESERVE_DISABLE_KERNELS=overlap), a batch-1 replay profile
 #   bash tools/gpu_session.sh mtp-audit the two MTP=1 audit tests that failed in session 8, with the side stream forced on
@@ -71,20 +70,14 @@ case "${1:-tests}" in
     } 2>&1 | filter > "$OUT/bench.log"; tail -40 "$OUT/bench.log" ;;
   topk)
     # The top-k paths: their gpu tests, each kernel's time (with the variants) and the grid with
-    # torch.topk in the same run (about 3 minutes on a fresh machine).
+    # torch.topk in the same run (about 3 minutes on a fresh machine). TOPK_PHASES_ARGS replaces the phases'
+    # variants, e.g. for issue 5's 8 x 256K cell: "--select-variants --paths persistent --ks 1024,512
+    # --shapes 8x262144,1x262144,8x65536,64x262144" (the select kernel alone at two programs per SM).
     { timeout -k 5 60 python -m sparseserve.benchmarks.topk_bench --precompile 16 > /dev/null
       timeout -k 5 90 python -m pytest -q -m gpu tests/test_topk_gpu.py
-      timeout -k 5 150 python tools/topk_phases.py --variants --paths persistent --out "$OUT/topk_phases.json"
+      timeout -k 5 150 python tools/topk_phases.py ${TOPK_PHASES_ARGS:---variants --paths persistent} \
+        --out "$OUT/topk_phases.json"
       timeout -k 5 150 python -m sparseserve.benchmarks.topk_bench --no-sweep --no-variants --out "$OUT/topk.json"
-    } 2>&1 | filter > "$OUT/topk.log"; tail -60 "$OUT/topk.log" ;;
-  topk-next)
-    # Issue 5's 8 x 256K, k = 1024 cell: the select kernel at smaller programs (two per SM) against the default,
-    # then the top-k gpu tests and the grid (~3 minutes on a fresh machine; branch topk-next).
-    { timeout -k 5 60 python -m sparseserve.benchmarks.topk_bench --precompile 16 > /dev/null
-      timeout -k 5 150 python tools/topk_phases.py --select-variants --paths persistent --ks 1024,512 \
-        --shapes 8x262144,1x262144,8x65536,64x262144 --out "$OUT/topk_phases.json"
-      timeout -k 5 90 python -m pytest -q -m gpu tests/test_topk_gpu.py
-      timeout -k 5 90 python -m sparseserve.benchmarks.topk_bench --no-sweep --no-variants --no-data --out "$OUT/topk.json"
     } 2>&1 | filter > "$OUT/topk.log"; tail -60 "$OUT/topk.log" ;;
   overlap)
     # OVERLAP_TESTS=tests/test_side_stream.py: only the schedule's own test (the close runs the rest).
@@ -211,5 +204,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|topk-next|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite" >&2; exit 2 ;;
 esac

@@ -872,17 +872,17 @@ class IndexerTopK:
             self._ws_stride = WS_GMAX + self.groups
             max_cpr = -(-max_width // max(1024, self.groups))  # the smallest chunk gives the most chunks
             self._cpr_p2 = max(256, _next_pow2(max_cpr))  # 256 up to 256K columns: one compiled variant
-            # Items of any call: chunks >= 1024 and about one item per program until chunks reach
-            # 8192, so at most num_programs + max_rows * (ceil(max_width / 8192) + 1); a _tile
-            # override may need more.
+            # Chunk records of any call: chunks >= 1024 and about one chunk per program until chunks
+            # reach 8192, so at most num_programs + max_rows * (ceil(max_width / 8192) + 1); a
+            # _tile or _select_chunk override may need more.
             tile = _tile or _select_chunk or 8192
-            self._items_cap = max(
+            self._chunks_cap = max(
                 self.num_programs + max_rows * (-(-max_width // 8192) + 1), max_rows * -(-max_width // tile)
             )
             # Arrival counters, candidate count and group maxima: must be zero at launch (zeroed per call).
             self.workspace = torch.zeros((max_rows, self._ws_stride), dtype=torch.int32, device=self.device)
             # Per-chunk (count, base, unused, offset) and the candidates: written before they are read.
-            self.chunk_info = torch.zeros((self._items_cap, 4), dtype=torch.int32, device=self.device)
+            self.chunk_info = torch.zeros((self._chunks_cap, 4), dtype=torch.int32, device=self.device)
             self.cand_v = torch.empty((max_rows, self.cap), dtype=torch.float32, device=self.device)
             self.cand_i = torch.empty((max_rows, self.cap), dtype=torch.int32, device=self.device)
 
@@ -908,11 +908,20 @@ class IndexerTopK:
 
     def chunks_per_item(self, rows: int, width: int) -> int:
         """The persistent select kernel's chunks per item for a call of rows x width (1 on other paths)."""
-        if self.path != "persistent":
-            return 1
-        if self._chunks_per_item or self._tile is not None or self._select_chunk is not None:
-            return self._chunks_per_item or 1
-        return _persistent_config(rows, width, min(self.num_programs, self._sms), self.k)[2]
+        return self._persistent_plan(rows, width)[2] if self.path == "persistent" else 1
+
+    def _persistent_plan(self, rows: int, width: int) -> tuple[int, int, int, int, int]:
+        """(select CHUNK, chunks per row, chunks per item, select warps, bound CHUNK) of a call,
+        the benchmark/test overrides applied."""
+        chunk, cpr, per_item, warps = _persistent_config(rows, width, min(self.num_programs, self._sms), self.k)
+        bound_chunk = _bound_chunk(width, self.k)
+        if self._tile is not None:
+            chunk = bound_chunk = self._tile
+            cpr, per_item, warps = -(-width // chunk), 1, _warps(chunk, self.cap)
+        if self._select_chunk is not None:
+            chunk = self._select_chunk
+            cpr, per_item = -(-width // chunk), 1
+        return chunk, cpr, self._chunks_per_item or per_item, self._select_warps or self._warps or warps, bound_chunk
 
     def _persistent(self, scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, max_seq_len: int | None) -> None:
         rows, width = scores.shape
@@ -926,18 +935,9 @@ class IndexerTopK:
         if width == 0:
             out.fill_(-1)
             return
-        chunk, cpr, per_item, warps = _persistent_config(rows, width, min(self.num_programs, self._sms), self.k)
-        bound_chunk = _bound_chunk(width, self.k)
-        if self._tile is not None:
-            chunk = bound_chunk = self._tile
-            cpr, per_item, warps = -(-width // chunk), 1, _warps(chunk, self.cap)
-        if self._select_chunk is not None:
-            chunk = self._select_chunk
-            cpr, per_item = -(-width // chunk), 1
-        per_item = self._chunks_per_item or per_item
-        warps = self._select_warps or self._warps or warps
-        if rows * cpr > self._items_cap or cpr > self._cpr_p2:
-            raise ValueError(f"{rows} x {width} needs {rows * cpr} chunks, more than the {self._items_cap} planned")
+        chunk, cpr, per_item, warps, bound_chunk = self._persistent_plan(rows, width)
+        if rows * cpr > self._chunks_cap or cpr > self._cpr_p2:
+            raise ValueError(f"{rows} x {width} needs {rows * cpr} chunks, more than the {self._chunks_cap} planned")
         items_per_row = -(-cpr // per_item)
         n_items = rows * items_per_row
         bound_cpr = -(-width // bound_chunk)

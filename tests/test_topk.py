@@ -242,24 +242,44 @@ def test_bug_switch_is_detected():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("per_item", [2, 3, 4])
+@pytest.mark.parametrize("per_item, pair", [(2, None), (3, None), (4, None), (2, False), (3, False), (1, True)])
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "relu"])
-def test_items_of_several_chunks_match_one_chunk_items(per_item, kind):
+def test_items_of_several_chunks_match_one_chunk_items(per_item, pair, kind):
     """The persistent select with several adjacent chunks per item (3 does not divide the 4
-    chunks of a row: its second item has one chunk) writes exactly what one chunk per item
+    chunks of a row: its second item has one chunk), done as pairs of chunks (the default there:
+    one candidate-count atomic and one arrival per pair) or one chunk at a time, and pairs even in
+    items of one chunk (the row's 4 chunks and 2 units; a 3500-column row of 1024-column chunks
+    also has a pair whose second chunk is past the length) write exactly what one chunk per item
     writes, on ragged rows (several chunks, fewer than k, none); the bug switch still poisons."""
-    gen = torch.Generator().manual_seed(per_item * 7 + len(kind))
+    gen = torch.Generator().manual_seed(per_item * 7 + len(kind) + 100 * bool(pair))
     k, width = 48, 3500
     scores = make_rows(5, width, gen, kind)
     lengths = torch.tensor([width, 2100, k + 3, k - 5, 0], dtype=torch.int32)
     one = IndexerTopK(5, width, k, backend="persistent", device="cpu", num_programs=3, _tile=1024)
     several = IndexerTopK(5, width, k, backend="persistent", device="cpu", num_programs=3, _tile=1024,
-                          _chunks_per_item=per_item, _debug_skip_reset_when_short=True)
+                          _chunks_per_item=per_item, _pair_chunks=pair, _debug_skip_reset_when_short=True)
+    assert one.chunks_per_unit(5, width) == 1
+    assert several.chunks_per_unit(5, width) == (2 if (pair is None and per_item >= 2) or pair else 1)
     expected = one(scores, lengths).clone()
     assert_topk_valid(expected, scores, lengths, k)
     assert torch.equal(several(scores, lengths, max_seq_len=width).clone(), expected)
     out = several(scores, lengths, max_seq_len=k).clone()  # frozen short length: stale counters
     assert (out[:3] == -2).all(), "rows longer than k must be poisoned by stale counters"
+
+
+@needs_interpreter
+def test_pair_past_the_row_end_keeps_the_next_rows_records():
+    """A row of 3 chunks ends in a pair whose second chunk is past the row: its record slot is the
+    next row's first. With 2 programs the interpreter runs row 0's last pair after row 1's first
+    chunk wrote that record, so writing it there would corrupt row 1."""
+    gen = torch.Generator().manual_seed(5)
+    k, width = 48, 2600
+    scores = make_rows(3, width, gen, "random")
+    lengths = torch.tensor([width, width, 2100], dtype=torch.int32)
+    op = IndexerTopK(3, width, k, backend="persistent", device="cpu", num_programs=2, _tile=1024, _pair_chunks=True)
+    expected = IndexerTopK(3, width, k, backend="persistent", device="cpu", num_programs=2, _tile=1024)(scores, lengths)
+    assert op.chunks_per_unit(3, width) == 2
+    assert torch.equal(op(scores, lengths).clone(), expected.clone())
 
 
 @needs_interpreter
@@ -299,6 +319,7 @@ def test_default_plan_with_several_chunks_per_item():
     scores = make_rows(3, width, gen, "random")
     lengths = torch.tensor([width, 30001, 8193], dtype=torch.int32)
     op = IndexerTopK(3, width, k, backend="persistent", device="cpu")
+    assert op.chunks_per_item(3, width) >= 2 and op.chunks_per_unit(3, width) == 2
     assert_topk_valid(op(scores, lengths).clone(), scores, lengths, k)
 
 

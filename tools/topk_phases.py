@@ -45,6 +45,8 @@ def main() -> None:
                     help="also the persistent select kernel at 4K/2K chunks and 4 warps (two programs per SM)")
     ap.add_argument("--step-cost", action="store_true",
                     help="also the persistent path with fewer search steps (inexact; timing only) and other warps")
+    ap.add_argument("--pair-variants", action="store_true",
+                    help="also the persistent path with its select chunks never / always paired")
     ap.add_argument("--ks", default="512,1024")
     ap.add_argument("--shapes", default=None, help="e.g. 8x262144,1x65536 (default: the built-in list)")
     args = ap.parse_args()
@@ -62,6 +64,8 @@ def main() -> None:
         runs += [("persistent", {"_lb_steps": 4}), ("persistent", {"_exact_steps": 8}),
                  ("persistent", {"_lb_steps": 4, "_exact_steps": 8}), ("persistent", {"_warps": 4}),
                  ("persistent", {"_warps": 16})]
+    if args.pair_variants:
+        runs += [("persistent", {"_pair_chunks": False}), ("persistent", {"_pair_chunks": True})]
     shapes = SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(","))

@@ -99,9 +99,10 @@ def grid_cell(rows: int, width: int, k: int, gen: torch.Generator, warmup_ms: in
     scores = make_scores(rows, width, "random", gen)
     lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
     ops = {p: IndexerTopK(rows, width, k, backend=p) for p in PATHS}
-    if ops["persistent"].chunks_per_item(rows, width) > 1:
-        # The same run's baseline: the select kernel with one chunk per item (before session 13).
-        ops["persistent_one_chunk_items"] = IndexerTopK(rows, width, k, backend="persistent", _chunks_per_item=1)
+    if ops["persistent"].chunks_per_unit(rows, width) > 1:
+        # The same run's baseline: the select kernel's chunks one by one, each with its own atomics
+        # (session 13's kernel).
+        ops["persistent_unpaired"] = IndexerTopK(rows, width, k, backend="persistent", _pair_chunks=False)
     e: dict = {"k": k, "rows": rows, "width": width, "auto_path": auto_path(rows, width)}
     e["correct"] = _check(ops, rows, width, k, gen)
     fns = {"torch_topk": lambda: torch.topk(scores, k, dim=1)}
@@ -134,8 +135,8 @@ def run_grid(rows_list, widths, ks, warmup_ms, rep_ms, log) -> list[dict]:
                     f" | std {e['standard_eager_us']:7.1f}/{e['standard_graph_us']:7.1f}"
                     f" | pers {e['persistent_eager_us']:7.1f}/{e['persistent_graph_us']:7.1f} us (eager/graph)"
                     f" | roof {e['roofline_us']:6.2f} | auto {e['auto_path'][:4]} | ok {all(e['correct'].values())}"
-                    + (f" | pers, one chunk per item {e['persistent_one_chunk_items_graph_us']:7.1f}"
-                       if "persistent_one_chunk_items_graph_us" in e else "")
+                    + (f" | pers, unpaired chunks {e['persistent_unpaired_graph_us']:7.1f}"
+                       if "persistent_unpaired_graph_us" in e else "")
                 )
     return entries
 
@@ -242,7 +243,7 @@ def summary_table(grid: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# Kernel variants the GPU tests and this benchmark compile: (path, k, width, tile, cap, warps).
+# Kernel variants the GPU tests and this benchmark compile: (path, k, width, tile, cap, warps[, other knobs]).
 # Shape ints are not specialised (do_not_specialize), so one small call per variant fills
 # Triton's on-disk cache; --precompile does them in parallel processes (a fresh device
 # machine otherwise spends most of a short call compiling them one after another).
@@ -252,6 +253,7 @@ PRECOMPILE = [
     ("standard", 512, 262144, 4096, None, 16),
     ("standard", 512, 262144, 8192, None, 8),
     *[("persistent", k, 262144, t, None, None) for k in (512, 1024) for t in (4096, 8192)],
+    *[("persistent", k, 262144, None, None, None, {"_pair_chunks": True}) for k in (512, 1024)],  # paired chunks
     ("persistent", 1024, 300001, 8192, None, None),
     ("persistent", 512, 65536, 4096, 256, None),
     ("persistent", 512, 262144, 2048, None, None),
@@ -259,11 +261,12 @@ PRECOMPILE = [
 
 
 def _precompile_one(cfg: tuple) -> str:
-    path, k, width, tile, cap, warps = cfg
+    path, k, width, tile, cap, warps, *knobs = cfg
     t = time.time()
     scores = torch.randn(2, width, device="cuda")
     lengths = torch.full((2,), width, dtype=torch.int32, device="cuda")
-    IndexerTopK(2, width, k, backend=path, _tile=tile, _cap=cap, _warps=warps)(scores, lengths)
+    IndexerTopK(2, width, k, backend=path, _tile=tile, _cap=cap, _warps=warps, **(knobs[0] if knobs else {}))(
+        scores, lengths)
     torch.cuda.synchronize()
     return f"{cfg}: {time.time() - t:.1f}s"
 

@@ -57,7 +57,8 @@ Algorithm (both paths), for a row of n > k valid scores:
   one wave): each chunk compacts its entries > lo into the row's buffer at a base
   taken with an atomic add and records (count, base); the last chunk to arrive puts
   the candidates in index order from those records (deterministic output), selects and
-  writes the row. The per-row workspace (arrival counters, candidate count, group maxima)
+  writes the row. In items of two or more chunks the chunks go in pairs: loaded together,
+  one atomic for the pair's base and one arrival per pair (64 x 256K: 147 -> 139 us). The per-row workspace (arrival counters, candidate count, group maxima)
   MUST be zero at launch: the path zeroes it itself, unconditionally, right before the
   first kernel (DESIGN.md invariant 2), so any graph that captures the call records the
   zeroing. Stale counters are detected (an arrival count past the chunk count) and the
@@ -508,16 +509,28 @@ if _HAVE_TRITON:
             _select_write(key, idx, t, exact_set, K, orow)
 
     @triton.jit
-    def _p_select_chunk(scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, cand_v_ptr, cand_i_ptr, out_ptr, stride_o,
-                        W, CPR, row, chunk, offs, p, cidx, ONE, K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr,
-                        C: tl.constexpr, FB: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, EXACT_STEPS: tl.constexpr):
-        """One chunk of the select launch (see _p_select_kernel): compact, arrive, and finish the
-        row if this chunk arrived last."""
+    def _p_compact_store(x, c, g32, base, cv, ci, C: tl.constexpr):
+        """Store one chunk's entries flagged in g32 (value, column) at cv/ci[base:], in index order."""
+        rank = base + tl.cumsum(g32, axis=0) - 1
+        keep = (g32 != 0) & (rank < C)
+        tl.store(cv + rank, x, mask=keep)
+        tl.store(ci + rank, c, mask=keep)
+
+    @triton.jit
+    def _p_select_unit(scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, cand_v_ptr, cand_i_ptr, out_ptr, stride_o,
+                       W, CPR, UPR, row, chunk, offs, p, cidx, ONE, K: tl.constexpr, CHUNK: tl.constexpr,
+                       WS: tl.constexpr, C: tl.constexpr, FB: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
+                       EXACT_STEPS: tl.constexpr, PAIR: tl.constexpr):
+        """One arrival unit of the select launch (see _p_select_kernel): PAIR adjacent chunks from
+        `chunk` (the second may lie past the row: it is all -inf then), loaded together, one atomic
+        for their candidates' base and one arrival (UPR units per row); the last unit of the row to
+        arrive finishes it. Every chunk keeps its own (count, base) record."""
         start = chunk * CHUNK
         n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), W)
         srow = scores_ptr + row.to(tl.int64) * stride_s
         orow = out_ptr + row.to(tl.int64) * stride_o
         c = start + offs
+        c2 = c + CHUNK
         if n > K:
             wrow = ws_ptr + row.to(tl.int64) * WS
             cv = cand_v_ptr + row.to(tl.int64) * C
@@ -527,17 +540,25 @@ if _HAVE_TRITON:
             x = _load_scores(srow, c, start, n, CHUNK)
             g32 = (x > lo).to(tl.int32)  # -inf past n never passes
             count = tl.sum(g32, axis=0)
-            base = tl.atomic_add(wrow + _WS_TOTAL, count, sem="relaxed")
-            rank = base + tl.cumsum(g32, axis=0) - 1
-            keep = (g32 != 0) & (rank < C)
-            tl.store(cv + rank, x, mask=keep)
-            tl.store(ci + rank, c, mask=keep)
+            if PAIR == 2:
+                x2 = _load_scores(srow, c2, start + CHUNK, n, CHUNK)
+                g2 = (x2 > lo).to(tl.int32)
+                count2 = tl.sum(g2, axis=0)
+                base = tl.atomic_add(wrow + _WS_TOTAL, count + count2, sem="relaxed")
+            else:
+                base = tl.atomic_add(wrow + _WS_TOTAL, count, sem="relaxed")
+            _p_compact_store(x, c, g32, base, cv, ci, C)
             tl.store(info, count)
             tl.store(info + 1, base)
+            if PAIR == 2:
+                _p_compact_store(x2, c2, g2, base + count, cv, ci, C)
+                if chunk + 1 < CPR:  # (past the row, the record would be the next row's)
+                    tl.store(info + 4, count2)
+                    tl.store(info + 5, base + count)
             tl.debug_barrier()
             arrived = tl.atomic_add(wrow + _WS_ARRIVE2, 1, sem="acq_rel")
-            if arrived % CPR == CPR - 1:
-                if arrived >= CPR:
+            if arrived % UPR == UPR - 1:
+                if arrived >= UPR:
                     # Counters were not zero at launch: poison the row (detectable, never a hang).
                     _fill(orow, 0, K, -2, K, FB)
                 else:
@@ -565,21 +586,24 @@ if _HAVE_TRITON:
         else:
             # Every valid entry is chosen: slot j holds column j.
             tl.store(orow + c, c, mask=c < n)
+            if PAIR == 2:
+                tl.store(orow + c2, c2, mask=c2 < n)
             if chunk == 0:
                 _fill(orow, n, K, -1, K, FB)
 
-    @triton.jit(do_not_specialize=["W", "n_items", "CPR", "IPR", "SUB", "ONE"])
+    @triton.jit(do_not_specialize=["W", "n_items", "CPR", "UPR", "IPR", "SUB", "ONE"])
     def _p_select_kernel(
         scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, cand_v_ptr, cand_i_ptr, out_ptr, stride_o,
-        W, n_items, CPR, IPR, SUB,
+        W, n_items, CPR, UPR, IPR, SUB,
         ONE,
         K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr, C: tl.constexpr, CPR_P2: tl.constexpr,
-        FB: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, EXACT_STEPS: tl.constexpr,
+        FB: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, EXACT_STEPS: tl.constexpr, PAIR: tl.constexpr,
     ):
         """Launch 2: every chunk compacts its entries above the row's bound into the row's
-        candidate buffer (at a base taken with an atomic); the last chunk of the row to arrive
+        candidate buffer (at a base taken with an atomic); the last unit of the row to arrive
         puts the candidates in index order, selects the K-th score among them and writes the row.
-        An item is SUB adjacent chunks of one row (IPR items per row), done one after another."""
+        A unit is PAIR adjacent chunks (UPR units per row); an item is SUB adjacent units of one
+        row (IPR items per row), done one after another."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         offs = tl.arange(0, CHUNK) * ONE  # one layout for load, scan and scatter (see the standard kernel)
@@ -588,11 +612,11 @@ if _HAVE_TRITON:
         for item in range(pid, n_items, nprog):
             row = item // IPR
             for sub in range(SUB):
-                chunk = (item % IPR) * SUB + sub
-                if chunk < CPR:
-                    _p_select_chunk(scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, cand_v_ptr, cand_i_ptr,
-                                    out_ptr, stride_o, W, CPR, row, chunk, offs, p, cidx, ONE, K, CHUNK, WS, C, FB,
-                                    FALLBACK_BLOCK, EXACT_STEPS)
+                unit = (item % IPR) * SUB + sub
+                if unit < UPR:
+                    _p_select_unit(scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, cand_v_ptr, cand_i_ptr,
+                                   out_ptr, stride_o, W, CPR, UPR, row, unit * PAIR, offs, p, cidx, ONE, K, CHUNK, WS,
+                                   C, FB, FALLBACK_BLOCK, EXACT_STEPS, PAIR)
 
 # ----------------------------------------------------------------------------- planning
 
@@ -765,6 +789,8 @@ class IndexerTopK:
             SM fit at 128).
         _chunks_per_item: benchmark/test-only override of the persistent select kernel's chunks
             per item (1: every chunk its own item, as before session 13).
+        _pair_chunks: benchmark/test-only: True pairs the select kernel's chunks even in items of one
+            chunk, False never (as before session 14); None (default): in items of two or more.
         _select_chunk, _select_warps: benchmark/test-only CHUNK and warps of the persistent select
             kernel alone (the bound kernel keeps its own); one chunk per item unless
             _chunks_per_item says otherwise. At CHUNK 4096 and 4 warps the kernel takes 248
@@ -800,6 +826,7 @@ class IndexerTopK:
         _warps: int | None = None,
         _maxnreg: int | None = None,
         _chunks_per_item: int | None = None,
+        _pair_chunks: bool | None = None,
         _select_chunk: int | None = None,
         _select_warps: int | None = None,
         _lb_steps: int = LB_STEPS,
@@ -838,6 +865,7 @@ class IndexerTopK:
         if _chunks_per_item is not None and (not isinstance(_chunks_per_item, int) or _chunks_per_item < 1):
             raise ValueError(f"_chunks_per_item must be a positive int, got {_chunks_per_item!r}")
         self._chunks_per_item = _chunks_per_item
+        self._pair_chunks = _pair_chunks
         if _select_chunk is not None and _select_chunk not in (1024, 2048, 4096, 8192, 16384):
             raise ValueError(f"_select_chunk must be one of 1024, 2048, 4096, 8192, 16384, got {_select_chunk!r}")
         if _select_warps is not None and _select_warps not in (4, 8, 16):
@@ -910,9 +938,15 @@ class IndexerTopK:
         """The persistent select kernel's chunks per item for a call of rows x width (1 on other paths)."""
         return self._persistent_plan(rows, width)[2] if self.path == "persistent" else 1
 
-    def _persistent_plan(self, rows: int, width: int) -> tuple[int, int, int, int, int]:
-        """(select CHUNK, chunks per row, chunks per item, select warps, bound CHUNK) of a call,
-        the benchmark/test overrides applied."""
+    def chunks_per_unit(self, rows: int, width: int) -> int:
+        """The persistent select kernel's chunks per arrival unit (1 or 2; 1 on other paths)."""
+        return self._persistent_plan(rows, width)[5] if self.path == "persistent" else 1
+
+    def _persistent_plan(self, rows: int, width: int) -> tuple[int, int, int, int, int, int]:
+        """(select CHUNK, chunks per row, chunks per item, select warps, bound CHUNK, chunks per
+        unit) of a call, the benchmark/test overrides applied. Items of two or more chunks are
+        done as pairs of chunks (loaded together, one candidate-count atomic and one arrival per
+        pair) unless _pair_chunks=False."""
         chunk, cpr, per_item, warps = _persistent_config(rows, width, min(self.num_programs, self._sms), self.k)
         bound_chunk = _bound_chunk(width, self.k)
         if self._tile is not None:
@@ -921,7 +955,9 @@ class IndexerTopK:
         if self._select_chunk is not None:
             chunk = self._select_chunk
             cpr, per_item = -(-width // chunk), 1
-        return chunk, cpr, self._chunks_per_item or per_item, self._select_warps or self._warps or warps, bound_chunk
+        per_item = self._chunks_per_item or per_item
+        pair = 2 if (self._pair_chunks is None and per_item >= 2 and cpr >= 2) or self._pair_chunks else 1
+        return chunk, cpr, per_item, self._select_warps or self._warps or warps, bound_chunk, pair
 
     def _persistent(self, scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, max_seq_len: int | None) -> None:
         rows, width = scores.shape
@@ -935,10 +971,12 @@ class IndexerTopK:
         if width == 0:
             out.fill_(-1)
             return
-        chunk, cpr, per_item, warps, bound_chunk = self._persistent_plan(rows, width)
+        chunk, cpr, per_item, warps, bound_chunk, pair = self._persistent_plan(rows, width)
         if rows * cpr > self._chunks_cap or cpr > self._cpr_p2:
             raise ValueError(f"{rows} x {width} needs {rows * cpr} chunks, more than the {self._chunks_cap} planned")
-        items_per_row = -(-cpr // per_item)
+        units_per_row = -(-cpr // pair)
+        units_per_item = -(-per_item // pair)
+        items_per_row = -(-units_per_row // units_per_item)
         n_items = rows * items_per_row
         bound_cpr = -(-width // bound_chunk)
         bound_items = rows * bound_cpr
@@ -950,10 +988,10 @@ class IndexerTopK:
         grid = (min(self.num_programs, n_items),)
         _p_select_kernel[grid](
             scores, scores.stride(0), lengths, ws, self.chunk_info, self.cand_v, self.cand_i, out, out.stride(0),
-            width, n_items, cpr, items_per_row, per_item, 1,
+            width, n_items, cpr, units_per_row, items_per_row, units_per_item, 1,
             K=self.k, CHUNK=chunk, WS=self._ws_stride, C=self.cap, CPR_P2=self._cpr_p2,
             FB=min(1024, _next_pow2(self.k)), FALLBACK_BLOCK=FALLBACK_BLOCK, EXACT_STEPS=self._exact_steps,
-            num_warps=warps,
+            PAIR=pair, num_warps=warps,
             **self._select_launch_options,
         )
 

@@ -299,6 +299,28 @@ def test_select_chunk_override_matches_the_default(select_chunk, per_item):
     assert torch.equal(op(scores, lengths).clone(), expected)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("knobs", [{"_bound_chunk": 1024}, {"_bound_chunk": 8192, "_bound_warps": 4},
+                                   {"_bound_filter": True}, {"_bound_filter": True, "_bound_chunk": 2048}])
+def test_bound_kernel_knobs_keep_the_output(knobs):
+    """The bound kernel's chunk, warps and atomic filter change only how its group maxima are
+    gathered: the row's bound, and so the output, stay the same (ragged rows, several chunks)."""
+    gen = torch.Generator().manual_seed(len(str(knobs)))
+    k, width = 48, 20000
+    scores = make_rows(3, width, gen, "relu")
+    lengths = torch.tensor([width, 9000, k + 2], dtype=torch.int32)
+    expected = IndexerTopK(3, width, k, backend="persistent", device="cpu")(scores, lengths).clone()
+    assert_topk_valid(expected, scores, lengths, k)
+    op = IndexerTopK(3, width, k, backend="persistent", device="cpu", **knobs)
+    assert torch.equal(op(scores, lengths).clone(), expected)
+
+
+def test_bound_chunks_are_at_most_32k_columns():
+    from sparseserve.kernels.topk import _bound_chunk
+    assert _bound_chunk(262144, 1024) == 32768 and _bound_chunk(262144, 512, limit=16384) == 16384
+    assert _bound_chunk(5000, 512) == 8192 and _bound_chunk(100, 1024) == 2048  # at least G columns
+
+
 def test_persistent_plan_makes_one_wave_of_items():
     """Where 8K chunks make more items than resident programs, items take several chunks so that
     the grid is one wave (8 x 256K on 132 SMs: 32 chunks a row, 2 per item, 128 items)."""

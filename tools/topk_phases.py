@@ -47,6 +47,8 @@ def main() -> None:
                     help="also the persistent path with fewer search steps (inexact; timing only) and other warps")
     ap.add_argument("--pair-variants", action="store_true",
                     help="also the persistent path with its select chunks never / always paired")
+    ap.add_argument("--bound-variants", action="store_true",
+                    help="also the persistent bound kernel with longer chunks, more warps, and its atomics filtered")
     ap.add_argument("--ks", default="512,1024")
     ap.add_argument("--shapes", default=None, help="e.g. 8x262144,1x65536 (default: the built-in list)")
     args = ap.parse_args()
@@ -66,6 +68,11 @@ def main() -> None:
                  ("persistent", {"_warps": 16})]
     if args.pair_variants:
         runs += [("persistent", {"_pair_chunks": False}), ("persistent", {"_pair_chunks": True})]
+    if args.bound_variants:
+        runs += [("persistent", {"_bound_chunk": chunk, "_bound_warps": warps})
+                 for chunk, warps in ((8192, 8), (32768, 8), (32768, 16))]
+        runs += [("persistent", {"_bound_filter": True}),
+                 ("persistent", {"_bound_filter": True, "_bound_chunk": 32768, "_bound_warps": 16})]
     shapes = SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(","))

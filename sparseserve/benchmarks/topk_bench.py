@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.testing
 
-from sparseserve.kernels.topk import IndexerTopK, auto_path, topk_indices_ref
+from sparseserve.kernels.topk import IndexerTopK, _bound_chunk, auto_path, topk_indices_ref
 
 HBM_BYTES_PER_S = 4.2e12
 PATHS = ("standard", "persistent")
@@ -99,10 +99,10 @@ def grid_cell(rows: int, width: int, k: int, gen: torch.Generator, warmup_ms: in
     scores = make_scores(rows, width, "random", gen)
     lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
     ops = {p: IndexerTopK(rows, width, k, backend=p) for p in PATHS}
-    if ops["persistent"].chunks_per_unit(rows, width) > 1:
-        # The same run's baseline: the select kernel's chunks one by one, each with its own atomics
-        # (session 13's kernel).
-        ops["persistent_unpaired"] = IndexerTopK(rows, width, k, backend="persistent", _pair_chunks=False)
+    # The same run's baseline: session 13's persistent plan (select chunks one by one, each with its
+    # own atomics; bound chunks of at most 16K columns).
+    ops["persistent_session13"] = IndexerTopK(rows, width, k, backend="persistent", _pair_chunks=False,
+                                              _bound_chunk=_bound_chunk(width, k, limit=16384))
     e: dict = {"k": k, "rows": rows, "width": width, "auto_path": auto_path(rows, width)}
     e["correct"] = _check(ops, rows, width, k, gen)
     fns = {"torch_topk": lambda: torch.topk(scores, k, dim=1)}
@@ -135,8 +135,7 @@ def run_grid(rows_list, widths, ks, warmup_ms, rep_ms, log) -> list[dict]:
                     f" | std {e['standard_eager_us']:7.1f}/{e['standard_graph_us']:7.1f}"
                     f" | pers {e['persistent_eager_us']:7.1f}/{e['persistent_graph_us']:7.1f} us (eager/graph)"
                     f" | roof {e['roofline_us']:6.2f} | auto {e['auto_path'][:4]} | ok {all(e['correct'].values())}"
-                    + (f" | pers, unpaired chunks {e['persistent_unpaired_graph_us']:7.1f}"
-                       if "persistent_unpaired_graph_us" in e else "")
+                    + f" | pers, session 13 plan {e['persistent_session13_graph_us']:7.1f}"
                 )
     return entries
 
@@ -254,6 +253,9 @@ PRECOMPILE = [
     ("standard", 512, 262144, 8192, None, 8),
     *[("persistent", k, 262144, t, None, None) for k in (512, 1024) for t in (4096, 8192)],
     *[("persistent", k, 262144, None, None, None, {"_pair_chunks": True}) for k in (512, 1024)],  # paired chunks
+    # The grid's same-run baseline (session 13's plan).
+    *[("persistent", k, w, None, None, None, {"_pair_chunks": False, "_bound_chunk": _bound_chunk(w, k, limit=16384)})
+      for k in (512, 1024) for w in (8192, 262144)],
     ("persistent", 1024, 300001, 8192, None, None),
     ("persistent", 512, 65536, 4096, 256, None),
     ("persistent", 512, 262144, 2048, None, None),

@@ -99,15 +99,16 @@ STD_PROGRAMS_PER_SM = 2  # standard-path grid cap (and candidate buffers) per SM
 # per SM: at 8 x 256K (256 chunks) the second program of an SM is queued as its own item rather
 # than looped over, and the call took 33.8 instead of 44.7 us (session 6, tools/topk_phases.py).
 PERSISTENT_PROGRAMS_PER_SM = 2
+BOUND_CHUNK_MAX = 32768  # the persistent bound kernel's longest chunk (see _bound_chunk)
 KEY_NEG_INF = -2139095041  # the int32 key of -inf
 
 # "auto" crossover (docs/performance.md; `topk_bench --sweep-ks 512,1024` prints the suggestion): the
 # persistent path is picked when a step has at most this many rows for its padded width (width limits
 # ascending; the last is unbounded), i.e. where it was >= 1.3x faster than the standard path at every
 # row count up to the limit in the sweep, at k = 512 and 1024 (graph replay; one H200, 2026-11-30
-# 04:16 UTC, session 13's kernels). Up to 16K columns it never was. 64 rows pass at 256K columns
-# (1.36x / 1.32x) but not at 128K (1.26x / 1.21x), so widths between keep 32.
-_AUTO_MAX_ROWS_PERSISTENT = ((16384, 0), (32768, 16), (262143, 32), (1 << 62, 64))
+# 05:01 UTC, session 14's kernels). Up to 16K columns it never was. 64 rows pass at 128K columns
+# (1.39x / 1.36x) but not at 64K (1.27x / 1.20x), so widths between keep 32.
+_AUTO_MAX_ROWS_PERSISTENT = ((16384, 0), (32768, 16), (131071, 32), (1 << 62, 64))
 
 
 def topk_indices_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
@@ -452,9 +453,12 @@ if _HAVE_TRITON:
     def _p_bound_kernel(
         scores_ptr, stride_s, lengths_ptr, ws_ptr, W, n_items, CPR,
         K: tl.constexpr, CHUNK: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, LB_STEPS: tl.constexpr,
+        FILTER: tl.constexpr,
     ):
         """Launch 1: strided group maxima of every long row (atomic max into the zeroed
-        workspace); the last chunk of a row to arrive turns them into the row's lower bound."""
+        workspace); the last chunk of a row to arrive turns them into the row's lower bound.
+        FILTER: read the row's maxima first (alongside the chunk's load) and send only the atomics
+        that raise them."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         offs = tl.arange(0, CHUNK)
@@ -466,11 +470,16 @@ if _HAVE_TRITON:
             if n > K:
                 wrow = ws_ptr + row.to(tl.int64) * WS
                 if start < n:
+                    if FILTER:
+                        have = tl.load(wrow + _WS_GMAX + gidx, cache_modifier=".cg")
                     x = _load_scores(scores_ptr + row.to(tl.int64) * stride_s, start + offs, start, n, CHUNK)
                     gm = tl.max(tl.reshape(x, [CHUNK // G, G]), axis=0)
                     # (key >> 1) + 2**30: monotone, >= 0, so zeroed counters mean "below everything".
                     mk = (_keys(gm) >> 1) + 1073741824
-                    tl.atomic_max(wrow + _WS_GMAX + gidx, mk, mask=gm > float("-inf"), sem="relaxed")
+                    send = gm > float("-inf")
+                    if FILTER:
+                        send = send & (mk > have)
+                    tl.atomic_max(wrow + _WS_GMAX + gidx, mk, mask=send, sem="relaxed")
                 tl.debug_barrier()
                 arrived = tl.atomic_add(wrow + _WS_ARRIVE1, 1, sem="acq_rel")
                 if arrived % CPR == CPR - 1:
@@ -667,12 +676,13 @@ def _persistent_config(rows: int, width: int, resident_programs: int, k: int) ->
     return chunk, cpr, min(per_item, cpr), _warps(chunk, _capacity(k))
 
 
-def _bound_chunk(width: int, k: int) -> int:
-    """CHUNK of the bound kernel: up to 16K columns. Every chunk does G atomic maxima into its
-    row's workspace, so fewer, longer chunks win (session 6: 8 x 256K 9.6 -> 7.8 us, 1 x 256K
-    8.3 -> 6.1 us against 4K-8K chunks), and 16K columns keep it at ~100 registers, two
-    programs per SM."""
-    return max(_persistent_groups(k), min(16384, _next_pow2(width)))
+def _bound_chunk(width: int, k: int, limit: int = BOUND_CHUNK_MAX) -> int:
+    """CHUNK of the bound kernel: up to `limit` columns. Every chunk does G atomic maxima into its
+    row's workspace, and the atomics on the same G words contend, so fewer, longer chunks win
+    (session 6: 8 x 256K 9.6 -> 7.8 us, 1 x 256K 8.3 -> 6.1 us, 16K against 4K-8K chunks;
+    session 14: 64 x 256K 43.7 -> 31.4 us, 8 x 256K 9.7 -> 8.5 us, 32K against 16K, at 153-162
+    registers and no spills; 64K chunks spill)."""
+    return max(_persistent_groups(k), min(limit, _next_pow2(width)))
 
 
 def auto_path(max_rows: int, max_width: int) -> str:
@@ -791,6 +801,8 @@ class IndexerTopK:
             per item (1: every chunk its own item, as before session 13).
         _pair_chunks: benchmark/test-only: True pairs the select kernel's chunks even in items of one
             chunk, False never (as before session 14); None (default): in items of two or more.
+        _bound_chunk, _bound_warps, _bound_filter: benchmark/test-only CHUNK and warps of the persistent
+            bound kernel alone, and its filter (read the row's maxima, send only raising atomics).
         _select_chunk, _select_warps: benchmark/test-only CHUNK and warps of the persistent select
             kernel alone (the bound kernel keeps its own); one chunk per item unless
             _chunks_per_item says otherwise. At CHUNK 4096 and 4 warps the kernel takes 248
@@ -827,6 +839,9 @@ class IndexerTopK:
         _maxnreg: int | None = None,
         _chunks_per_item: int | None = None,
         _pair_chunks: bool | None = None,
+        _bound_chunk: int | None = None,
+        _bound_warps: int | None = None,
+        _bound_filter: bool = False,
         _select_chunk: int | None = None,
         _select_warps: int | None = None,
         _lb_steps: int = LB_STEPS,
@@ -866,6 +881,12 @@ class IndexerTopK:
             raise ValueError(f"_chunks_per_item must be a positive int, got {_chunks_per_item!r}")
         self._chunks_per_item = _chunks_per_item
         self._pair_chunks = _pair_chunks
+        if _bound_chunk is not None and (not isinstance(_bound_chunk, int) or _bound_chunk not in
+                                         tuple(1 << e for e in range(10, 17))):
+            raise ValueError(f"_bound_chunk must be a power of two in 1024 .. 65536, got {_bound_chunk!r}")
+        if _bound_warps is not None and _bound_warps not in (4, 8, 16):
+            raise ValueError(f"_bound_warps must be 4, 8 or 16, got {_bound_warps!r}")
+        self._bound_chunk, self._bound_warps, self._bound_filter = _bound_chunk, _bound_warps, bool(_bound_filter)
         if _select_chunk is not None and _select_chunk not in (1024, 2048, 4096, 8192, 16384):
             raise ValueError(f"_select_chunk must be one of 1024, 2048, 4096, 8192, 16384, got {_select_chunk!r}")
         if _select_warps is not None and _select_warps not in (4, 8, 16):
@@ -894,7 +915,7 @@ class IndexerTopK:
             self._sms = _num_sms(self.device)
             self.num_programs = num_programs or PERSISTENT_PROGRAMS_PER_SM * self._sms
             self.groups = _persistent_groups(k)
-            for name, value in (("_tile", _tile), ("_select_chunk", _select_chunk)):
+            for name, value in (("_tile", _tile), ("_select_chunk", _select_chunk), ("_bound_chunk", _bound_chunk)):
                 if value is not None and value < self.groups:
                     raise ValueError(f"{name}={value} is below the persistent path's {self.groups} groups for k={k}")
             self._ws_stride = WS_GMAX + self.groups
@@ -955,6 +976,7 @@ class IndexerTopK:
         if self._select_chunk is not None:
             chunk = self._select_chunk
             cpr, per_item = -(-width // chunk), 1
+        bound_chunk = self._bound_chunk or bound_chunk
         per_item = self._chunks_per_item or per_item
         pair = 2 if (self._pair_chunks is None and per_item >= 2 and cpr >= 2) or self._pair_chunks else 1
         return chunk, cpr, per_item, self._select_warps or self._warps or warps, bound_chunk, pair
@@ -983,7 +1005,7 @@ class IndexerTopK:
         _p_bound_kernel[(min(self.num_programs, bound_items),)](
             scores, scores.stride(0), lengths, ws, width, bound_items, bound_cpr,
             K=self.k, CHUNK=bound_chunk, G=self.groups, WS=self._ws_stride, LB_STEPS=self._lb_steps,
-            num_warps=self._warps or 8,
+            FILTER=self._bound_filter, num_warps=self._bound_warps or self._warps or 8,
         )
         grid = (min(self.num_programs, n_items),)
         _p_select_kernel[grid](

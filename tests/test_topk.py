@@ -315,9 +315,13 @@ def test_bound_kernel_knobs_keep_the_output(knobs):
     assert torch.equal(op(scores, lengths).clone(), expected)
 
 
-def test_bound_chunks_are_at_most_32k_columns():
+def test_bound_chunks_grow_to_32k_only_past_one_wave():
+    """16K-column bound chunks, or 32K where 16K chunks outnumber the programs (fewer contending
+    atomics; with few rows the extra programs reading the scores win)."""
     from sparseserve.kernels.topk import _bound_chunk
-    assert _bound_chunk(262144, 1024) == 32768 and _bound_chunk(262144, 512, limit=16384) == 16384
+    assert _bound_chunk(262144, 1024, rows=8, programs=264) == 16384  # 128 items of 16K
+    assert _bound_chunk(262144, 1024, rows=64, programs=264) == 32768  # 1024 items of 16K
+    assert _bound_chunk(262144, 512, rows=64, programs=264, limit=16384) == 16384
     assert _bound_chunk(5000, 512) == 8192 and _bound_chunk(100, 1024) == 2048  # at least G columns
 
 

@@ -252,7 +252,8 @@ PRECOMPILE = [
     ("standard", 512, 262144, 4096, None, 16),
     ("standard", 512, 262144, 8192, None, 8),
     *[("persistent", k, 262144, t, None, None) for k in (512, 1024) for t in (4096, 8192)],
-    *[("persistent", k, 262144, None, None, None, {"_pair_chunks": True}) for k in (512, 1024)],  # paired chunks
+    *[("persistent", k, 262144, None, None, None, {"_pair_chunks": True, "_bound_chunk": 32768})
+      for k in (512, 1024)],  # paired chunks, long bound chunks (many rows)
     # The grid's same-run baseline (session 13's plan).
     *[("persistent", k, w, None, None, None, {"_pair_chunks": False, "_bound_chunk": _bound_chunk(w, k, limit=16384)})
       for k in (512, 1024) for w in (8192, 262144)],

@@ -676,13 +676,19 @@ def _persistent_config(rows: int, width: int, resident_programs: int, k: int) ->
     return chunk, cpr, min(per_item, cpr), _warps(chunk, _capacity(k))
 
 
-def _bound_chunk(width: int, k: int, limit: int = BOUND_CHUNK_MAX) -> int:
-    """CHUNK of the bound kernel: up to `limit` columns. Every chunk does G atomic maxima into its
-    row's workspace, and the atomics on the same G words contend, so fewer, longer chunks win
-    (session 6: 8 x 256K 9.6 -> 7.8 us, 1 x 256K 8.3 -> 6.1 us, 16K against 4K-8K chunks;
-    session 14: 64 x 256K 43.7 -> 31.4 us, 8 x 256K 9.7 -> 8.5 us, 32K against 16K, at 153-162
-    registers and no spills; 64K chunks spill)."""
-    return max(_persistent_groups(k), min(limit, _next_pow2(width)))
+def _bound_chunk(width: int, k: int, rows: int = 1, programs: int = 1 << 30, limit: int = BOUND_CHUNK_MAX) -> int:
+    """CHUNK of the bound kernel: 16K columns, or up to `limit` where 16K chunks would make more
+    items than `programs` (the grid). Every chunk does G atomic maxima into its row's workspace,
+    and the atomics on the same G words contend, so fewer, longer chunks win (session 6: 8 x 256K
+    9.6 -> 7.8 us, 1 x 256K 8.3 -> 6.1 us, 16K against 4K-8K chunks; session 14, L2 warm:
+    64 x 256K 43.7 -> 31.4 us with 32K chunks, 153-162 registers, no spills; 64K chunks spill).
+    With few rows, 32K chunks gained nothing with the scores in HBM (8 x 256K: 37.1 us either
+    way) and halve the programs that read them."""
+    groups = _persistent_groups(k)
+    chunk = max(groups, min(16384, _next_pow2(width)))
+    if rows * -(-width // chunk) > programs:
+        chunk = max(groups, min(limit, _next_pow2(width)))
+    return chunk
 
 
 def auto_path(max_rows: int, max_width: int) -> str:
@@ -969,7 +975,7 @@ class IndexerTopK:
         done as pairs of chunks (loaded together, one candidate-count atomic and one arrival per
         pair) unless _pair_chunks=False."""
         chunk, cpr, per_item, warps = _persistent_config(rows, width, min(self.num_programs, self._sms), self.k)
-        bound_chunk = _bound_chunk(width, self.k)
+        bound_chunk = _bound_chunk(width, self.k, rows, self.num_programs)
         if self._tile is not None:
             chunk = bound_chunk = self._tile
             cpr, per_item, warps = -(-width // chunk), 1, _warps(chunk, self.cap)

@@ -58,11 +58,12 @@ Algorithm (both paths), for a row of n > k valid scores:
   taken with an atomic add and records (count, base); the last chunk to arrive puts
   the candidates in index order from those records (deterministic output), selects and
   writes the row. In items of two or more chunks the chunks go in pairs: loaded together,
-  one atomic for the pair's base and one arrival per pair (64 x 256K: 147 -> 139 us). The per-row workspace (arrival counters, candidate count, group maxima)
-  MUST be zero at launch: the path zeroes it itself, unconditionally, right before the
-  first kernel (DESIGN.md invariant 2), so any graph that captures the call records the
-  zeroing. Stale counters are detected (an arrival count past the chunk count) and the
-  row is written as all -2, a detectable error value.
+  one atomic for the pair's base and one arrival per pair (64 x 256K: 147 -> 139 us). The
+  per-row workspace (arrival counters, candidate count, group maxima) MUST be zero at
+  launch: the path zeroes it itself, unconditionally, right before the first kernel
+  (DESIGN.md invariant 2), so any graph that captures the call records the zeroing. Stale
+  counters are detected (an arrival count past the row's chunks or pairs) and the row is
+  written as all -2, a detectable error value.
 * torch: the plain-PyTorch reference below (stable sort), exact tie rule, slow.
 
 Roofline (bytes per row): the scores must be read once, 4n bytes (1 x 256K: 1 MiB, 0.25 us

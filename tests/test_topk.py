@@ -315,6 +315,24 @@ def test_bound_kernel_knobs_keep_the_output(knobs):
     assert torch.equal(op(scores, lengths).clone(), expected)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "relu"])
+@pytest.mark.parametrize("knobs", [{}, {"_tile": 1024, "_chunks_per_item": 2}, {"_tile": 1024, "_pair_chunks": False}])
+def test_finish_by_gathers_matches_the_reordering_finish(kind, knobs):
+    """The experimental finish (_finish_gather: tie-free rows written from buffer order through the
+    chunk records) writes exactly what the reordering finish writes, slot for slot, on ragged rows
+    of several chunks (paired or not), rows with ties at the k-th score and rows of equal scores."""
+    gen = torch.Generator().manual_seed(len(kind) + len(knobs))
+    k, width = 48, 5000
+    scores = make_rows(4, width, gen, kind)
+    lengths = torch.tensor([width, 3000, 2051, k + 1], dtype=torch.int32)
+    expected = IndexerTopK(4, width, k, backend="persistent", device="cpu", num_programs=3, **knobs)(scores, lengths)
+    expected = expected.clone()
+    assert_topk_valid(expected, scores, lengths, k)
+    op = IndexerTopK(4, width, k, backend="persistent", device="cpu", num_programs=3, _finish_gather=True, **knobs)
+    assert torch.equal(op(scores, lengths).clone(), expected)
+
+
 def test_bound_chunks_grow_to_32k_only_past_one_wave():
     """16K-column bound chunks, or 32K where 16K chunks outnumber the programs (fewer contending
     atomics; with few rows the extra programs reading the scores win)."""

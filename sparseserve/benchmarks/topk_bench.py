@@ -95,10 +95,14 @@ def _check(ops: dict[str, IndexerTopK], rows: int, width: int, k: int, gen: torc
     return result
 
 
-def grid_cell(rows: int, width: int, k: int, gen: torch.Generator, warmup_ms: int, rep_ms: int) -> dict:
+def grid_cell(rows: int, width: int, k: int, gen: torch.Generator, warmup_ms: int, rep_ms: int,
+              persistent_knobs: dict | None = None) -> dict:
+    """persistent_knobs: benchmark knobs of the persistent path's IndexerTopK (an experiment's
+    variant, timed against the same run's baseline below)."""
     scores = make_scores(rows, width, "random", gen)
     lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
-    ops = {p: IndexerTopK(rows, width, k, backend=p) for p in PATHS}
+    ops = {p: IndexerTopK(rows, width, k, backend=p, **((persistent_knobs or {}) if p == "persistent" else {}))
+           for p in PATHS}
     # The same run's baseline: session 13's persistent plan (select chunks one by one, each with its
     # own atomics; bound chunks of at most 16K columns).
     ops["persistent_session13"] = IndexerTopK(rows, width, k, backend="persistent", _pair_chunks=False,
@@ -122,13 +126,13 @@ def grid_cell(rows: int, width: int, k: int, gen: torch.Generator, warmup_ms: in
     return e
 
 
-def run_grid(rows_list, widths, ks, warmup_ms, rep_ms, log) -> list[dict]:
+def run_grid(rows_list, widths, ks, warmup_ms, rep_ms, log, persistent_knobs: dict | None = None) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     entries = []
     for k in ks:
         for width in widths:
             for rows in rows_list:
-                e = grid_cell(rows, width, k, gen, warmup_ms, rep_ms)
+                e = grid_cell(rows, width, k, gen, warmup_ms, rep_ms, persistent_knobs)
                 entries.append(e)
                 log(
                     f"k={k:5d} R={rows:4d} W={width:7d} | torch {e['torch_topk_eager_us']:7.1f}/{e['torch_topk_graph_us']:7.1f}"
@@ -254,6 +258,9 @@ PRECOMPILE = [
     *[("persistent", k, 262144, t, None, None) for k in (512, 1024) for t in (4096, 8192)],
     *[("persistent", k, 262144, None, None, None, {"_pair_chunks": True, "_bound_chunk": 32768})
       for k in (512, 1024)],  # paired chunks, long bound chunks (many rows)
+    # The finish by gathers (an experiment: --persistent-knobs '{"_finish_gather": true}').
+    *[("persistent", k, 262144, None, None, None, {"_finish_gather": True, "_pair_chunks": pair})
+      for k in (512, 1024) for pair in (False, True)],
     # The grid's same-run baseline (session 13's plan).
     *[("persistent", k, w, None, None, None, {"_pair_chunks": False, "_bound_chunk": _bound_chunk(w, k, limit=16384)})
       for k in (512, 1024) for w in (8192, 262144)],
@@ -292,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-ks", default="512", help="k values of the crossover sweep (comma-separated)")
     ap.add_argument("--precompile", type=int, default=0, metavar="N",
                     help="only fill Triton's kernel cache, with N processes, and exit")
+    ap.add_argument("--persistent-knobs", type=json.loads, default=None, metavar="JSON",
+                    help='benchmark knobs of the persistent path in the grid, e.g. \'{"_finish_gather": true}\'')
     ap.add_argument("--warmup-ms", type=int, default=5)
     ap.add_argument("--rep-ms", type=int, default=20)
     args = ap.parse_args(argv)
@@ -327,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         rows_list, widths, ks = [1, 64], [8192, 262144], [512]
     else:
         rows_list, widths, ks = [1, 8, 64, 256], [8192, 65536, 262144], [512, 1024]
-    result["grid"] = run_grid(rows_list, widths, ks, args.warmup_ms, args.rep_ms, log)
+    result["persistent_knobs"] = args.persistent_knobs or {}
+    result["grid"] = run_grid(rows_list, widths, ks, args.warmup_ms, args.rep_ms, log, args.persistent_knobs)
     save()
     if not args.quick and not args.no_data:
         result["data_kinds"] = run_data_kinds(args.warmup_ms, args.rep_ms, log)

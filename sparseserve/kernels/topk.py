@@ -490,33 +490,71 @@ if _HAVE_TRITON:
                     tl.store(wrow + _WS_BOUND, _bound_key(_bound_search(key, K, LB_STEPS)))
 
     @triton.jit
-    def _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo, K, offs, ONE,
-                  CHUNK: tl.constexpr, B: tl.constexpr, EXACT_STEPS: tl.constexpr):
-        """The persistent path's row finish, by the row's last chunk: its `total` <= B candidates
-        (v, idx: the buffer's first B slots; chunk runs in arrival order) are put in index order,
-        the top K are found among them and written in index order."""
-        p = tl.arange(0, B) * ONE
-        # Index-order position of candidate q: its rank in its chunk's run plus the candidates
-        # of the earlier chunks.
+    def _p_index_order(cnt, bas, first, cidx, cm, cinfo_ptr, idx, pm, p, CHUNK: tl.constexpr):
+        """Index-order position of every candidate in the buffer: its rank in its chunk's run
+        plus the candidates of the earlier chunks (through the chunk records in memory)."""
         tl.store(cinfo_ptr + (first + cidx) * 4 + 3, tl.cumsum(cnt, axis=0) - cnt - bas, mask=cm)
         tl.debug_barrier()
+        return p + tl.load(cinfo_ptr + (first + idx // CHUNK) * 4 + 3, mask=pm, other=0, cache_modifier=".cg")
+
+    @triton.jit
+    def _p_reorder_write(v, idx, pos, pm, p, t, exact_set, cv, ci, orow, K):
+        """Put the candidates in index order in the buffer (in place), then write the top K."""
+        tl.debug_barrier()
+        tl.store(cv + pos, v, mask=pm)
+        tl.store(ci + pos, idx, mask=pm)
+        tl.debug_barrier()
+        key = tl.where(pm, _keys(tl.load(cv + p, mask=pm, other=0.0, cache_modifier=".cg")), _KEY_MIN)
+        idx = tl.load(ci + p, mask=pm, other=0, cache_modifier=".cg")
+        _select_write(key, idx, t, exact_set, K, orow)
+
+    @triton.jit
+    def _p_write_by_records(v, idx, pm, t, cnt, bas, orow, B: tl.constexpr, CHUNK: tl.constexpr):
+        """Write the candidates with key >= t (exactly the top K) to slots 0.. in index order,
+        straight from buffer order: a chunk's candidates are one run, in index order, from its
+        base, so a candidate's slot is the selected count of the earlier chunks (record order is
+        index order) plus its rank among the selected of its run. Two in-register gathers instead
+        of a round trip of the buffer through memory."""
+        sel = pm & (_keys(v) >= t)
+        s32 = sel.to(tl.int32)
+        incl = tl.cumsum(s32, axis=0)  # buffer order
+        excl = incl - s32
+        has = cnt > 0
+        start = tl.minimum(tl.where(has, bas, 0), B - 1)
+        last = tl.minimum(tl.where(has, bas + cnt - 1, 0), B - 1)
+        before_run = tl.gather(excl, start, 0)  # selected before the run's start, in buffer order
+        run_sel = tl.where(has, tl.gather(incl, last, 0) - before_run, 0)
+        shift = tl.cumsum(run_sel, axis=0) - run_sel - before_run  # per chunk: slot = shift + excl
+        chunk = tl.minimum(tl.maximum(idx // CHUNK, 0), cnt.numel - 1)  # (lanes past the total hold garbage)
+        slot = tl.gather(shift, chunk, 0) + excl
+        tl.store(orow + slot, idx, mask=sel)
+
+    @triton.jit
+    def _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo, K, offs, ONE,
+                  CHUNK: tl.constexpr, B: tl.constexpr, EXACT_STEPS: tl.constexpr, GATHER: tl.constexpr):
+        """The persistent path's row finish, by the row's last chunk: its `total` <= B candidates
+        (v, idx: the buffer's first B slots; chunk runs in arrival order) are put in index order,
+        the top K are found among them and written in index order. GATHER (an experiment): where
+        no tie straddles the K-th score, write them straight from buffer order (_p_write_by_records)."""
+        p = tl.arange(0, B) * ONE
         pm = p < total
-        pos = p + tl.load(cinfo_ptr + (first + idx // CHUNK) * 4 + 3, mask=pm, other=0, cache_modifier=".cg")
         if total < K:
             # The K-th score is the bound (rare: many equal scores): the first ties by a scan, then
             # the candidates that the scan did not reach.
+            pos = _p_index_order(cnt, bas, first, cidx, cm, cinfo_ptr, idx, pm, p, CHUNK)
             passed = _write_chosen(srow, offs, n, lo, K - total, orow, K, True, CHUNK)
             tl.store(orow + (K - total) + pos, idx, mask=pm & (pos >= passed))
-        else:
+        elif GATHER:
             t, exact_set = _kth_search(tl.where(pm, _keys(v), _KEY_MIN), total, K, lo, EXACT_STEPS)
-            # Put the candidates in index order (in place), then write.
-            tl.debug_barrier()
-            tl.store(cv + pos, v, mask=pm)
-            tl.store(ci + pos, idx, mask=pm)
-            tl.debug_barrier()
-            key = tl.where(pm, _keys(tl.load(cv + p, mask=pm, other=0.0, cache_modifier=".cg")), _KEY_MIN)
-            idx = tl.load(ci + p, mask=pm, other=0, cache_modifier=".cg")
-            _select_write(key, idx, t, exact_set, K, orow)
+            if exact_set:
+                _p_write_by_records(v, idx, pm, t, cnt, bas, orow, B, CHUNK)
+            else:
+                pos = _p_index_order(cnt, bas, first, cidx, cm, cinfo_ptr, idx, pm, p, CHUNK)
+                _p_reorder_write(v, idx, pos, pm, p, t, exact_set, cv, ci, orow, K)
+        else:
+            pos = _p_index_order(cnt, bas, first, cidx, cm, cinfo_ptr, idx, pm, p, CHUNK)  # overlaps the search
+            t, exact_set = _kth_search(tl.where(pm, _keys(v), _KEY_MIN), total, K, lo, EXACT_STEPS)
+            _p_reorder_write(v, idx, pos, pm, p, t, exact_set, cv, ci, orow, K)
 
     @triton.jit
     def _p_compact_store(x, c, g32, base, cv, ci, C: tl.constexpr):
@@ -530,7 +568,7 @@ if _HAVE_TRITON:
     def _p_select_unit(scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, cand_v_ptr, cand_i_ptr, out_ptr, stride_o,
                        W, CPR, UPR, row, chunk, offs, p, cidx, ONE, K: tl.constexpr, CHUNK: tl.constexpr,
                        WS: tl.constexpr, C: tl.constexpr, FB: tl.constexpr, FALLBACK_BLOCK: tl.constexpr,
-                       EXACT_STEPS: tl.constexpr, PAIR: tl.constexpr):
+                       EXACT_STEPS: tl.constexpr, PAIR: tl.constexpr, GATHER: tl.constexpr):
         """One arrival unit of the select launch (see _p_select_kernel): PAIR adjacent chunks from
         `chunk` (the second may lie past the row: it is all -inf then), loaded together, one atomic
         for their candidates' base and one arrival (UPR units per row); the last unit of the row to
@@ -585,12 +623,12 @@ if _HAVE_TRITON:
                     if total <= C // 2:
                         # The usual case (about 1.25 K candidates): half the block, half the work.
                         _p_finish(v, idx, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo,
-                                  K, offs, ONE, CHUNK, C // 2, EXACT_STEPS)
+                                  K, offs, ONE, CHUNK, C // 2, EXACT_STEPS, GATHER)
                     elif total <= C:
                         v_all = tl.load(cv + p, cache_modifier=".cg")
                         idx_all = tl.load(ci + p, cache_modifier=".cg")
                         _p_finish(v_all, idx_all, total, cnt, bas, first, cidx, cm, cinfo_ptr, cv, ci, srow, orow, n, lo,
-                                  K, offs, ONE, CHUNK, C, EXACT_STEPS)
+                                  K, offs, ONE, CHUNK, C, EXACT_STEPS, GATHER)
                     else:
                         _exact_row(srow, n, orow, K, FALLBACK_BLOCK)  # too many candidates: exact, slow
         else:
@@ -608,6 +646,7 @@ if _HAVE_TRITON:
         ONE,
         K: tl.constexpr, CHUNK: tl.constexpr, WS: tl.constexpr, C: tl.constexpr, CPR_P2: tl.constexpr,
         FB: tl.constexpr, FALLBACK_BLOCK: tl.constexpr, EXACT_STEPS: tl.constexpr, PAIR: tl.constexpr,
+        GATHER: tl.constexpr,
     ):
         """Launch 2: every chunk compacts its entries above the row's bound into the row's
         candidate buffer (at a base taken with an atomic); the last unit of the row to arrive
@@ -626,7 +665,7 @@ if _HAVE_TRITON:
                 if unit < UPR:
                     _p_select_unit(scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, cand_v_ptr, cand_i_ptr,
                                    out_ptr, stride_o, W, CPR, UPR, row, unit * PAIR, offs, p, cidx, ONE, K, CHUNK, WS,
-                                   C, FB, FALLBACK_BLOCK, EXACT_STEPS, PAIR)
+                                   C, FB, FALLBACK_BLOCK, EXACT_STEPS, PAIR, GATHER)
 
 # ----------------------------------------------------------------------------- planning
 
@@ -810,6 +849,8 @@ class IndexerTopK:
             chunk, False never (as before session 14); None (default): in items of two or more.
         _bound_chunk, _bound_warps, _bound_filter: benchmark/test-only CHUNK and warps of the persistent
             bound kernel alone, and its filter (read the row's maxima, send only raising atomics).
+        _finish_gather: benchmark/test-only: the persistent finish writes tie-free rows straight from
+            the candidate buffer's order (two in-register gathers) instead of reordering it in memory.
         _select_chunk, _select_warps: benchmark/test-only CHUNK and warps of the persistent select
             kernel alone (the bound kernel keeps its own); one chunk per item unless
             _chunks_per_item says otherwise. At CHUNK 4096 and 4 warps the kernel takes 248
@@ -849,6 +890,7 @@ class IndexerTopK:
         _bound_chunk: int | None = None,
         _bound_warps: int | None = None,
         _bound_filter: bool = False,
+        _finish_gather: bool = False,
         _select_chunk: int | None = None,
         _select_warps: int | None = None,
         _lb_steps: int = LB_STEPS,
@@ -894,6 +936,7 @@ class IndexerTopK:
         if _bound_warps is not None and _bound_warps not in (4, 8, 16):
             raise ValueError(f"_bound_warps must be 4, 8 or 16, got {_bound_warps!r}")
         self._bound_chunk, self._bound_warps, self._bound_filter = _bound_chunk, _bound_warps, bool(_bound_filter)
+        self._finish_gather = bool(_finish_gather)
         if _select_chunk is not None and _select_chunk not in (1024, 2048, 4096, 8192, 16384):
             raise ValueError(f"_select_chunk must be one of 1024, 2048, 4096, 8192, 16384, got {_select_chunk!r}")
         if _select_warps is not None and _select_warps not in (4, 8, 16):
@@ -1020,7 +1063,7 @@ class IndexerTopK:
             width, n_items, cpr, units_per_row, items_per_row, units_per_item, 1,
             K=self.k, CHUNK=chunk, WS=self._ws_stride, C=self.cap, CPR_P2=self._cpr_p2,
             FB=min(1024, _next_pow2(self.k)), FALLBACK_BLOCK=FALLBACK_BLOCK, EXACT_STEPS=self._exact_steps,
-            PAIR=pair, num_warps=warps,
+            PAIR=pair, GATHER=self._finish_gather, num_warps=warps,
             **self._select_launch_options,
         )
 

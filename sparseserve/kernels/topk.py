@@ -490,12 +490,14 @@ if _HAVE_TRITON:
                     tl.store(wrow + _WS_BOUND, _bound_key(_bound_search(key, K, LB_STEPS)))
 
     @triton.jit
-    def _p_index_order(cnt, bas, first, cidx, cm, cinfo_ptr, idx, pm, p, CHUNK: tl.constexpr):
-        """Index-order position of every candidate in the buffer: its rank in its chunk's run
-        plus the candidates of the earlier chunks (through the chunk records in memory)."""
+    def _p_index_order(cnt, bas, first, cidx, cm, cinfo_ptr, idx, total, p, CHUNK: tl.constexpr):
+        """(pos, pm): the index-order position of every candidate in the buffer (its rank in its
+        chunk's run plus the candidates of the earlier chunks, through the chunk records in
+        memory), and the mask of the buffer's first `total` slots."""
         tl.store(cinfo_ptr + (first + cidx) * 4 + 3, tl.cumsum(cnt, axis=0) - cnt - bas, mask=cm)
         tl.debug_barrier()
-        return p + tl.load(cinfo_ptr + (first + idx // CHUNK) * 4 + 3, mask=pm, other=0, cache_modifier=".cg")
+        pm = p < total
+        return p + tl.load(cinfo_ptr + (first + idx // CHUNK) * 4 + 3, mask=pm, other=0, cache_modifier=".cg"), pm
 
     @triton.jit
     def _p_reorder_write(v, idx, pos, pm, p, t, exact_set, cv, ci, orow, K):
@@ -537,24 +539,32 @@ if _HAVE_TRITON:
         the top K are found among them and written in index order. GATHER (an experiment): where
         no tie straddles the K-th score, write them straight from buffer order (_p_write_by_records)."""
         p = tl.arange(0, B) * ONE
-        pm = p < total
-        if total < K:
-            # The K-th score is the bound (rare: many equal scores): the first ties by a scan, then
-            # the candidates that the scan did not reach.
-            pos = _p_index_order(cnt, bas, first, cidx, cm, cinfo_ptr, idx, pm, p, CHUNK)
-            passed = _write_chosen(srow, offs, n, lo, K - total, orow, K, True, CHUNK)
-            tl.store(orow + (K - total) + pos, idx, mask=pm & (pos >= passed))
-        elif GATHER:
-            t, exact_set = _kth_search(tl.where(pm, _keys(v), _KEY_MIN), total, K, lo, EXACT_STEPS)
-            if exact_set:
-                _p_write_by_records(v, idx, pm, t, cnt, bas, orow, B, CHUNK)
+        if GATHER:
+            if total < K:
+                pos, pm = _p_index_order(cnt, bas, first, cidx, cm, cinfo_ptr, idx, total, p, CHUNK)
+                _p_write_bound_ties(srow, offs, n, lo, total, idx, pos, pm, orow, K, CHUNK)
             else:
-                pos = _p_index_order(cnt, bas, first, cidx, cm, cinfo_ptr, idx, pm, p, CHUNK)
-                _p_reorder_write(v, idx, pos, pm, p, t, exact_set, cv, ci, orow, K)
+                pm = p < total
+                t, exact_set = _kth_search(tl.where(pm, _keys(v), _KEY_MIN), total, K, lo, EXACT_STEPS)
+                if exact_set:
+                    _p_write_by_records(v, idx, pm, t, cnt, bas, orow, B, CHUNK)
+                else:
+                    pos, pm = _p_index_order(cnt, bas, first, cidx, cm, cinfo_ptr, idx, total, p, CHUNK)
+                    _p_reorder_write(v, idx, pos, pm, p, t, exact_set, cv, ci, orow, K)
         else:
-            pos = _p_index_order(cnt, bas, first, cidx, cm, cinfo_ptr, idx, pm, p, CHUNK)  # overlaps the search
-            t, exact_set = _kth_search(tl.where(pm, _keys(v), _KEY_MIN), total, K, lo, EXACT_STEPS)
-            _p_reorder_write(v, idx, pos, pm, p, t, exact_set, cv, ci, orow, K)
+            pos, pm = _p_index_order(cnt, bas, first, cidx, cm, cinfo_ptr, idx, total, p, CHUNK)  # overlaps the search
+            if total < K:
+                _p_write_bound_ties(srow, offs, n, lo, total, idx, pos, pm, orow, K, CHUNK)
+            else:
+                t, exact_set = _kth_search(tl.where(pm, _keys(v), _KEY_MIN), total, K, lo, EXACT_STEPS)
+                _p_reorder_write(v, idx, pos, pm, p, t, exact_set, cv, ci, orow, K)
+
+    @triton.jit
+    def _p_write_bound_ties(srow, offs, n, lo, total, idx, pos, pm, orow, K, CHUNK: tl.constexpr):
+        """Rows whose K-th score is the bound itself (rare: many equal scores): the first ties by a
+        scan of the row, then the candidates (index-order positions pos) that the scan did not reach."""
+        passed = _write_chosen(srow, offs, n, lo, K - total, orow, K, True, CHUNK)
+        tl.store(orow + (K - total) + pos, idx, mask=pm & (pos >= passed))
 
     @triton.jit
     def _p_compact_store(x, c, g32, base, cv, ci, C: tl.constexpr):

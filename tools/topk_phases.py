@@ -26,6 +26,18 @@ SHAPES = ((1, 8192), (1, 65536), (1, 262144), (8, 65536), (8, 262144), (64, 6553
 FLUSH_KERNEL = "distribution_elementwise"  # the kernel of Tensor.random_, the L2 flush below
 
 
+# Variant sets the runs may add (each: store_true).
+VARIANT_FLAGS = {
+    "--variants": "also the persistent path with other grids, chunks and register caps",
+    "--select-variants": "also the persistent select kernel at 4K/2K chunks and 4 warps (two programs per SM)",
+    "--step-cost": "also the persistent path with fewer search steps (inexact; timing only) and other warps",
+    "--pair-variants": "also the persistent path with its select chunks never / always paired",
+    "--bound-variants": "also the persistent bound kernel with longer chunks, more warps, and its atomics filtered",
+    "--finish-variants": "also the persistent path whose finish writes tie-free rows by two gathers (_finish_gather)",
+    "--flush": "also each kernel's time with L2 flushed before every call (scores read from HBM)",
+}
+
+
 def kernel_times(fn, calls: int, flush: torch.Tensor | None = None) -> dict[str, float]:
     """Mean device microseconds per call of each kernel name. flush: a buffer larger than L2,
     rewritten before every call (its kernel is left out), so that the scores come from HBM as
@@ -47,20 +59,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="topk_phases.json")
     ap.add_argument("--paths", default="persistent,standard")
-    ap.add_argument("--variants", action="store_true",
-                    help="also the persistent path with other grids, chunks and register caps")
-    ap.add_argument("--select-variants", action="store_true",
-                    help="also the persistent select kernel at 4K/2K chunks and 4 warps (two programs per SM)")
-    ap.add_argument("--step-cost", action="store_true",
-                    help="also the persistent path with fewer search steps (inexact; timing only) and other warps")
-    ap.add_argument("--pair-variants", action="store_true",
-                    help="also the persistent path with its select chunks never / always paired")
-    ap.add_argument("--bound-variants", action="store_true",
-                    help="also the persistent bound kernel with longer chunks, more warps, and its atomics filtered")
-    ap.add_argument("--finish-variants", action="store_true",
-                    help="also the persistent path whose finish writes tie-free rows by two gathers (_finish_gather)")
-    ap.add_argument("--flush", action="store_true",
-                    help="also each kernel's time with L2 flushed before every call (scores read from HBM)")
+    for flag, help_text in VARIANT_FLAGS.items():
+        ap.add_argument(flag, action="store_true", help=help_text)
     ap.add_argument("--ks", default="512,1024")
     ap.add_argument("--shapes", default=None, help="e.g. 8x262144,1x65536 (default: the built-in list)")
     args = ap.parse_args()

@@ -73,11 +73,17 @@ case "${1:-tests}" in
     # torch.topk in the same run (about 3 minutes on a fresh machine). TOPK_PHASES_ARGS replaces the phases'
     # variants, e.g. for issue 5's 8 x 256K cell: "--finish-variants --flush --paths persistent --ks 1024,512
     # --shapes 8x262144,1x262144,8x65536,64x262144" (the finish by gathers; each kernel with L2 flushed too).
+    # TOPK_KNOBS='{"_finish_gather": true}' adds a grid of the persistent path with those knobs.
     { timeout -k 5 60 python -m sparseserve.benchmarks.topk_bench --precompile 16 > /dev/null
       timeout -k 5 90 python -m pytest -q -m gpu tests/test_topk_gpu.py
       timeout -k 5 150 python tools/topk_phases.py ${TOPK_PHASES_ARGS:---variants --paths persistent} \
         --out "$OUT/topk_phases.json"
       timeout -k 5 150 python -m sparseserve.benchmarks.topk_bench --no-sweep --no-variants --out "$OUT/topk.json"
+      # TOPK_KNOBS (JSON): the grid again with these persistent-path knobs (the same run's comparison).
+      if [ -n "${TOPK_KNOBS:-}" ]; then
+        timeout -k 5 120 python -m sparseserve.benchmarks.topk_bench --no-sweep --no-variants --no-data \
+          --persistent-knobs "$TOPK_KNOBS" --out "$OUT/topk_knobs.json"
+      fi
     } 2>&1 | filter > "$OUT/topk.log"; tail -60 "$OUT/topk.log" ;;
   overlap)
     # OVERLAP_TESTS=tests/test_side_stream.py: only the schedule's own test (the close runs the rest).

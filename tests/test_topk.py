@@ -301,10 +301,10 @@ def test_select_chunk_override_matches_the_default(select_chunk, per_item):
 
 @needs_interpreter
 @pytest.mark.parametrize("knobs", [{"_bound_chunk": 1024}, {"_bound_chunk": 8192, "_bound_warps": 4},
-                                   {"_bound_filter": True}, {"_bound_filter": True, "_bound_chunk": 2048}])
+                                   {"_bound_chunk": 2048}])
 def test_bound_kernel_knobs_keep_the_output(knobs):
-    """The bound kernel's chunk, warps and atomic filter change only how its group maxima are
-    gathered: the row's bound, and so the output, stay the same (ragged rows, several chunks)."""
+    """The bound kernel's chunk and warps change only how its group maxima are gathered: the
+    row's bound, and so the output, stay the same (ragged rows, several chunks)."""
     gen = torch.Generator().manual_seed(len(str(knobs)))
     k, width = 48, 20000
     scores = make_rows(3, width, gen, "relu")

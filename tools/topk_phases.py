@@ -32,7 +32,7 @@ VARIANT_FLAGS = {
     "--select-variants": "also the persistent select kernel at 4K/2K chunks and 4 warps (two programs per SM)",
     "--step-cost": "also the persistent path with fewer search steps (inexact; timing only) and other warps",
     "--pair-variants": "also the persistent path with its select chunks never / always paired",
-    "--bound-variants": "also the persistent bound kernel with longer chunks, more warps, and its atomics filtered",
+    "--bound-variants": "also the persistent bound kernel with other chunks and warps",
     "--finish-variants": "also the persistent path whose finish writes tie-free rows by two gathers (_finish_gather)",
     "--flush": "also each kernel's time with L2 flushed before every call (scores read from HBM)",
 }
@@ -83,8 +83,6 @@ def main() -> None:
     if args.bound_variants:
         runs += [("persistent", {"_bound_chunk": chunk, "_bound_warps": warps})
                  for chunk, warps in ((8192, 8), (32768, 8), (32768, 16))]
-        runs += [("persistent", {"_bound_filter": True}),
-                 ("persistent", {"_bound_filter": True, "_bound_chunk": 32768, "_bound_warps": 16})]
     if args.finish_variants:
         runs += [("persistent", {"_finish_gather": True})]
     shapes = SHAPES

@@ -454,12 +454,9 @@ if _HAVE_TRITON:
     def _p_bound_kernel(
         scores_ptr, stride_s, lengths_ptr, ws_ptr, W, n_items, CPR,
         K: tl.constexpr, CHUNK: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, LB_STEPS: tl.constexpr,
-        FILTER: tl.constexpr,
     ):
         """Launch 1: strided group maxima of every long row (atomic max into the zeroed
-        workspace); the last chunk of a row to arrive turns them into the row's lower bound.
-        FILTER: read the row's maxima first (alongside the chunk's load) and send only the atomics
-        that raise them."""
+        workspace); the last chunk of a row to arrive turns them into the row's lower bound."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         offs = tl.arange(0, CHUNK)
@@ -471,16 +468,11 @@ if _HAVE_TRITON:
             if n > K:
                 wrow = ws_ptr + row.to(tl.int64) * WS
                 if start < n:
-                    if FILTER:
-                        have = tl.load(wrow + _WS_GMAX + gidx, cache_modifier=".cg")
                     x = _load_scores(scores_ptr + row.to(tl.int64) * stride_s, start + offs, start, n, CHUNK)
                     gm = tl.max(tl.reshape(x, [CHUNK // G, G]), axis=0)
                     # (key >> 1) + 2**30: monotone, >= 0, so zeroed counters mean "below everything".
                     mk = (_keys(gm) >> 1) + 1073741824
-                    send = gm > float("-inf")
-                    if FILTER:
-                        send = send & (mk > have)
-                    tl.atomic_max(wrow + _WS_GMAX + gidx, mk, mask=send, sem="relaxed")
+                    tl.atomic_max(wrow + _WS_GMAX + gidx, mk, mask=gm > float("-inf"), sem="relaxed")
                 tl.debug_barrier()
                 arrived = tl.atomic_add(wrow + _WS_ARRIVE1, 1, sem="acq_rel")
                 if arrived % CPR == CPR - 1:
@@ -857,8 +849,8 @@ class IndexerTopK:
             per item (1: every chunk its own item, as before session 13).
         _pair_chunks: benchmark/test-only: True pairs the select kernel's chunks even in items of one
             chunk, False never (as before session 14); None (default): in items of two or more.
-        _bound_chunk, _bound_warps, _bound_filter: benchmark/test-only CHUNK and warps of the persistent
-            bound kernel alone, and its filter (read the row's maxima, send only raising atomics).
+        _bound_chunk, _bound_warps: benchmark/test-only CHUNK and warps of the persistent bound kernel
+            alone.
         _finish_gather: benchmark/test-only: the persistent finish writes tie-free rows straight from
             the candidate buffer's order (two in-register gathers) instead of reordering it in memory.
         _select_chunk, _select_warps: benchmark/test-only CHUNK and warps of the persistent select
@@ -899,7 +891,6 @@ class IndexerTopK:
         _pair_chunks: bool | None = None,
         _bound_chunk: int | None = None,
         _bound_warps: int | None = None,
-        _bound_filter: bool = False,
         _finish_gather: bool = False,
         _select_chunk: int | None = None,
         _select_warps: int | None = None,
@@ -945,7 +936,7 @@ class IndexerTopK:
             raise ValueError(f"_bound_chunk must be a power of two in 1024 .. 65536, got {_bound_chunk!r}")
         if _bound_warps is not None and _bound_warps not in (4, 8, 16):
             raise ValueError(f"_bound_warps must be 4, 8 or 16, got {_bound_warps!r}")
-        self._bound_chunk, self._bound_warps, self._bound_filter = _bound_chunk, _bound_warps, bool(_bound_filter)
+        self._bound_chunk, self._bound_warps = _bound_chunk, _bound_warps
         self._finish_gather = bool(_finish_gather)
         if _select_chunk is not None and _select_chunk not in (1024, 2048, 4096, 8192, 16384):
             raise ValueError(f"_select_chunk must be one of 1024, 2048, 4096, 8192, 16384, got {_select_chunk!r}")
@@ -1065,7 +1056,7 @@ class IndexerTopK:
         _p_bound_kernel[(min(self.num_programs, bound_items),)](
             scores, scores.stride(0), lengths, ws, width, bound_items, bound_cpr,
             K=self.k, CHUNK=bound_chunk, G=self.groups, WS=self._ws_stride, LB_STEPS=self._lb_steps,
-            FILTER=self._bound_filter, num_warps=self._bound_warps or self._warps or 8,
+            num_warps=self._bound_warps or self._warps or 8,
         )
         grid = (min(self.num_programs, n_items),)
         _p_select_kernel[grid](

@@ -319,17 +319,17 @@ def test_bound_kernel_knobs_keep_the_output(knobs):
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "relu"])
 @pytest.mark.parametrize("knobs", [{}, {"_tile": 1024, "_chunks_per_item": 2}, {"_tile": 1024, "_pair_chunks": False}])
 def test_finish_by_gathers_matches_the_reordering_finish(kind, knobs):
-    """The experimental finish (_finish_gather: tie-free rows written from buffer order through the
-    chunk records) writes exactly what the reordering finish writes, slot for slot, on ragged rows
+    """The default finish (tie-free rows written from buffer order through the chunk records) writes
+    exactly what the reordering finish (_finish_gather=False) writes, slot for slot, on ragged rows
     of several chunks (paired or not), rows with ties at the k-th score and rows of equal scores."""
     gen = torch.Generator().manual_seed(len(kind) + len(knobs))
     k, width = 48, 5000
     scores = make_rows(4, width, gen, kind)
     lengths = torch.tensor([width, 3000, 2051, k + 1], dtype=torch.int32)
-    expected = IndexerTopK(4, width, k, backend="persistent", device="cpu", num_programs=3, **knobs)(scores, lengths)
-    expected = expected.clone()
+    expected = IndexerTopK(4, width, k, backend="persistent", device="cpu", num_programs=3, _finish_gather=False,
+                           **knobs)(scores, lengths).clone()
     assert_topk_valid(expected, scores, lengths, k)
-    op = IndexerTopK(4, width, k, backend="persistent", device="cpu", num_programs=3, _finish_gather=True, **knobs)
+    op = IndexerTopK(4, width, k, backend="persistent", device="cpu", num_programs=3, **knobs)
     assert torch.equal(op(scores, lengths).clone(), expected)
 
 

@@ -72,8 +72,8 @@ case "${1:-tests}" in
     # The top-k paths: their gpu tests, each kernel's time (with the variants) and the grid with
     # torch.topk in the same run (about 3 minutes on a fresh machine). TOPK_PHASES_ARGS replaces the phases'
     # variants, e.g. for issue 5's 8 x 256K cell: "--finish-variants --flush --paths persistent --ks 1024,512
-    # --shapes 8x262144,1x262144,8x65536,64x262144" (the finish by gathers; each kernel with L2 flushed too).
-    # TOPK_KNOBS='{"_finish_gather": true}' adds a grid of the persistent path with those knobs.
+    # --shapes 8x262144,1x262144,8x65536,64x262144" (the finish through memory; each kernel with L2 flushed too).
+    # TOPK_KNOBS='{"_finish_gather": false}' adds a grid of the persistent path with those knobs.
     { timeout -k 5 60 python -m sparseserve.benchmarks.topk_bench --precompile 16 > /dev/null
       timeout -k 5 90 python -m pytest -q -m gpu tests/test_topk_gpu.py
       timeout -k 5 150 python tools/topk_phases.py ${TOPK_PHASES_ARGS:---variants --paths persistent} \

@@ -33,7 +33,7 @@ VARIANT_FLAGS = {
     "--step-cost": "also the persistent path with fewer search steps (inexact; timing only) and other warps",
     "--pair-variants": "also the persistent path with its select chunks never / always paired",
     "--bound-variants": "also the persistent bound kernel with other chunks and warps",
-    "--finish-variants": "also the persistent path whose finish writes tie-free rows by two gathers (_finish_gather)",
+    "--finish-variants": "also the persistent path whose finish reorders the candidates through memory (_finish_gather=False, before session 15)",
     "--flush": "also each kernel's time with L2 flushed before every call (scores read from HBM)",
 }
 
@@ -84,7 +84,7 @@ def main() -> None:
         runs += [("persistent", {"_bound_chunk": chunk, "_bound_warps": warps})
                  for chunk, warps in ((8192, 8), (32768, 8), (32768, 16))]
     if args.finish_variants:
-        runs += [("persistent", {"_finish_gather": True})]
+        runs += [("persistent", {"_finish_gather": False})]
     shapes = SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(","))

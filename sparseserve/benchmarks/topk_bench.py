@@ -104,9 +104,10 @@ def grid_cell(rows: int, width: int, k: int, gen: torch.Generator, warmup_ms: in
     ops = {p: IndexerTopK(rows, width, k, backend=p, **((persistent_knobs or {}) if p == "persistent" else {}))
            for p in PATHS}
     # The same run's baseline: session 13's persistent plan (select chunks one by one, each with its
-    # own atomics; bound chunks of at most 16K columns).
+    # own atomics; bound chunks of at most 16K columns; the finish reorders through memory).
     ops["persistent_session13"] = IndexerTopK(rows, width, k, backend="persistent", _pair_chunks=False,
-                                              _bound_chunk=_bound_chunk(width, k, limit=16384))
+                                              _bound_chunk=_bound_chunk(width, k, limit=16384),
+                                              _finish_gather=False)
     e: dict = {"k": k, "rows": rows, "width": width, "auto_path": auto_path(rows, width)}
     e["correct"] = _check(ops, rows, width, k, gen)
     fns = {"torch_topk": lambda: torch.topk(scores, k, dim=1)}
@@ -258,11 +259,12 @@ PRECOMPILE = [
     *[("persistent", k, 262144, t, None, None) for k in (512, 1024) for t in (4096, 8192)],
     *[("persistent", k, 262144, None, None, None, {"_pair_chunks": True, "_bound_chunk": 32768})
       for k in (512, 1024)],  # paired chunks, long bound chunks (many rows)
-    # The finish by gathers (an experiment: --persistent-knobs '{"_finish_gather": true}').
-    *[("persistent", k, 262144, None, None, None, {"_finish_gather": True, "_pair_chunks": pair})
+    # The finish that reorders through memory (before session 15: --persistent-knobs '{"_finish_gather": false}').
+    *[("persistent", k, 262144, None, None, None, {"_finish_gather": False, "_pair_chunks": pair})
       for k in (512, 1024) for pair in (False, True)],
     # The grid's same-run baseline (session 13's plan).
-    *[("persistent", k, w, None, None, None, {"_pair_chunks": False, "_bound_chunk": _bound_chunk(w, k, limit=16384)})
+    *[("persistent", k, w, None, None, None, {"_pair_chunks": False, "_bound_chunk": _bound_chunk(w, k, limit=16384),
+                                              "_finish_gather": False})
       for k in (512, 1024) for w in (8192, 262144)],
     ("persistent", 1024, 300001, 8192, None, None),
     ("persistent", 512, 65536, 4096, 256, None),
@@ -300,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precompile", type=int, default=0, metavar="N",
                     help="only fill Triton's kernel cache, with N processes, and exit")
     ap.add_argument("--persistent-knobs", type=json.loads, default=None, metavar="JSON",
-                    help='benchmark knobs of the persistent path in the grid, e.g. \'{"_finish_gather": true}\'')
+                    help='benchmark knobs of the persistent path in the grid, e.g. \'{"_finish_gather": false}\'')
     ap.add_argument("--warmup-ms", type=int, default=5)
     ap.add_argument("--rep-ms", type=int, default=20)
     args = ap.parse_args(argv)

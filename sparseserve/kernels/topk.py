@@ -528,8 +528,9 @@ if _HAVE_TRITON:
                   CHUNK: tl.constexpr, B: tl.constexpr, EXACT_STEPS: tl.constexpr, GATHER: tl.constexpr):
         """The persistent path's row finish, by the row's last chunk: its `total` <= B candidates
         (v, idx: the buffer's first B slots; chunk runs in arrival order) are put in index order,
-        the top K are found among them and written in index order. GATHER (an experiment): where
-        no tie straddles the K-th score, write them straight from buffer order (_p_write_by_records)."""
+        the top K are found among them and written in index order. GATHER (the default): where no tie
+        straddles the K-th score, write them straight from buffer order (_p_write_by_records), which
+        skips the reordering through memory."""
         p = tl.arange(0, B) * ONE
         if GATHER:
             if total < K:
@@ -851,8 +852,9 @@ class IndexerTopK:
             chunk, False never (as before session 14); None (default): in items of two or more.
         _bound_chunk, _bound_warps: benchmark/test-only CHUNK and warps of the persistent bound kernel
             alone.
-        _finish_gather: benchmark/test-only: the persistent finish writes tie-free rows straight from
-            the candidate buffer's order (two in-register gathers) instead of reordering it in memory.
+        _finish_gather: benchmark/test-only: True (default since session 15) writes tie-free rows
+            straight from the candidate buffer's order (two in-register gathers); False reorders the
+            buffer in memory first (before session 15; 1-2.5 us slower on the H200).
         _select_chunk, _select_warps: benchmark/test-only CHUNK and warps of the persistent select
             kernel alone (the bound kernel keeps its own); one chunk per item unless
             _chunks_per_item says otherwise. At CHUNK 4096 and 4 warps the kernel takes 248
@@ -891,7 +893,7 @@ class IndexerTopK:
         _pair_chunks: bool | None = None,
         _bound_chunk: int | None = None,
         _bound_warps: int | None = None,
-        _finish_gather: bool = False,
+        _finish_gather: bool = True,
         _select_chunk: int | None = None,
         _select_warps: int | None = None,
         _lb_steps: int = LB_STEPS,

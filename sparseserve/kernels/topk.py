@@ -55,9 +55,11 @@ Algorithm (both paths), for a row of n > k valid scores:
   ever waits for another, so no hang is possible, also under TRITON_INTERPRET=1) computes
   ``lo``. Launch 2 (its items are one or more adjacent chunks of a row, so that the grid is
   one wave): each chunk compacts its entries > lo into the row's buffer at a base
-  taken with an atomic add and records (count, base); the last chunk to arrive puts
-  the candidates in index order from those records (deterministic output), selects and
-  writes the row. In items of two or more chunks the chunks go in pairs: loaded together,
+  taken with an atomic add and records (count, base); the last chunk to arrive selects
+  the top k among the candidates and writes them in index order through those records
+  (deterministic output): straight from the buffer's arrival order by two in-register
+  gathers when no tie straddles the k-th score (8 x 256K, k = 1024: 36.7 -> 34.2 us), else
+  by reordering the buffer through memory first. In items of two or more chunks the chunks go in pairs: loaded together,
   one atomic for the pair's base and one arrival per pair (64 x 256K: 147 -> 139 us). The
   per-row workspace (arrival counters, candidate count, group maxima) MUST be zero at
   launch: the path zeroes it itself, unconditionally, right before the first kernel

@@ -45,7 +45,10 @@ POINTER_TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "part_
 
 def compile_sm90(fn, signature: dict, constexprs: dict, aligned: list[str], **options):
     """fn compiled for sm_90a, the `aligned` arguments specialised as divisible by 16 (as the
-    engine's launches are: 16-byte-aligned pointers, dims that are multiples of 16)."""
+    engine's launches are: 16-byte-aligned pointers, dims that are multiples of 16). Kernels with a
+    PDL constexpr (the last argument) are compiled as the H200 launches them: with the wait."""
+    if "PDL" in fn.arg_names and "PDL" not in signature:
+        signature, constexprs = {**signature, "PDL": "constexpr"}, {**constexprs, "PDL": True}
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
@@ -63,6 +66,8 @@ def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int, 
         constexprs["SCAN"] = 256
     if "BAND_PREPASS" in names:  # a branch's variant: valid-row bands from a pre-pass for 64-head programs
         constexprs["BAND_PREPASS"] = block_h == 64
+    if "PDL" in names:
+        constexprs["PDL"] = True
     if block_h == 64:
         constexprs["head_blocks"] = 1  # 64 heads: the launch passes 1, which Triton specialises
     signature = {}

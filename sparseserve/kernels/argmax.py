@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
+from .pdl import pdl_args, wait_for_prior_grid
 
 BLOCK = 4096
 
@@ -29,7 +30,8 @@ def greedy_tokens_ref(logits: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _chunk_argmax_kernel(logits_ptr, values_ptr, indices_ptr, vocab, stride_row, num_chunks,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -42,7 +44,8 @@ def _chunk_argmax_kernel(logits_ptr, values_ptr, indices_ptr, vocab, stride_row,
 
 
 @triton.jit
-def _pick_chunk_kernel(values_ptr, indices_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr):
+def _pick_chunk_kernel(values_ptr, indices_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS)
     v = tl.load(values_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
@@ -68,7 +71,8 @@ def greedy_tokens_triton(logits: torch.Tensor) -> torch.Tensor:
     values = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
     indices = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
     _chunk_argmax_kernel[(rows, num_chunks)](logits, values, indices, vocab, logits.stride(0), num_chunks,
-                                             BLOCK=BLOCK, num_warps=8)
+                                             BLOCK=BLOCK, num_warps=8, **pdl_args(logits.device))
     _pick_chunk_kernel[(rows,)](values, indices, out, num_chunks,
-                                CHUNKS=max(16, triton.next_power_of_2(num_chunks)), num_warps=1)
+                                CHUNKS=max(16, triton.next_power_of_2(num_chunks)), num_warps=1,
+                                **pdl_args(values.device))
     return out

@@ -22,6 +22,7 @@ import triton.language as tl
 from .dispatch import use_triton
 from .rmsnorm import rms_norm_ref
 from .rope import apply_rope_ref
+from .pdl import pdl_args, wait_for_prior_grid
 
 
 def compress_windows_ref(
@@ -78,10 +79,12 @@ def _compress_windows_kernel(
     HALF_ROPE: tl.constexpr,  # rope_dim // 2 (pairs rotated at the tail of the row)
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
+    PDL: tl.constexpr,
 ):
     # One program per emitting token, holding its whole row so the RMSNorm needs no second
     # pass; rows are read contiguously and only the final row is split into (even, odd)
     # pairs for the interleaved rope.
+    wait_for_prior_grid(PDL)
     m = tl.program_id(0).to(tl.int64)
     out_row = tl.load(out_rows_ptr + m).to(tl.int64)
     if out_row >= 0:  # device-side: a token that closes no window reads and writes nothing
@@ -197,7 +200,7 @@ def compress_windows_triton(
         HEAD_DIM=head_dim, WIDTH=width, RATE=rate, OVERLAP=bool(overlap), NUM_SLOTS=num_slots,
         HALF_ROPE=cos.shape[-1], BLOCK_S=block_s or cfg_s,
         BLOCK_D=triton.next_power_of_2(max(head_dim, 2)),
-        num_warps=num_warps or cfg_warps,
+        num_warps=num_warps or cfg_warps, **pdl_args(state.device)
     )
 
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
+from .pdl import pdl_args, wait_for_prior_grid
 
 
 def embed_streams_ref(ids: torch.Tensor, weight: torch.Tensor, hc: int) -> torch.Tensor:
@@ -20,7 +21,8 @@ def embed_streams_ref(ids: torch.Tensor, weight: torch.Tensor, hc: int) -> torch
 
 
 @triton.jit
-def _embed_streams_kernel(ids_ptr, w_ptr, out_ptr, D, stride_w, HC: tl.constexpr, BD: tl.constexpr):
+def _embed_streams_kernel(ids_ptr, w_ptr, out_ptr, D, stride_w, HC: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior_grid(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     mask = d < D
@@ -36,7 +38,7 @@ def embed_streams_triton(ids: torch.Tensor, weight: torch.Tensor, hc: int) -> to
     if num_tokens:
         block = min(1024, triton.next_power_of_2(dim))
         _embed_streams_kernel[(num_tokens, triton.cdiv(dim, block))](
-            ids.contiguous(), weight, out, dim, weight.stride(0), HC=hc, BD=block, num_warps=4)
+            ids.contiguous(), weight, out, dim, weight.stride(0), HC=hc, BD=block, num_warps=4, **pdl_args(ids.device))
     return out
 
 

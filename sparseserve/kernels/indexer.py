@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
+from .pdl import pdl_args, wait_for_prior_grid
 
 
 def entry_rows(
@@ -87,8 +88,10 @@ def _indexer_scores_kernel(
     stride_qt, stride_qh, stride_wt, stride_pool, stride_bt, stride_ot,
     CHUNKS: tl.constexpr, TILES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Flat grid (y/z cap at 65535); a token's chunks are adjacent in launch order.
+    wait_for_prior_grid(PDL)
     pid = tl.program_id(0)
     tok = (pid // CHUNKS).to(tl.int64)
     chunk = pid % CHUNKS
@@ -189,7 +192,7 @@ def indexer_scores_triton(
         q.stride(0), q.stride(1), weights.stride(0), index_pool.stride(0), block_table.stride(0), out.stride(0),
         CHUNKS=chunks, TILES=cfg.tiles,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_E=cfg.block_e, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_E=cfg.block_e, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device)
     )
     return out
 

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from .dispatch import use_triton
 from .rmsnorm import rms_norm
+from .pdl import pdl_args, wait_for_prior_grid
 
 try:
     import triton
@@ -139,7 +140,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _hc_coefficients_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, eps,
-                                HC: tl.constexpr, HP: tl.constexpr, ITERS: tl.constexpr):
+                                HC: tl.constexpr, HP: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr):
+        wait_for_prior_grid(PDL)
         t = tl.program_id(0).to(tl.int64)
         width = (2 + HC) * HC
         row = mix_ptr + t * width
@@ -215,12 +217,13 @@ if HAS_TRITON:
     @triton.jit
     def _hc_mix_partial_kernel(x_ptr, fn_ptr, mix_ws_ptr, sq_ws_ptr, num_tokens, K, M, chunk, splits,
                                BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, FMA: tl.constexpr,
-                               SPLIT_BF16: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                               SPLIT_BF16: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
         """Program (token tile, K chunk): partial sum of squares and partial x @ fn^T, fp32 accumulate.
 
         FMA: elementwise products accumulated in [BT, MP, BK] registers, one reduction at the end
         (few tokens: no padding of the token tile to the 16 rows a dot needs). Else a tensor-core
         dot (`mix_dot`: SPLIT_BF16, PREC, DOT_F32)."""
+        wait_for_prior_grid(PDL)
         pid_t = tl.program_id(0)
         pid_s = tl.program_id(1)
         rows = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
@@ -246,7 +249,7 @@ if HAS_TRITON:
                             norm_w_ptr, num_tokens, D, K, splits, norm_eps, hc_eps, block_eps,
                             HC: tl.constexpr, HP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
                             ITERS: tl.constexpr, HEAD: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr,
-                            NORM: tl.constexpr):
+                            NORM: tl.constexpr, PDL: tl.constexpr):
         """Program (TB tokens, D block): reduce the split-K partials (fixed order), the rms factor,
         the `pre` coefficients and the pre-weighted collapse of its D block. NORM (one D block holds
         the whole row): then the block's RMSNorm with weight norm_w, rounded as `rms_norm` rounds
@@ -254,6 +257,7 @@ if HAS_TRITON:
         Unless HEAD, the grid has one D block more: its programs compute post and comb (Sinkhorn)
         beside the collapse instead of before it, which the next GEMM waits for (batch 1: a layer's
         finalize took ~7 us, the head's, without them, ~4; H200 profile, session 11)."""
+        wait_for_prior_grid(PDL)
         tt = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
         tmask = tt < num_tokens
         pid_d = tl.program_id(1)
@@ -307,8 +311,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _hc_expand_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, new_ptr, num_tokens, D,
-                          HC: tl.constexpr, HP: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr):
+                          HC: tl.constexpr, HP: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
         """Program (TB tokens, D block): new[k, d] = post[k] * o[d] + sum_j comb[j, k] * s[j, d] (fp32)."""
+        wait_for_prior_grid(PDL)
         tt = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
         tmask = tt < num_tokens
         d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -336,7 +341,8 @@ def hc_coefficients_triton(mixes: torch.Tensor, base: torch.Tensor, scale: torch
     if num_tokens:
         hp = max(2, triton.next_power_of_2(hc))
         _hc_coefficients_kernel[(num_tokens,)](mixes, base.float().contiguous(), scale.float().contiguous(),
-                                               pre, post, comb, eps, HC=hc, HP=hp, ITERS=iters, num_warps=1)
+                                               pre, post, comb, eps, HC=hc, HP=hp, ITERS=iters, num_warps=1,
+                                                   **pdl_args(mixes.device))
     return pre, post, comb
 
 
@@ -415,7 +421,7 @@ def mix_partials_triton(x: torch.Tensor, fn: torch.Tensor, config: dict | None =
     _hc_mix_partial_kernel[grid](x, fn.contiguous(), mix_ws, sq_ws, num_tokens, k, m, cfg["chunk"], splits,
                                  BT=cfg["BT"], BK=cfg["BK"], MP=mp, FMA=cfg["fma"], SPLIT_BF16=split_bf16,
                                  PREC="ieee" if split_bf16 else cfg["prec"], DOT_F32=_INTERPRET,
-                                 num_warps=cfg["num_warps"])
+                                 num_warps=cfg["num_warps"], **pdl_args(x.device))
     return mix_ws, sq_ws
 
 
@@ -453,7 +459,7 @@ def finalize_triton(x: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor]
         comb if comb is not None else out, out, norm_weight if norm_weight is not None else out,
         num_tokens, dim, hc * dim, splits, norm_eps, hc_eps, block_eps,
         HC=hc, HP=max(2, triton.next_power_of_2(hc)), MP=mp, SP=max(2, triton.next_power_of_2(splits)),
-        ITERS=iters, HEAD=head, TB=tb, BD=bd, NORM=norm_weight is not None, num_warps=warps)
+        ITERS=iters, HEAD=head, TB=tb, BD=bd, NORM=norm_weight is not None, num_warps=warps, **pdl_args(x.device))
     return post, comb, out
 
 
@@ -477,7 +483,8 @@ def hc_expand_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torch
         tb, bd = row_config(num_tokens, dim)
         _hc_expand_kernel[(triton.cdiv(num_tokens, tb), triton.cdiv(dim, bd))](
             streams, block_out.contiguous(), post.float().contiguous(), comb.float().contiguous(), new,
-            num_tokens, dim, HC=hc, HP=max(2, triton.next_power_of_2(hc)), TB=tb, BD=bd, num_warps=4)
+            num_tokens, dim, HC=hc, HP=max(2, triton.next_power_of_2(hc)), TB=tb, BD=bd, num_warps=4,
+                **pdl_args(streams.device))
     return new
 
 

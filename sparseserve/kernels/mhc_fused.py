@@ -42,6 +42,7 @@ from .mhc import (
     mix_width,
 )
 from .rmsnorm import rms_norm
+from .pdl import pdl_args, wait_for_prior_grid
 
 if HAS_TRITON:
     import triton
@@ -82,11 +83,12 @@ if HAS_TRITON:
                               num_tokens, D, K, M, chunk, splits,
                               HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, MP: tl.constexpr,
                               FMA: tl.constexpr, SPLIT_BF16: tl.constexpr, PREC: tl.constexpr,
-                              DOT_F32: tl.constexpr):
+                              DOT_F32: tl.constexpr, PDL: tl.constexpr):
         """Program (token tile, D chunk): new[k, d] = post[k] * o[d] + sum_j comb[j, k] * s[j, d]
         for every stream k, stored; then the partial sum of squares and x @ fn^T of the stored
         (rounded) values over K columns k * D + d. FMA / SPLIT_BF16 / PREC / DOT_F32 as in
         `_hc_mix_partial_kernel`."""
+        wait_for_prior_grid(PDL)
         pid_t = tl.program_id(0)
         pid_s = tl.program_id(1)
         rows = pid_t.to(tl.int64) * BT + tl.arange(0, BT)
@@ -158,7 +160,7 @@ def expand_mix_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torc
             fn.contiguous(), mix_ws, sq_ws, num_tokens, dim, hc * dim, m, cfg["chunk"], splits,
             HC=hc, BT=cfg["BT"], BD=cfg["BD"], MP=mp, FMA=cfg["fma"], SPLIT_BF16=split_bf16,
             PREC="ieee" if split_bf16 else cfg["prec"], DOT_F32=_INTERPRET, num_warps=cfg["num_warps"],
-            num_stages=cfg.get("num_stages", 1))
+            num_stages=cfg.get("num_stages", 1), **pdl_args(streams.device))
     return new, (mix_ws, sq_ws)
 
 

@@ -42,6 +42,8 @@ try:  # Triton is optional: without it every path is the reference.
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
+from .pdl import pdl_args, wait_for_prior_grid  # noqa: E402 (after the optional Triton import)
+
 # Read once, at import, which is when Triton decides whether the kernels below are interpreted.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -179,7 +181,9 @@ if HAS_TRITON:
         ids_ptr, sorted_ids_ptr, block_expert_ptr,
         num_assign, num_experts, padded_rows, num_blocks,
         BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_for_prior_grid(PDL)
         experts = tl.arange(0, E_PAD)
         lanes = tl.arange(0, CHUNK)
         # Pass 1: tokens per expert, via a [CHUNK, E] one-hot per chunk.
@@ -224,7 +228,7 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     _moe_align_kernel[(1,)](
         topk_ids.reshape(-1), sorted_ids, block_expert,
         num_assign, num_experts, padded_rows, num_blocks,
-        BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, E_PAD=e_pad, num_warps=8 if e_pad >= 256 else 4,
+        BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, E_PAD=e_pad, num_warps=8 if e_pad >= 256 else 4, **pdl_args(topk_ids.device)
     )
     return sorted_ids, block_expert
 
@@ -311,7 +315,9 @@ if HAS_TRITON:
         limit,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
         M_FASTEST: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_for_prior_grid(PDL)
         pid = tl.program_id(0)
         if M_FASTEST:  # neighbouring programs: the tiles of one expert at one N tile
             pid_m = pid % num_m_blocks
@@ -361,7 +367,9 @@ if HAS_TRITON:
         stride_am, stride_we, stride_wn, stride_ym,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
         M_FASTEST: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_for_prior_grid(PDL)
         pid = tl.program_id(0)
         if M_FASTEST:
             pid_m = pid % num_m_blocks
@@ -422,7 +430,7 @@ def moe_gate_up(
         float(swiglu_limit),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k, UPCAST=_interpreting(),
         M_FASTEST=cfg.m_fastest,
-        num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
+        num_warps=cfg.gu_warps, num_stages=cfg.gu_stages, **pdl_args(x.device)
     )
     return act
 
@@ -449,7 +457,7 @@ def moe_down(
         act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=cfg.dn_block_k, UPCAST=_interpreting(),
         M_FASTEST=cfg.m_fastest,
-        num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
+        num_warps=cfg.dn_warps, num_stages=cfg.dn_stages, **pdl_args(act.device)
     )
     return y
 
@@ -495,8 +503,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_combine_kernel(y_ptr, shared_ptr, out_ptr, hidden, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
         # One pass: the k weighted slot rows and the shared expert's row summed in fp32, rounded once.
+        wait_for_prior_grid(PDL)
         tok = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < hidden
@@ -521,7 +530,7 @@ def moe_combine_triton(y: torch.Tensor, top_k: int, shared: torch.Tensor | None)
         block = min(1024, triton.next_power_of_2(hidden))
         _moe_combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
             y, shared if shared is not None else y, out, hidden, TOP_K=top_k, HAS_SHARED=shared is not None,
-            BLOCK=block, num_warps=4)
+            BLOCK=block, num_warps=4, **pdl_args(y.device))
     return out
 
 
@@ -549,8 +558,9 @@ def grouped_mm_available(device: torch.device) -> bool:
 if HAS_TRITON:
 
     @triton.jit
-    def _swiglu_kernel(h_ptr, out_ptr, inter, stride_h, stride_o, limit, BLOCK: tl.constexpr):
+    def _swiglu_kernel(h_ptr, out_ptr, inter, stride_h, stride_o, limit, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # One pass over [rows, 2I] instead of the four of the torch expression.
+        wait_for_prior_grid(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < inter
@@ -568,7 +578,8 @@ def swiglu_triton(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(inter))
     grid = (gate_up.shape[0], triton.cdiv(inter, block))
-    _swiglu_kernel[grid](gate_up, out, inter, gate_up.stride(0), out.stride(0), float(limit), BLOCK=block)
+    _swiglu_kernel[grid](gate_up, out, inter, gate_up.stride(0), out.stride(0), float(limit), BLOCK=block,
+        **pdl_args(gate_up.device))
     return out
 
 
@@ -681,12 +692,14 @@ if HAS_TRITON:
         TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SCORING: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_HASH: tl.constexpr, ROUND: tl.constexpr, NUM_PARTS: tl.constexpr = 0,
         HASH_BY_TOKEN: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):
         # One program per token: score, (bias), top-k by repeated max, gather, normalise.
         # NUM_PARTS > 0: logits_ptr holds fp32 partial logits [NUM_PARTS, T, E] (kernels/router.py),
         # summed here in part order and rounded to the logits dtype, as the GEMM's output is.
         # HASH_BY_TOKEN: hash_ptr is the whole table tid2eid [V, k], read at the token's id (token_ptr)
         # here instead of by a gather kernel before this one.
+        wait_for_prior_grid(PDL)
         row = tl.program_id(0).to(tl.int64)
         hash_row = row
         if HASH_BY_TOKEN:
@@ -792,7 +805,7 @@ def launch_select_experts(
         TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=max(16, triton.next_power_of_2(num_experts)),
         SCORING=_SCORING_IDS[scoring_func], HAS_BIAS=correction_bias is not None and hash_ids is None,
         HAS_HASH=hash_ids is not None, ROUND={torch.bfloat16: 1, torch.float16: 2}.get(logits_dtype, 0),
-        NUM_PARTS=num_parts, HASH_BY_TOKEN=by_token, num_warps=4,
+        NUM_PARTS=num_parts, HASH_BY_TOKEN=by_token, num_warps=4, **pdl_args(logits.device)
     )
 
 

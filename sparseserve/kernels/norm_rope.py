@@ -19,6 +19,7 @@ import triton.language as tl
 from .dispatch import use_triton
 from .rmsnorm import rms_norm
 from .rope import apply_rope
+from .pdl import pdl_args, wait_for_prior_grid
 
 
 def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
@@ -32,7 +33,9 @@ def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos:
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, pool_ptr, rows_ptr, heads, dim, stride_t, stride_h,
-                      eps, HAS_W: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, SCATTER: tl.constexpr):
+                      eps, HAS_W: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, SCATTER: tl.constexpr,
+                      PDL: tl.constexpr):
+    wait_for_prior_grid(PDL)
     r = tl.program_id(0).to(tl.int64)
     token = r // heads
     cols = tl.arange(0, BLOCK)
@@ -72,7 +75,7 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, c
             pool if pool is not None else out, pool_rows.contiguous() if pool_rows is not None else out,
             heads, dim, x.stride(0), x.stride(1) if x.dim() == 3 else 0, eps,
             HAS_W=weight is not None, HALF=cos.shape[-1], BLOCK=block, SCATTER=pool is not None,
-            num_warps=4 if block <= 2048 else 8)
+            num_warps=4 if block <= 2048 else 8, **pdl_args(x.device))
     return out
 
 

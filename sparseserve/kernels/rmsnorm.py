@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
+from .pdl import pdl_args, wait_for_prior_grid
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -20,7 +21,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, dim, inner, stride_outer, stride_inner, eps,
-                     HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_W: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior_grid(PDL)
     # Row (a, b) of x [outer, inner, dim] sits at a * stride_outer + b * stride_inner, so column
     # slices of a packed projection's output are read in place instead of copied first.
     row = tl.program_id(0).to(tl.int64)
@@ -55,7 +57,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
         block = triton.next_power_of_2(dim)
         _rms_norm_kernel[(rows,)](src, weight if weight is not None else src, y, dim, inner, stride_outer,
                                   stride_inner, eps, HAS_W=weight is not None, BLOCK=block,
-                                  num_warps=4 if block <= 4096 else 8)
+                                  num_warps=4 if block <= 4096 else 8, **pdl_args(x.device))
     return y
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
+from .pdl import pdl_args, wait_for_prior_grid
 
 
 def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -33,10 +34,11 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, invers
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, rows, heads, dim, stride_t, stride_h, sign,
-                 HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     # A tile of BLOCK_R rows (token, head) x the 2 * HALF rope channels, loaded contiguously and
     # split into (even, odd) pairs in registers: one program per row of 32 pairs left the loads
     # stride-2 and the grid at T * H tiny programs (~7x the memory floor at 8192 tokens x 64 heads).
+    wait_for_prior_grid(PDL)
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = (r < rows)[:, None]
     token = r // heads
@@ -74,7 +76,7 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
         block_r = max(1, min(64, 4096 // (2 * half), triton.next_power_of_2(rows)))
         _rope_kernel[(triton.cdiv(rows, block_r),)](
             x, cos.float().contiguous(), sin.float().contiguous(), rows, heads, x.shape[-1], x.stride(0), stride_h,
-            -1.0 if inverse else 1.0, HALF=half, BLOCK_R=block_r, num_warps=4)
+            -1.0 if inverse else 1.0, HALF=half, BLOCK_R=block_r, num_warps=4, **pdl_args(x.device))
     return x
 
 
@@ -88,7 +90,9 @@ def rope_tables_ref(positions: torch.Tensor, offsets: torch.Tensor, inv_freq: to
 
 
 @triton.jit
-def _rope_tables_kernel(pos_ptr, off_ptr, freq_ptr, out_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+def _rope_tables_kernel(pos_ptr, off_ptr, freq_ptr, out_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+                        PDL: tl.constexpr):
+    wait_for_prior_grid(PDL)
     table = tl.program_id(0)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = (t < T)[:, None]
@@ -120,7 +124,7 @@ def rope_tables_triton(positions: torch.Tensor, offsets: torch.Tensor, inv_freq:
         block_t = max(1, min(64, triton.next_power_of_2(T)))
         _rope_tables_kernel[(n, triton.cdiv(T, block_t))](
             positions.contiguous(), offsets.contiguous(), inv_freq.float().contiguous(), out, T,
-            HALF=half, BLOCK_T=block_t, num_warps=4)
+            HALF=half, BLOCK_T=block_t, num_warps=4, **pdl_args(positions.device))
     return out
 
 

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .dispatch import use_triton
 from .moe import _SCORING_IDS, launch_select_experts, select_experts
+from .pdl import pdl_args, wait_for_prior_grid
 
 ROUTER_MAX_TOKENS = 16
 WEIGHT_BYTES_PER_PROGRAM = 16384
@@ -34,11 +35,12 @@ WEIGHT_BYTES_PER_PROGRAM = 16384
 
 @triton.jit
 def _router_partials_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, dim, stride_x, stride_w,
-                            BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program (K slice, expert block): part[slice, t, e] = sum over the slice of x[t, k] * w[e, k],
     for every token in turn. The weight tile stays in registers and the products are fp32 (exact
     for bf16/fp16 inputs): the GEMM's arithmetic in another order. No tl.dot, so the program needs
     almost no shared memory and fits on an SM beside a GEMM's programs."""
+    wait_for_prior_grid(PDL)
     pid_k = tl.program_id(0)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -78,7 +80,7 @@ def router_select_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, scor
     partials = torch.empty(parts, num_tokens, num_experts, dtype=torch.float32, device=x.device)
     _router_partials_kernel[(parts, triton.cdiv(num_experts, block_e))](
         x, weight, partials, num_tokens, num_experts, dim, x.stride(0), weight.stride(0),
-        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
+        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4, **pdl_args(x.device))
     launch_select_experts(partials, 0, x.dtype, num_experts, weights, ids, top_k, scoring_func, routed_scaling_factor,
                           correction_bias, hash_ids, token_ids, num_parts=parts)
     return weights, ids

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
+from .pdl import pdl_args, wait_for_prior_grid
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +158,9 @@ def _source_rows_kernel(
     pos_ptr, seq_ptr, start_ptr, tok_off_ptr, slots_ptr, offs_ptr, out_ptr,
     num_tokens, num_offs, ring_rows, staging_base, stride_out,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior_grid(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tmask = t < num_tokens
@@ -182,8 +185,10 @@ def _ring_write_rows_kernel(
     pos_ptr, seq_ptr, start_ptr, ntok_ptr, slots_ptr, out_ptr,
     num_tokens, ring0, trash0, ring1, trash1, ring2, trash2, ring3, trash3,
     BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Up to four rings in one launch: program_id(1) picks the ring, out is [rings, T].
+    wait_for_prior_grid(PDL)
     r = tl.program_id(1)
     ring_rows = tl.where(r == 0, ring0, tl.where(r == 1, ring1, tl.where(r == 2, ring2, ring3))).to(tl.int64)
     trash_row = tl.where(r == 0, trash0, tl.where(r == 1, trash1, tl.where(r == 2, trash2, trash3))).to(tl.int64)
@@ -207,7 +212,9 @@ def _entry_rows_kernel(
     VISIBLE: tl.constexpr,  # ids are the visible entries of each token's position (HCA)
     HAS_PREFIX: tl.constexpr,  # out = prefix rows [T, pre_cols], then the entries' rows
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior_grid(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output column
     e = n - pre_cols  # entry column (< 0: a prefix column)
@@ -236,8 +243,10 @@ def _emit_pool_rows_kernel(
     pos_ptr, seq_ptr, bt_ptr, out_ptr, out2_ptr,
     num_tokens, stride_bt, max_blocks, rate, epb, comp_base, base2, trash_row,
     BLOCK_T: tl.constexpr, HAS_SECOND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # HAS_SECOND: also the rows of a second pool with the same paging at base2 (out2).
+    wait_for_prior_grid(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < num_tokens
     pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)
@@ -253,7 +262,8 @@ def _emit_pool_rows_kernel(
 
 
 @triton.jit
-def _visible_counts_kernel(pos_ptr, out_ptr, num_tokens, rate, num_entries, BLOCK_T: tl.constexpr):
+def _visible_counts_kernel(pos_ptr, out_ptr, num_tokens, rate, num_entries, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior_grid(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask = t < num_tokens
     closed = tl.load(pos_ptr + t, mask=mask, other=0) + 1
@@ -286,7 +296,7 @@ def source_rows_triton(positions, token_seq, seq_start, seq_token_offset, seq_sl
     _source_rows_kernel[grid](
         _c(positions), _c(token_seq), _c(seq_start), _c(seq_token_offset), _c(seq_slots), _c(offsets), out,
         num_tokens, num_offs, int(ring_rows), int(staging_base), out.stride(0),
-        BLOCK_T=block_t, BLOCK_N=block_n,
+        BLOCK_T=block_t, BLOCK_N=block_n, **pdl_args(positions.device)
     )
     return out
 
@@ -306,7 +316,7 @@ def ring_write_rows_multi_triton(positions, token_seq, seq_start, seq_num_tokens
         params += [1, -1] * (MAX_RINGS_PER_LAUNCH - len(rings))
         _ring_write_rows_kernel[(triton.cdiv(num_tokens, _BLOCK_1D), len(rings))](
             _c(positions), _c(token_seq), _c(seq_start), _c(seq_num_tokens), _c(seq_slots), out,
-            num_tokens, *params, BLOCK_T=_BLOCK_1D,
+            num_tokens, *params, BLOCK_T=_BLOCK_1D, **pdl_args(positions.device)
         )
     return list(out.unbind(0))
 
@@ -333,7 +343,7 @@ def _entry_rows_launch(ids, positions, token_seq, block_table, num_cols: int, en
         ids, positions, _c(token_seq), block_table, out, prefix,
         num_tokens, num_cols, ids.stride(0), block_table.stride(0), block_table.shape[1],
         int(entries_per_block), int(comp_base), int(rate), out.stride(0), pre_cols, prefix.stride(0),
-        VISIBLE=visible, HAS_PREFIX=pre_cols > 0, BLOCK_T=block_t, BLOCK_N=block_n,
+        VISIBLE=visible, HAS_PREFIX=pre_cols > 0, BLOCK_T=block_t, BLOCK_N=block_n, **pdl_args(ids.device)
     )
     return out
 
@@ -364,7 +374,7 @@ def emit_pool_rows_triton(positions, token_seq, block_table, rate: int, entries_
             _c(positions), _c(token_seq), block_table, out, out2,
             num_tokens, block_table.stride(0), block_table.shape[1], int(rate), int(entries_per_block),
             int(comp_base), int(second_base or 0), int(trash_row), BLOCK_T=_BLOCK_1D,
-            HAS_SECOND=second_base is not None,
+            HAS_SECOND=second_base is not None, **pdl_args(positions.device)
         )
     return (out, out2) if second_base is not None else out
 
@@ -374,7 +384,8 @@ def visible_counts_triton(positions, rate: int, num_entries: int) -> torch.Tenso
     out = torch.empty((num_tokens,), dtype=torch.int32, device=positions.device)
     if num_tokens:
         _visible_counts_kernel[(triton.cdiv(num_tokens, _BLOCK_1D),)](
-            _c(positions), out, num_tokens, int(rate), int(num_entries), BLOCK_T=_BLOCK_1D)
+            _c(positions), out, num_tokens, int(rate), int(num_entries), BLOCK_T=_BLOCK_1D,
+                **pdl_args(positions.device))
     return out
 
 

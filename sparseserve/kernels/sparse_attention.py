@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .dispatch import env_count, use_triton
 from .rope import apply_rope
+from .pdl import pdl_args, wait_for_prior_grid
 
 
 def sparse_mqa_attention_ref(
@@ -110,8 +111,9 @@ def _valid_band(rows_base, row_start, row_end, SCAN: tl.constexpr):
 
 @triton.jit
 def _valid_band_kernel(rows_ptr, band_ptr, num_rows, rows_per_split, stride_rt,
-                       NUM_SPLITS: tl.constexpr, SCAN: tl.constexpr):
+                       NUM_SPLITS: tl.constexpr, SCAN: tl.constexpr, PDL: tl.constexpr):
     """Each (token, split)'s valid band, for attention programs that read it instead of scanning."""
+    wait_for_prior_grid(PDL)
     pid = tl.program_id(0)
     tok = (pid // NUM_SPLITS).to(tl.int64)
     split = pid % NUM_SPLITS
@@ -131,9 +133,11 @@ def _sparse_mqa_fwd_kernel(
     NUM_SPLITS: tl.constexpr, DV_SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SCAN: tl.constexpr,
     BAND_PREPASS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One flat grid axis (the y/z axes cap at 65535); head blocks, value halves and splits of
     # one token are adjacent in launch order, so they run together and share rows through L2.
+    wait_for_prior_grid(PDL)
     pid = tl.program_id(0)
     per_token = head_blocks * DV_SPLIT * NUM_SPLITS
     tok = (pid // per_token).to(tl.int64)
@@ -226,11 +230,13 @@ def _sparse_mqa_merge_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, cos_ptr, sin_ptr,
     num_heads, head_dim, stride_ot, stride_oh, rope_sign,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, ROPE_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Combine the row splits of one token's heads. ROPE_HALF > 0: then rotate the trailing
     2 * ROPE_HALF channels of each head by rope_sign times the token's angles (cos/sin [T, ROPE_HALF]),
     on the output rounded to its dtype, as `rope.apply_rope` would after it: one launch fewer on
     the critical path (the output's inverse rope, ~4 us at batch 1)."""
+    wait_for_prior_grid(PDL)
     tok = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -381,7 +387,8 @@ def sparse_mqa_attention_triton(
     if cfg.band_prepass:
         band = torch.empty(num_tokens * splits * 2, dtype=torch.int32, device=q.device)
         _valid_band_kernel[(num_tokens * splits,)](
-            rows, band, num_rows, rows_per_split, rows.stride(0), NUM_SPLITS=splits, SCAN=scan, num_warps=4)
+            rows, band, num_rows, rows_per_split, rows.stride(0), NUM_SPLITS=splits, SCAN=scan, num_warps=4,
+                **pdl_args(rows.device))
     else:
         band = rows  # unused
     grid = (num_tokens * head_blocks * dv_split * splits,)
@@ -392,7 +399,7 @@ def sparse_mqa_attention_triton(
         float(scale) * _LOG2E,
         NUM_SPLITS=splits, DV_SPLIT=dv_split, PREFETCH=cfg.prefetch,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SCAN=scan, BAND_PREPASS=cfg.band_prepass,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device)
     )
     fuse_rope = inverse_rope is not None and splits > 1 and block_d == head_dim
     if splits > 1:
@@ -401,7 +408,7 @@ def sparse_mqa_attention_triton(
         _sparse_mqa_merge_kernel[(num_tokens, triton.cdiv(num_heads, merge_bh))](
             part_acc, part_ml, out, cos, sin, num_heads, head_dim, out.stride(0), out.stride(1), -1.0,
             NUM_SPLITS=splits, BLOCK_H=merge_bh, BLOCK_D=block_d,
-            ROPE_HALF=inverse_rope[0].shape[-1] if fuse_rope else 0, num_warps=4,
+            ROPE_HALF=inverse_rope[0].shape[-1] if fuse_rope else 0, num_warps=4, **pdl_args(part_acc.device)
         )
     if inverse_rope is not None and not fuse_rope:
         out = apply_rope(out, *inverse_rope, inverse=True)

@@ -90,6 +90,8 @@ try:  # Triton is optional on the CPU path.
 except ImportError:  # pragma: no cover - exercised only without triton
     _HAVE_TRITON = False
 
+from .pdl import pdl_args, wait_for_prior_grid  # noqa: E402 (after the optional Triton import)
+
 BACKENDS = ("auto", "standard", "persistent", "torch")
 
 # Persistent workspace, per row (int32, zeroed every call): two arrival counters, the
@@ -395,6 +397,7 @@ if _HAVE_TRITON:
         ONE,
         K: tl.constexpr, BLOCK: tl.constexpr, C: tl.constexpr, FB: tl.constexpr, LB_STEPS: tl.constexpr,
         FALLBACK_BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """ONE: a runtime 1. Offsets multiplied by it look non-contiguous to Triton's axis
         analysis, so the loads that feed a scan and a scatter store get the scatter's layout
@@ -402,6 +405,7 @@ if _HAVE_TRITON:
         conversion per block (on Triton 3.6 those cost several us per 4K block). Pass 1 uses
         them too: the coalescing pass gives all memory ops of one def-use slice the widest
         vector found among them."""
+        wait_for_prior_grid(PDL)
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         offs1 = tl.arange(0, BLOCK) * ONE
@@ -824,7 +828,7 @@ def _launch_standard(
     _topk_standard_kernel[(grid,)](
         scores, scores.stride(0), lengths, out, out.stride(0), cand_v, cand_i, rows, width, 1,
         K=k, BLOCK=block, C=cap, FB=min(1024, _next_pow2(k)), LB_STEPS=LB_STEPS, FALLBACK_BLOCK=FALLBACK_BLOCK,
-        num_warps=warps,
+        num_warps=warps, **pdl_args(scores.device)
     )
 
 

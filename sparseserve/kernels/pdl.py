@@ -1,0 +1,69 @@
+"""Programmatic dependent launch (PDL) for the small kernels of a decode step (Hopper and later).
+
+A decode step at batch 1 is a chain of ~100 latency-bound kernels, each 1-10 us. Without PDL a
+kernel's programs are scheduled only after the previous kernel has completed and flushed: every
+edge of the chain pays the launch and ramp-up (~1 us in a graph replay). With PDL a kernel is
+launched with the programmatic-serialization attribute (`launch_pdl=True`); its programs may start
+as soon as every program of the previous kernel on the stream has signalled (or exited), and they
+wait inside the kernel (`griddepcontrol.wait`) until that kernel has completed and its writes are
+visible. CUDA graph capture keeps these edges (programmatic graph edges).
+
+The rule that keeps it safe: every kernel launched with PDL calls `wait_for_prior_grid(PDL)` as
+its first statement, before any load or store and before any early return. So no program touches
+memory before the previous kernel is complete, and a kernel completes only after its predecessor
+did (completion stays transitive along the stream, as without PDL). Right after the wait each
+program signals its dependents, so the next kernel's launch overlaps this one's run; its programs
+then hold SM slots while they wait (at most one waiting grid per stream).
+
+On the CPU, under the Triton interpreter, below sm_90, and with SPARSESERVE_DISABLE_KERNELS=pdl,
+kernels launch as before (PDL=False compiles the wait out)."""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+from .dispatch import enabled_on
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+try:  # triton >= 3.4 (the stacks we support: 3.6 and 3.9); without Triton every path is a reference
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAVE_GDC = True
+except ImportError:  # pragma: no cover
+    _HAVE_GDC = False
+
+
+@lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on this device launch with PDL (a static fact of the device and the
+    environment, the same for every step and every graph capture)."""
+    if _INTERPRET or not _HAVE_GDC or not enabled_on("pdl", device):
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_args(device: torch.device) -> dict:
+    """Launch keyword arguments: the kernel's PDL constexpr and, when on, Triton's launch option."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
+
+
+if _HAVE_GDC:
+
+    @triton.jit
+    def wait_for_prior_grid(PDL: tl.constexpr):
+        """First statement of every PDL kernel: wait for the previous kernel on the stream to
+        complete, then let the next one launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+else:  # pragma: no cover - no Triton (or one without GDC): nothing launches with PDL
+    wait_for_prior_grid = None

@@ -48,7 +48,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict, aligned: list[str], **op
     engine's launches are: 16-byte-aligned pointers, dims that are multiples of 16). Kernels with a
     PDL constexpr (the last argument) are compiled as the H200 launches them: with the wait."""
     if "PDL" in fn.arg_names and "PDL" not in signature:
-        signature, constexprs = {**signature, "PDL": "constexpr"}, {**constexprs, "PDL": True}
+        signature, constexprs = {**signature, "PDL": "constexpr"}, {**constexprs, "PDL": 1}
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
@@ -67,7 +67,7 @@ def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int, 
     if "BAND_PREPASS" in names:  # a branch's variant: valid-row bands from a pre-pass for 64-head programs
         constexprs["BAND_PREPASS"] = block_h == 64
     if "PDL" in names:
-        constexprs["PDL"] = True
+        constexprs["PDL"] = 1
     if block_h == 64:
         constexprs["head_blocks"] = 1  # 64 heads: the launch passes 1, which Triton specialises
     signature = {}

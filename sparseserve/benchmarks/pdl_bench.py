@@ -5,8 +5,9 @@ Two chains, each replayed back to back with and without PDL, in the same process
     (the latency-bound small kernels of a batch-1 decode step);
   * `norm_gemm`: N pairs of an RMSNorm and a cuBLAS [1, 4096] x [4096, 4096] GEMM (the PDL kernel
     follows a kernel that knows nothing of PDL, and the GEMM follows a PDL kernel).
-Both chains' outputs must be bitwise equal with and without PDL (each kernel reads its
-predecessor's output, so a missing wait would show as a difference).
+Each chain runs without PDL and with each trigger (`exit`: dependents launch as this kernel's
+programs end; `start`: right after the wait). Both chains' outputs must be bitwise equal with and
+without PDL (each kernel reads its predecessor's output, so a missing wait would show as a difference).
 
     python -m sparseserve.benchmarks.pdl_bench --out benchmarks/results/pdl_bench.json
 """
@@ -21,19 +22,20 @@ import sys
 import torch
 import triton
 
-from sparseserve.kernels.pdl import pdl_enabled
+from sparseserve.kernels.pdl import TRIGGERS, pdl_enabled
 from sparseserve.kernels.rmsnorm import _rms_norm_kernel
 
 
-def norm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pdl: bool) -> torch.Tensor:
-    launch = {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+def norm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pdl: int) -> torch.Tensor:
+    """pdl: the kernel's PDL constexpr (0 off, else a value of TRIGGERS)."""
+    launch = {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": 0}
     _rms_norm_kernel[(x.shape[0],)](x, w, out, x.shape[1], 1, x.shape[1], 0, 1e-6, HAS_W=True,
                                     BLOCK=triton.next_power_of_2(x.shape[1]), num_warps=4, **launch)
     return out
 
 
 def chain(kind: str, n: int, x: torch.Tensor, w: torch.Tensor, mats: list[torch.Tensor], bufs: list[torch.Tensor],
-          pdl: bool) -> torch.Tensor:
+          pdl: int) -> torch.Tensor:
     h = x
     for i in range(n):
         h = norm(h, w, bufs[i % 2], pdl)
@@ -56,7 +58,7 @@ def time_graph(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure(kind: str, n: int, pdl: bool, reps: int) -> tuple[float, torch.Tensor]:
+def measure(kind: str, n: int, pdl: int, reps: int) -> tuple[float, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, 4096, device="cuda", generator=gen).bfloat16()
     w = torch.rand(4096, device="cuda", generator=gen) + 0.5
@@ -96,16 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("norms", "norm_gemm"):
         row = {"chain": kind, "kernels": args.n * (1 if kind == "norms" else 2)}
         outs = {}
-        for pdl in (False, True, False, True):  # alternate, to see drift between runs
-            us, out = measure(kind, args.n, pdl, args.reps)
-            row.setdefault(f"{'pdl' if pdl else 'plain'}_us", []).append(round(us, 2))
-            outs.setdefault(pdl, out)
-        row["equal"] = bool(torch.equal(outs[False], outs[True]))
+        modes = {"plain": 0, **{f"pdl_{name}": value for name, value in TRIGGERS.items()}}
+        for _ in range(2):  # alternate, to see drift between runs
+            for name, mode in modes.items():
+                us, out = measure(kind, args.n, mode, args.reps)
+                row.setdefault(f"{name}_us", []).append(round(us, 2))
+                outs.setdefault(name, out)
+        row["equal"] = all(torch.equal(outs["plain"], out) for out in outs.values())
         ok = ok and row["equal"]
-        plain, pdl_us = min(row["plain_us"]), min(row["pdl_us"])
-        row["saved_us_per_edge"] = round((plain - pdl_us) / row["kernels"], 3)
-        print(f"{kind:>9}: {row['kernels']} kernels, plain {row['plain_us']} us, pdl {row['pdl_us']} us, "
-              f"saved {row['saved_us_per_edge']} us per edge, outputs equal: {row['equal']}", flush=True)
+        plain = min(row["plain_us"])
+        for name in modes:
+            if name != "plain":
+                row[f"{name}_saved_us_per_edge"] = round((plain - min(row[f"{name}_us"])) / row["kernels"], 3)
+        print(f"{kind:>9}: {row['kernels']} kernels, " + ", ".join(f"{n} {row[n + '_us']} us" for n in modes)
+              + ", saved per edge: "
+              + ", ".join(f"{n} {row[n + '_saved_us_per_edge']} us" for n in modes if n != "plain")
+              + f", outputs equal: {row['equal']}", flush=True)
         result["rows"].append(row)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -692,7 +692,7 @@ if HAS_TRITON:
         TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SCORING: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_HASH: tl.constexpr, ROUND: tl.constexpr, NUM_PARTS: tl.constexpr = 0,
         HASH_BY_TOKEN: tl.constexpr = False,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
         # One program per token: score, (bias), top-k by repeated max, gather, normalise.
         # NUM_PARTS > 0: logits_ptr holds fp32 partial logits [NUM_PARTS, T, E] (kernels/router.py),

@@ -2,7 +2,8 @@
 
 A decode step at batch 1 is a chain of ~100 latency-bound kernels, each 1-10 us. Without PDL a
 kernel's programs are scheduled only after the previous kernel has completed and flushed: every
-edge of the chain pays the launch and ramp-up (~1 us in a graph replay). With PDL a kernel is
+edge of the chain pays the launch and ramp-up (benchmarks/pdl_bench.py: 0.24-0.49 us per edge of
+a captured chain). With PDL a kernel is
 launched with the programmatic-serialization attribute (`launch_pdl=True`); its programs may start
 as soon as every program of the previous kernel on the stream has signalled (or exited), and they
 wait inside the kernel (`griddepcontrol.wait`) until that kernel has completed and its writes are
@@ -15,12 +16,13 @@ did (completion stays transitive along the stream, as without PDL).
 
 When a kernel lets its dependents launch is SPARSESERVE_PDL_TRIGGER (read at import):
   * `exit` (default): at the end of each program (the implicit trigger): the next kernel's launch
-    overlaps only this one's tail and completion, and waiting programs never hold SM slots that
-    work on another stream could use;
+    overlaps this one's tail and completion, and waiting programs never hold SM slots that work on
+    another stream could use;
   * `start`: right after the wait: the next kernel's programs become resident early and wait.
-    Measured on the H200 (session 15): batch-8 steps 16-19 us faster, batch 1 7 us slower: the
-    waiting MoE down-projection programs took the SM slots of the shared expert's GEMM running
-    beside them on the side stream.
+H200, session 15, decode steps of the 2-layer V4-Flash preset (b2b replay; docs/performance.md):
+`exit` 15 / 42 / 30 us faster than no PDL at batch 1 / 8 / 64, `start` only 0-11 us faster and
+at batch 1 up to 8 us slower: its waiting MoE down-projection programs held the SM slots that the
+shared expert's GEMM, beside them on the side stream, needed.
 
 On the CPU, under the Triton interpreter, below sm_90, and with SPARSESERVE_DISABLE_KERNELS=pdl,
 kernels launch as before (PDL=0 compiles the wait out)."""

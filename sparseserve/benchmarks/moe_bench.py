@@ -23,6 +23,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from sparseserve.benchmarks.timing import replay_ms  # noqa: E402
 from sparseserve.kernels import moe  # noqa: E402
 
 NOMINAL_BW = 4.23e12  # B/s, HBM copy on the H200 (docs/DESIGN anchors)
@@ -79,17 +80,9 @@ def time_graph(fn, reps: int, groups: int = 5) -> float:
     for _ in range(3):
         graph.replay()
     sync()
-    times = []
-    for _ in range(groups):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
+    ms = replay_ms(graph, reps, groups)
     del graph
-    return statistics.median(times)
+    return ms
 
 
 def time_eager(fn, reps: int) -> float:

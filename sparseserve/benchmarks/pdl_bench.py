@@ -22,6 +22,7 @@ import sys
 import torch
 import triton
 
+from sparseserve.benchmarks.timing import replay_ms
 from sparseserve.kernels.pdl import TRIGGERS, pdl_enabled
 from sparseserve.kernels.rmsnorm import _rms_norm_kernel
 
@@ -44,20 +45,6 @@ def chain(kind: str, n: int, x: torch.Tensor, w: torch.Tensor, mats: list[torch.
     return h
 
 
-def time_graph(graph: torch.cuda.CUDAGraph, reps: int) -> float:
-    """Median us of `reps` back-to-back replays, over 5 rounds."""
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
-
-
 def measure(kind: str, n: int, pdl: int, reps: int) -> tuple[float, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, 4096, device="cuda", generator=gen).bfloat16()
@@ -74,7 +61,7 @@ def measure(kind: str, n: int, pdl: int, reps: int) -> tuple[float, torch.Tensor
     graph.replay()
     torch.cuda.synchronize()
     result = out.clone()
-    return time_graph(graph, reps), result
+    return replay_ms(graph, reps) * 1e3, result
 
 
 def main(argv: list[str] | None = None) -> int:

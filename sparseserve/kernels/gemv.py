@@ -69,20 +69,22 @@ if HAS_TRITON:
         w_next = tl.load(w_rows, mask=n_ok[:, None] & (kk[None, :] < K), other=0.0)
         wait_for_prior_grid(PDL)
         x_row = x_ptr + ((pid * BLOCK_N) // group_n).to(tl.int64) * K
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # Products accumulate per lane and are reduced across the program once, at the end: a
+        # reduction per step would put a barrier between each step's loads and the next.
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             w = w_next
             k_next = k0 + BLOCK_K + kk
             w_next = tl.load(w_rows + (k0 + BLOCK_K), mask=n_ok[:, None] & (k_next[None, :] < K), other=0.0)
             k = k0 + kk
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+            acc += w.to(tl.float32) * x[None, :]
+        tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 def gemv_config(n: int, k: int, groups: int, num_sms: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) from static shapes. A tile of at most 8K elements (16 KB of
-    bf16: 32 registers a thread at 4 warps, two of them in flight); BLOCK_N the widest power of two
+    bf16: 32 registers a thread at 4 warps, two of them in flight, and 64 of fp32 accumulator); BLOCK_N the widest power of two
     <= 64 (dividing a group's rows when grouped) that still gives about 4 programs per SM (the bytes
     in flight per SM that the HBM rate needs at ~1 us of load latency: ~40 KB). A first guess, for
     `gemv_bench --sweep` to tune on the H200."""

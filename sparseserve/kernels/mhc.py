@@ -342,7 +342,7 @@ def hc_coefficients_triton(mixes: torch.Tensor, base: torch.Tensor, scale: torch
         hp = max(2, triton.next_power_of_2(hc))
         _hc_coefficients_kernel[(num_tokens,)](mixes, base.float().contiguous(), scale.float().contiguous(),
                                                pre, post, comb, eps, HC=hc, HP=hp, ITERS=iters, num_warps=1,
-                                                   **pdl_args(mixes.device))
+                                               **pdl_args(mixes.device))
     return pre, post, comb
 
 
@@ -484,7 +484,7 @@ def hc_expand_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torch
         _hc_expand_kernel[(triton.cdiv(num_tokens, tb), triton.cdiv(dim, bd))](
             streams, block_out.contiguous(), post.float().contiguous(), comb.float().contiguous(), new,
             num_tokens, dim, HC=hc, HP=max(2, triton.next_power_of_2(hc)), TB=tb, BD=bd, num_warps=4,
-                **pdl_args(streams.device))
+            **pdl_args(streams.device))
     return new
 
 

@@ -579,7 +579,7 @@ def swiglu_triton(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(inter))
     grid = (gate_up.shape[0], triton.cdiv(inter, block))
     _swiglu_kernel[grid](gate_up, out, inter, gate_up.stride(0), out.stride(0), float(limit), BLOCK=block,
-        **pdl_args(gate_up.device))
+                         **pdl_args(gate_up.device))
     return out
 
 

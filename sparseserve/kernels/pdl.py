@@ -29,7 +29,9 @@ kernels launch as before (PDL=0 compiles the wait out)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from functools import lru_cache
+from types import MappingProxyType
 
 import torch
 
@@ -50,22 +52,26 @@ except ImportError:  # pragma: no cover
     _HAVE_GDC = False
 
 
-@lru_cache(maxsize=None)
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on this device launch with PDL (a static fact of the device and the
     environment, the same for every step and every graph capture)."""
     if _INTERPRET or not _HAVE_GDC or not enabled_on("pdl", device):
         return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def pdl_args(device: torch.device) -> dict:
-    """Launch keyword arguments: the kernel's PDL constexpr and, when on, Triton's launch option."""
-    return {"PDL": TRIGGERS[_TRIGGER], "launch_pdl": True} if pdl_enabled(device) else {"PDL": 0}
+def pdl_args(device: torch.device) -> Mapping[str, object]:
+    """Launch keyword arguments: the kernel's PDL constexpr and, when on, Triton's launch option.
+    Decided once per device (every launch of a step asks)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _pdl_args(device)
+
+
+@lru_cache(maxsize=None)
+def _pdl_args(device: torch.device) -> Mapping[str, object]:
+    on = {"PDL": TRIGGERS[_TRIGGER], "launch_pdl": True}
+    return MappingProxyType(on if pdl_enabled(device) else {"PDL": 0})
 
 
 if _HAVE_GDC:

@@ -385,7 +385,7 @@ def visible_counts_triton(positions, rate: int, num_entries: int) -> torch.Tenso
     if num_tokens:
         _visible_counts_kernel[(triton.cdiv(num_tokens, _BLOCK_1D),)](
             _c(positions), out, num_tokens, int(rate), int(num_entries), BLOCK_T=_BLOCK_1D,
-                **pdl_args(positions.device))
+            **pdl_args(positions.device))
     return out
 
 

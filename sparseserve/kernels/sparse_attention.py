@@ -388,7 +388,7 @@ def sparse_mqa_attention_triton(
         band = torch.empty(num_tokens * splits * 2, dtype=torch.int32, device=q.device)
         _valid_band_kernel[(num_tokens * splits,)](
             rows, band, num_rows, rows_per_split, rows.stride(0), NUM_SPLITS=splits, SCAN=scan, num_warps=4,
-                **pdl_args(rows.device))
+            **pdl_args(rows.device))
     else:
         band = rows  # unused
     grid = (num_tokens * head_blocks * dv_split * splits,)

@@ -201,6 +201,18 @@ case "${1:-tests}" in
       timeout -k 5 45 python -m pytest -q tests/test_mhc_kernel.py tests/test_norm_rope_kernels.py \
         tests/test_argmax_kernel.py
     } 2>&1 | filter > "$OUT/tests.log"; tail -4 "$OUT/tests.log" ;;
+  gemv)
+    # Branch gemv-pdl (session 15, prepared without device time): the batch-1 projection kernel's gpu tests,
+    # gemv_bench against cuBLAS with the config sweep, then decode steps with and without the kernel
+    # (SPARSESERVE_DISABLE_KERNELS=gemv), twice each, and a replay profile (~6 minutes on a fresh machine).
+    # Merge only if batch 1 gets faster and batches 8/64 do not move (they keep cuBLAS).
+    { timeout -k 5 120 python -m pytest -q -m gpu tests/test_gemv.py tests/test_pdl.py
+      timeout -k 5 150 python -m sparseserve.benchmarks.gemv_bench --sweep --out "$OUT/gemv.json"
+    } 2>&1 | filter > "$OUT/gemv.log"; tail -40 "$OUT/gemv.log"
+    { ab_steps "${AB_VARIANTS:-gemv_off:SPARSESERVE_DISABLE_KERNELS=gemv tree gemv_off2:SPARSESERVE_DISABLE_KERNELS=gemv tree2}"
+      merge_runs gemv_decode_runs.json
+      timeout -k 5 60 python tools/profile_steps.py --only decode --graphs-only --out-dir "$OUT"
+    } 2>&1 | filter > "$OUT/gemv_steps.log"; grep -a "graph  0" "$OUT/gemv_steps.log" ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"
@@ -210,5 +222,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|gemv" >&2; exit 2 ;;
 esac

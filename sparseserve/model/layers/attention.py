@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ...kernels.compressor import compress_windows
+from ...kernels.gemv import decode_grouped_linear, decode_linear
 from ...kernels.indexer import indexer_scores
 from ...kernels.norm_rope import norm_rope
 from ...kernels.rows import entry_pool_rows
@@ -179,6 +180,10 @@ class Attention(nn.Module):
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         num_tokens = out.shape[0]
+        # One row: both projections as weight streams (kernels/gemv.py), o_a's groups in one launch.
+        mid = decode_grouped_linear(out.reshape(num_tokens, -1), self.o_a_proj.weight, self.o_groups)
+        if mid is not None:
+            return decode_linear(mid, self.o_b_proj.weight)
         grouped = out.reshape(num_tokens, self.o_groups, -1).transpose(0, 1)  # [G, T, in/G]
         w = self.o_a_proj.weight.view(self.o_groups, self.o_lora_rank, -1)  # [G, r, in/G]
         # The batched GEMM writes each group's [T, r] block straight into its columns of mid

@@ -4,7 +4,8 @@
 and makes each `linear.weight` a Parameter viewing its rows. Nothing else changes: parameter
 names and `state_dict()` are as before, in-place loading (`copy_`, `load_state_dict`) writes
 into the packed matrix, and no memory is doubled. `shared_input_linear` then runs one
-`F.linear` and returns views of its output, one per span of consecutive linears (a span of
+GEMM (`kernels/gemv.decode_linear`: the weight-stream kernel for one row on CUDA, else `F.linear`)
+and returns views of its output, one per span of consecutive linears (a span of
 several linears, e.g. a compressor's kv and gate, comes out already adjacent).
 
 Packing is an optimisation, never a requirement: without it (or when a packed group's
@@ -21,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ...kernels.gemv import decode_linear
 
 Span = tuple[int, int]
 
@@ -74,7 +76,7 @@ def shared_input_linear(x: torch.Tensor, linears: Sequence[nn.Linear], packed: P
     of its output when `packed` holds the linears, else one GEMM per linear (and a cat per span
     of several). Callers check `packed.holds(linears)`."""
     if packed is not None and not (torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in linears)):
-        y = F.linear(x, packed.weight)
+        y = decode_linear(x, packed.weight)  # batch-1 rows: the weight-stream kernel
         b = packed.bounds
         return [y[..., b[i]:b[j]] for i, j in spans]
     outs = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...kernels.gemv import decode_linear
 from ...kernels.moe import fused_moe, swiglu_fused
 from ...kernels.router import router_select
 from ..side_stream import SideStream
@@ -54,7 +55,7 @@ class SharedExpert(nn.Module):
         linears = self._gate_up()
         packed = self._packed if self._packed is not None and self._packed.holds(linears) else None
         gate_up = shared_input_linear(x, linears, packed, [(0, 2)])[0]
-        return self.down_proj(swiglu_fused(gate_up, self.limit))
+        return decode_linear(swiglu_fused(gate_up, self.limit), self.down_proj.weight)
 
 
 class SparseMoE(nn.Module):

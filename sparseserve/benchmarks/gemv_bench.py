@@ -9,11 +9,8 @@ replayed back to back (kernel time without host launch cost):
     which starts reading only after the norm has completed.
 Reported: us per call, TB/s of weight read, ratio to the weight-read floor at the copy rate
 measured in the same process, and kernel vs cuBLAS. `--sweep` times other tile configs.
-`--moe` adds the one-token routed experts (kernels/moe_gemv.py, two launches) against the grouped
-Triton path (align, gate_up, down, combine: four launches), V4-Flash shapes with 16 and 256
-experts, top-6, a fresh random routing per call (the experts' weights come from HBM).
 
-    python -m sparseserve.benchmarks.gemv_bench --out benchmarks/results/gemv.json [--sweep] [--moe]
+    python -m sparseserve.benchmarks.gemv_bench --out benchmarks/results/gemv.json [--sweep]
 """
 from __future__ import annotations
 
@@ -29,7 +26,7 @@ import triton
 
 from sparseserve.benchmarks.ceilings import hbm_bandwidth
 from sparseserve.benchmarks.timing import replay_ms
-from sparseserve.kernels import gemv, moe, moe_gemv
+from sparseserve.kernels import gemv
 from sparseserve.kernels.rmsnorm import rms_norm_triton
 
 # (case, N, K, groups): the projections of a V4-Flash layer at batch 1 (LM head: cuBLAS, at 4.3 TB/s).
@@ -117,48 +114,10 @@ def run_case(name: str, n: int, k: int, groups: int, copy_bps: float, sweep: boo
     return row
 
 
-def run_moe_case(num_experts: int, copy_bps: float, log, hidden: int = 4096, inter: int = 2048,
-                 top_k: int = 6) -> dict:
-    """One token through the routed experts: moe_gemv (the dispatch) vs the grouped kernels."""
-    gen = torch.Generator(device="cuda").manual_seed(num_experts)
-    w_gu = torch.empty(num_experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02,
-                                                                                                   generator=gen)
-    w_dn = torch.empty(num_experts, hidden, inter, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
-    x = torch.randn(1, hidden, device="cuda", generator=gen).bfloat16()
-    norm_w = torch.rand(hidden, device="cuda", generator=gen) + 0.5
-    routes = [(torch.randperm(num_experts, device="cuda", generator=gen)[:top_k].view(1, -1),
-               torch.rand(1, top_k, device="cuda", generator=gen) + 0.1) for _ in range(32)]
-    cfg = moe.moe_config(1, top_k, num_experts, hidden, inter)
-    weight_bytes = top_k * 3 * inter * hidden * 2
-    floor_us = weight_bytes / copy_bps * 1e6
-    ids, wts = routes[0]
-    want = moe.fused_moe_triton(x, w_gu, w_dn, wts, ids, 7.0, config=cfg)
-    got = moe_gemv.moe_gemv_triton(x, w_gu, w_dn, wts, ids, 7.0)
-    correct = bool(((got.float() - want.float()).abs() <= 2 ** -6 * want.float().abs().max()).all())
-    row = {"case": f"routed experts, 1 token, E={num_experts}, top-{top_k}", "weight_bytes": weight_bytes,
-           "floor_us": floor_us, "correct": correct}
-    for mode, nw in (("cold", None), ("chain", norm_w)):
-        row[f"grouped_{mode}_us"] = time_calls(
-            lambda a, r: moe.fused_moe_triton(a, w_gu, w_dn, r[1], r[0], 7.0, config=cfg), routes, x, nw)
-        row[f"kernel_{mode}_us"] = time_calls(
-            lambda a, r: moe_gemv.moe_gemv_triton(a, w_gu, w_dn, r[1], r[0], 7.0), routes, x, nw)
-    row["kernel_tb_s"] = weight_bytes / row["kernel_cold_us"] / 1e6
-    row["grouped_tb_s"] = weight_bytes / row["grouped_cold_us"] / 1e6
-    row["kernel_over_floor"] = row["kernel_cold_us"] / floor_us
-    row["speedup_vs_grouped_chain"] = row["grouped_chain_us"] / row["kernel_chain_us"]
-    log(f"{row['case']:<40} floor {floor_us:6.1f} | grouped {row['grouped_cold_us']:6.1f} "
-        f"({row['grouped_tb_s']:.2f} TB/s), chain {row['grouped_chain_us']:6.1f} | kernel {row['kernel_cold_us']:6.1f} "
-        f"({row['kernel_tb_s']:.2f} TB/s), chain {row['kernel_chain_us']:6.1f} | x{row['speedup_vs_grouped_chain']:.2f}"
-        f" | ok {correct}")
-    return row
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/gemv.json")
     ap.add_argument("--sweep", action="store_true", help="also time the configs of SWEEP (cold weights)")
-    ap.add_argument("--moe", action="store_true", help="also the one-token routed experts (kernels/moe_gemv.py)")
-    ap.add_argument("--only-moe", action="store_true", help="only the routed experts")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gemv_bench needs a CUDA GPU")
@@ -175,11 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{(datetime.datetime.now() - t0).total_seconds():6.1f}s] {msg}", flush=True)
 
     log(f"copy rate {copy_bps / 1e12:.2f} TB/s")
-    for case in [] if args.only_moe else CASES:
+    for case in CASES:
         result["cases"].append(run_case(*case, copy_bps, args.sweep, log))
-    for num_experts in (16, 256) if args.moe or args.only_moe else ():
-        result["cases"].append(run_moe_case(num_experts, copy_bps, log))
-        torch.cuda.empty_cache()  # the 256 experts' 13 GB
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -42,7 +42,6 @@ try:  # Triton is optional: without it every path is the reference.
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-from .moe_gemv import moe_gemv_here, moe_gemv_triton  # noqa: E402
 from .pdl import pdl_args, wait_for_prior_grid  # noqa: E402 (after the optional Triton import)
 
 # Read once, at import, which is when Triton decides whether the kernels below are interpreted.
@@ -482,8 +481,6 @@ def fused_moe_triton(
     top_k = topk_ids.shape[1]
     if num_tokens == 0:
         return torch.empty_like(x) if shared is None else _resolve(shared).clone()
-    if config is None and moe_gemv_here(x, w_gate_up, w_down):  # one token: two weight streams, no align/combine
-        return moe_gemv_triton(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit, _resolve(shared))
     cfg = fit_config(config, hidden, inter) if config else moe_config(num_tokens, top_k, num_experts, hidden, inter)
     x = x.contiguous()
     sorted_ids, block_expert = moe_align(topk_ids, num_experts, cfg.block_m)

@@ -28,7 +28,7 @@ def _jit_functions_with_pdl() -> list[tuple[str, ast.FunctionDef]]:
 
 # Kernels that read their weight before the wait (read-only during a step; nothing a previous
 # kernel writes): before the wait they may only compute addresses and load through these names.
-READS_BEFORE_WAIT = {"_gemv_kernel": ("w_rows",)}
+READS_BEFORE_WAIT = {"_gemv_kernel": ("w_rows",), "_router_partials_kernel": ("w_ptr",)}
 
 
 def _is_wait(stmt: ast.stmt) -> bool:

@@ -245,6 +245,12 @@ if HAS_TRITON:
         store_partials(mix_ws_ptr, sq_ws_ptr, acc, acc3, sq, rows, rmask, m, pid_s, splits, MP, FMA)
 
     @triton.jit
+    def _rms_factor(sq_ws_ptr, tt, s, splits, tsmask, K, norm_eps):
+        """rsqrt(mean(x^2) + eps) [TB, 1] from the split partial sums of squares (in split order)."""
+        sq = tl.sum(tl.load(sq_ws_ptr + tt[:, None] * splits + s[None, :], mask=tsmask, other=0.0), axis=1)
+        return tl.rsqrt(sq / K + norm_eps)[:, None]
+
+    @triton.jit
     def _hc_finalize_kernel(x_ptr, mix_ws_ptr, sq_ws_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
                             norm_w_ptr, num_tokens, D, K, splits, norm_eps, hc_eps, block_eps,
                             HC: tl.constexpr, HP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
@@ -263,22 +269,22 @@ if HAS_TRITON:
         pid_d = tl.program_id(1)
         s = tl.arange(0, SP)
         tsmask = tmask[:, None] & (s < splits)[None, :]
-        sq = tl.sum(tl.load(sq_ws_ptr + tt[:, None] * splits + s[None, :], mask=tsmask, other=0.0), axis=1)
-        r = tl.rsqrt(sq / K + norm_eps)[:, None]  # [TB, 1]
         ws = mix_ws_ptr + (tt[:, None] * splits + s[None, :]) * MP  # [TB, SP]
         i = tl.arange(0, HP)
         valid = i < HC
         pmask = tsmask[:, :, None] & valid[None, None, :]
         if pid_d < tl.num_programs(1) - (1 - HEAD):
+            # The streams first: their load needs no partial, so its round trip overlaps the partials'.
+            d = pid_d * BD + tl.arange(0, BD)
+            dmask = d < D
+            x = tl.load(x_ptr + tt[:, None, None] * K + i[None, :, None] * D + d[None, None, :],
+                        mask=tmask[:, None, None] & valid[None, :, None] & dmask[None, None, :], other=0.0)
+            r = _rms_factor(sq_ws_ptr, tt, s, splits, tsmask, K, norm_eps)
             m_pre = tl.sum(tl.load(ws[:, :, None] + i[None, None, :], mask=pmask, other=0.0), axis=1) * r
             s0 = tl.load(scale_ptr + 0).to(tl.float32)
             b_pre = tl.load(base_ptr + i, mask=valid, other=0.0).to(tl.float32)
             pre = tl.sigmoid(m_pre * s0 + b_pre[None, :]) + hc_eps
             pre = tl.where(valid[None, :], pre, 0.0)  # [TB, HP]
-            d = pid_d * BD + tl.arange(0, BD)
-            dmask = d < D
-            x = tl.load(x_ptr + tt[:, None, None] * K + i[None, :, None] * D + d[None, None, :],
-                        mask=tmask[:, None, None] & valid[None, :, None] & dmask[None, None, :], other=0.0)
             out = tl.sum(pre[:, :, None] * x.to(tl.float32), axis=1)
             if NORM:
                 y = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # masked columns are 0
@@ -288,6 +294,7 @@ if HAS_TRITON:
             tl.store(out_ptr + tt[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
                      mask=tmask[:, None] & dmask[None, :])
         elif not HEAD:
+            r = _rms_factor(sq_ws_ptr, tt, s, splits, tsmask, K, norm_eps)
             s1 = tl.load(scale_ptr + 1).to(tl.float32)
             s2 = tl.load(scale_ptr + 2).to(tl.float32)
             m_post = tl.sum(tl.load(ws[:, :, None] + HC + i[None, None, :], mask=pmask, other=0.0), axis=1) * r

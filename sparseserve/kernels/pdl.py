@@ -12,7 +12,9 @@ visible. CUDA graph capture keeps these edges (programmatic graph edges).
 The rule that keeps it safe: every kernel launched with PDL calls `wait_for_prior_grid(PDL)` as
 its first statement, before any load or store and before any early return. So no program touches
 memory before the previous kernel is complete, and a kernel completes only after its predecessor
-did (completion stays transitive along the stream, as without PDL).
+did (completion stays transitive along the stream, as without PDL). One exception, listed in
+tests/test_pdl.py (READS_BEFORE_WAIT): a kernel may load its weight before the wait (kernels/gemv.py,
+the router's partials), since nothing in a step writes weights; it stores nothing before the wait.
 
 When a kernel lets its dependents launch is SPARSESERVE_PDL_TRIGGER (read at import):
   * `exit` (default): at the end of each program (the implicit trigger): the next kernel's launch

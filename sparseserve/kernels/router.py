@@ -39,8 +39,8 @@ def _router_partials_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, dim
     """Program (K slice, expert block): part[slice, t, e] = sum over the slice of x[t, k] * w[e, k],
     for every token in turn. The weight tile stays in registers and the products are fp32 (exact
     for bf16/fp16 inputs): the GEMM's arithmetic in another order. No tl.dot, so the program needs
-    almost no shared memory and fits on an SM beside a GEMM's programs."""
-    wait_for_prior_grid(PDL)
+    almost no shared memory and fits on an SM beside a GEMM's programs. The weight tile is read
+    before the PDL wait (nothing in a step writes it): that round trip overlaps the previous kernel."""
     pid_k = tl.program_id(0)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -48,6 +48,7 @@ def _router_partials_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, dim
     emask = e < num_experts
     w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + k[None, :], mask=emask[:, None] & kmask[None, :],
                 other=0.0).to(tl.float32)
+    wait_for_prior_grid(PDL)
     for t in range(num_tokens):
         x = tl.load(x_ptr + t * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
         acc = tl.sum(w * x[None, :], axis=1)

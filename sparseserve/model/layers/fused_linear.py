@@ -81,7 +81,9 @@ def shared_input_linear(x: torch.Tensor, linears: Sequence[nn.Linear], packed: P
         return [y[..., b[i]:b[j]] for i, j in spans]
     outs = []
     for i, j in spans:
-        parts = [lin(x) for lin in linears[i:j]]
+        # A lone bias-free linear (e.g. an HCA layer's q_b, which shares its input with nothing) also
+        # takes the batch-1 weight-stream kernel.
+        parts = [lin(x) if lin.bias is not None else decode_linear(x, lin.weight) for lin in linears[i:j]]
         outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
     return outs
 

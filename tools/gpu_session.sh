@@ -214,10 +214,11 @@ case "${1:-tests}" in
       timeout -k 5 60 python tools/profile_steps.py --only decode --graphs-only --out-dir "$OUT"
     } 2>&1 | filter > "$OUT/gemv_steps.log"; grep -a "graph  0" "$OUT/gemv_steps.log" ;;
   s16)
-    # Session 16's last call: every gpu test of this tree (the metadata fan on, its default), then decode
-    # steps with the fan on and off (SPARSESERVE_DISABLE_KERNELS=metadata_fan), alternating (~8 minutes).
-    # The first call was `next16` (in the history: git show 3812e05:tools/gpu_session.sh); the second timed
-    # the one-token routed-experts kernels of 7557eeb (dropped: slower in the step).
+    # Session 16's third call, run on branch s16fan (this code + next16's metadata fan; on main, without the fan,
+    # both variants are the same code): every gpu test, then decode steps with the fan on and off
+    # (SPARSESERVE_DISABLE_KERNELS=metadata_fan), alternating (~8 minutes; the suite needs more than 360 s on a
+    # fresh machine). The first call was `next16` (git show 3812e05:tools/gpu_session.sh); the second timed the
+    # one-token routed-experts kernels (git show 7557eeb:tools/gpu_session.sh; dropped: slower in the step).
     { timeout -k 5 330 python -m pytest -q -m gpu tests/
     } 2>&1 | filter > "$OUT/tests.log"; tail -5 "$OUT/tests.log"
     { ab_steps "${AB_VARIANTS:-fan nofan:SPARSESERVE_DISABLE_KERNELS=metadata_fan fan2 nofan2:SPARSESERVE_DISABLE_KERNELS=metadata_fan}"

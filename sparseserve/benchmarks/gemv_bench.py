@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 
 from sparseserve.benchmarks.ceilings import hbm_bandwidth
-from sparseserve.benchmarks.timing import replay_ms
+from sparseserve.benchmarks.timing import capture_graph, replay_ms
 from sparseserve.kernels import gemv
 from sparseserve.kernels.rmsnorm import rms_norm_triton
 
@@ -60,17 +60,7 @@ def time_calls(fn, copies: list[torch.Tensor], x: torch.Tensor, norm_w: torch.Te
             inp = rms_norm_triton(x, norm_w, 1e-6) if norm_w is not None else x
             fn(inp, w)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        body()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, _ = capture_graph(body, warmup=1)
     return replay_ms(graph, reps=5) * 1e3 / len(copies)
 
 

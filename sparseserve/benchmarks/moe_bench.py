@@ -23,7 +23,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from sparseserve.benchmarks.timing import replay_ms  # noqa: E402
+from sparseserve.benchmarks.timing import capture_graph, replay_ms  # noqa: E402
 from sparseserve.kernels import moe  # noqa: E402
 
 NOMINAL_BW = 4.23e12  # B/s, HBM copy on the H200 (docs/DESIGN anchors)
@@ -68,16 +68,8 @@ def sync() -> None:
 
 def time_graph(fn, reps: int, groups: int = 5) -> float:
     """Median ms per call over `groups` groups of `reps` graph replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
+    graph, _ = capture_graph(fn)
+    for _ in range(2):
         graph.replay()
     sync()
     ms = replay_ms(graph, reps, groups)

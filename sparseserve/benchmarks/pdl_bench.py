@@ -22,7 +22,7 @@ import sys
 import torch
 import triton
 
-from sparseserve.benchmarks.timing import replay_ms
+from sparseserve.benchmarks.timing import capture_graph, replay_ms
 from sparseserve.kernels.pdl import TRIGGERS, pdl_enabled
 from sparseserve.kernels.rmsnorm import _rms_norm_kernel
 
@@ -51,15 +51,7 @@ def measure(kind: str, n: int, pdl: int, reps: int) -> tuple[float, torch.Tensor
     w = torch.rand(4096, device="cuda", generator=gen) + 0.5
     mats = [(torch.randn(4096, 4096, device="cuda", generator=gen) / 64).bfloat16() for _ in range(4)]
     bufs = [torch.empty_like(x), torch.empty_like(x)]
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        chain(kind, n, x, w, mats, bufs, pdl)  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out = chain(kind, n, x, w, mats, bufs, pdl)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, out = capture_graph(lambda: chain(kind, n, x, w, mats, bufs, pdl), warmup=1)
     result = out.clone()
     return replay_ms(graph, reps) * 1e3, result
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.testing
 
+from sparseserve.benchmarks.timing import capture_graph
 from sparseserve.kernels.topk import IndexerTopK, _bound_chunk, auto_path, topk_indices_ref
 
 HBM_BYTES_PER_S = 4.2e12
@@ -41,22 +42,8 @@ def _bench(fn: Callable[[], object], warmup_ms: int, rep_ms: int) -> float:
     return 1000.0 * float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def _graph_of(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 def _graph_us(fn: Callable[[], object], warmup_ms: int, rep_ms: int) -> float:
-    graph = _graph_of(fn)
+    graph, _ = capture_graph(fn)
     return _bench(graph.replay, warmup_ms, rep_ms)
 
 

@@ -25,8 +25,6 @@ one rounding to the output dtype; `gemv_ref` accumulates in fp32 (the CPU path a
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -41,7 +39,6 @@ try:  # Triton is optional: without it every path is the reference.
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:

@@ -153,6 +153,28 @@ def test_attention_config_is_static():
     assert attention_config(8, 64, 640, 512, 132) == small
 
 
+def test_attention_config_wgmma_rule():
+    """Hopper: 64-head programs with the rows split while the programs fit one wave (>= 64 rows each);
+    shapes the kernel does not take keep the Triton configs."""
+    big = attention_config(4096, 64, 640, 512, 132, wgmma=True)
+    assert big.wgmma and big.num_splits == 1 and big.block_h == 64 and big.band_prepass
+    assert attention_config(64, 64, 640, 512, 132, wgmma=True).num_splits == 2  # 128 programs
+    assert attention_config(64, 128, 1152, 512, 132, wgmma=True).num_splits == 1
+    assert attention_config(8, 64, 640, 512, 132, wgmma=True).num_splits == 8  # >= 64 rows per split
+    assert attention_config(8, 64, 160, 512, 132, wgmma=True).num_splits == 2
+    assert not attention_config(8, 16, 640, 512, 132, wgmma=True).wgmma  # 16 heads
+    assert not attention_config(8, 64, 640, 128, 132, wgmma=True).wgmma  # D = 128
+    assert not attention_config(8, 64, 640, 512, 132).wgmma
+
+
+def test_wgmma_config_off_hopper_is_a_clear_error():
+    q, kv = torch.randn(2, 64, 512), torch.randn(10, 512)
+    rows = torch.zeros(2, 3, dtype=torch.int32)
+    cfg = AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True)
+    with pytest.raises(ValueError, match="wgmma kernel"):
+        sparse_mqa_attention_triton(q, kv, rows, torch.zeros(64), 0.1, cfg)
+
+
 def test_dispatch_uses_reference_on_cpu():
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, 16, generator=gen)
@@ -262,9 +284,51 @@ def test_attention_real_shapes_gpu(name, T, H, L):
     assert _rel(out, ref) < 1e-2, name
     # every config path (direct, split) computes the same function
     for cfg in (AttnConfig(64, 32, 8, 3, 1), AttnConfig(16, 32, 4, 3, 4), AttnConfig(32, 32, 4, 3, 2),
-                AttnConfig(64, 32, 8, 2, 1, 2), AttnConfig(64, 16, 4, 3, 2, 2), AttnConfig(16, 16, 4, 1, 4, 1, True)):
+                AttnConfig(64, 32, 8, 2, 1, 2), AttnConfig(64, 16, 4, 3, 2, 2), AttnConfig(16, 16, 4, 1, 4, 1, True),
+                *WGMMA_CONFIGS):
         out2 = sparse_mqa_attention_triton(q, kv, rows, sinks, scale, cfg)
         assert _rel(out2, ref) < 1e-2, (name, cfg)
+        assert out2[0].abs().max().item() == 0.0, (name, cfg)
+
+
+# The Hopper Gluon kernel (sparse_attention_wgmma.py): the default tile, 32-row tiles in a deeper ring,
+# and row splits (merged by the Triton merge kernel), including more splits than some tokens have tiles.
+WGMMA_CONFIGS = (AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True),
+                 AttnConfig(64, 32, 8, 4, 1, band_prepass=True, wgmma=True),
+                 AttnConfig(64, 64, 8, 2, 4, band_prepass=True, wgmma=True),
+                 AttnConfig(64, 32, 8, 3, 16, band_prepass=True, wgmma=True))
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_INTERPRET or not _hopper(), reason="the wgmma kernel needs a Hopper GPU")
+def test_wgmma_kernel_boundaries_gpu():
+    """Row lists whose valid band ends exactly on, one before and one after a tile edge; the first
+    and last pool rows; extreme sinks (one that dominates, one that vanishes); fp16 as well."""
+    gen = torch.Generator().manual_seed(11)
+    for dtype in (torch.bfloat16, torch.float16):
+        for L in (63, 64, 65, 127, 128, 129, 640):
+            T, H, pool = 6, 128, 9000
+            q = (torch.randn(T, H, 512, generator=gen) * 2).to("cuda", dtype)
+            kv = torch.randn(pool, 512, generator=gen).to("cuda", dtype)
+            rows = torch.randint(0, pool, (T, L), generator=gen, dtype=torch.int32)
+            rows[0] = -1
+            rows[1, 0], rows[1, -1] = 0, pool - 1
+            rows[2, : L // 2] = -1  # leading holes: the band starts mid-list
+            rows[3, L - 1] = -1
+            rows = rows.cuda()
+            sinks = torch.randn(H, generator=gen) * 3
+            sinks[0], sinks[1] = 40.0, -40.0
+            sinks = sinks.cuda()
+            ref = sparse_mqa_attention_ref(q.float(), kv.float(), rows, sinks, 512 ** -0.5)
+            for cfg in WGMMA_CONFIGS:
+                out = sparse_mqa_attention_triton(q, kv, rows, sinks, 512 ** -0.5, cfg)
+                torch.cuda.synchronize()
+                assert out.dtype == dtype and out[0].abs().max().item() == 0.0, (L, cfg)
+                assert _rel(out, ref.to(dtype)) < 1e-2, (dtype, L, cfg)
 
 
 @pytest.mark.gpu

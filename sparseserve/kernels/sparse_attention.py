@@ -30,6 +30,7 @@ import triton.language as tl
 from .dispatch import env_count, use_triton
 from .rope import apply_rope
 from .pdl import pdl_args, wait_for_prior_grid
+from .sparse_attention_wgmma import launch_wgmma_attention, wgmma_supported
 
 
 def sparse_mqa_attention_ref(
@@ -284,6 +285,7 @@ class AttnConfig:
     dv_split: int = 1  # 2: each program owns half of the output columns
     prefetch: bool = False  # register double-buffering of the row gather (use with num_stages=1)
     band_prepass: bool = False  # valid-row bands from a separate kernel (the 64-head variants: no spills)
+    wgmma: bool = False  # the Hopper Gluon kernel (sparse_attention_wgmma.py): 64 heads, D = 512, 8 warps
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -299,9 +301,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def attention_config(
-    num_tokens: int, num_heads: int, num_rows: int, head_dim: int, num_sms: int, prefetch: bool | None = None
+    num_tokens: int, num_heads: int, num_rows: int, head_dim: int, num_sms: int, prefetch: bool | None = None,
+    wgmma: bool = False,
 ) -> AttnConfig:
     """Pick block sizes and row splits from static shapes only (graph-safe).
+
+    wgmma (the Hopper Gluon kernel can serve the call: `sparse_attention_wgmma.wgmma_supported`):
+    64 heads per program, 64-row tiles in a 2-slot ring, and the rows split in a power of two
+    (<= WGMMA_SPLIT_MAX, >= WGMMA_SPLIT_MIN_ROWS rows each) while the programs still fit one wave.
 
     Chosen from a config sweep on the H200 (docs/performance.md, benchmarks/results/kernels.json):
     - many (token, 64-head) programs (big decode batches, prefill): 64 heads per program, so a KV
@@ -315,6 +322,13 @@ def attention_config(
     """
     if prefetch is None:
         prefetch = _PREFETCH_DEFAULT
+    if wgmma and num_heads % 64 == 0 and head_dim == 512:
+        programs = num_tokens * (num_heads // 64)
+        splits = 1
+        while (splits * 2 <= WGMMA_SPLIT_MAX and programs * splits * 2 <= num_sms
+               and num_rows >= splits * 2 * WGMMA_SPLIT_MIN_ROWS):
+            splits *= 2
+        return AttnConfig(64, 64, 8, 2, splits, band_prepass=True, wgmma=True)
     big_d = head_dim > 128
     wide = num_tokens * triton.cdiv(num_heads, 64)
     if num_heads >= 64 and 4 * wide >= 3 * num_sms:
@@ -340,6 +354,8 @@ _PREFETCH_DEFAULT = False
 # overrides them only to measure other splits in a whole decode step (gpu_session.sh).
 SPLIT_MIN_ROWS = env_count("SPARSESERVE_ATTN_SPLIT_MIN_ROWS", 64)
 SPLIT_MAX = env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8)
+WGMMA_SPLIT_MIN_ROWS = env_count("SPARSESERVE_ATTN_WGMMA_SPLIT_MIN_ROWS", 64)
+WGMMA_SPLIT_MAX = env_count("SPARSESERVE_ATTN_WGMMA_SPLIT_MAX", 16)
 # Heads per merge program (a power of two): 4 gives a batch-1 token 16 programs at 64 heads instead of 4
 # (H200, session 11, b2b steps: batch 1 0.746 / 0.747 -> 0.739 / 0.738 ms, batch 8 0.998 / 1.000 -> 0.994 / 0.991).
 MERGE_HEADS = env_count("SPARSESERVE_ATTN_MERGE_HEADS", 4)
@@ -372,7 +388,11 @@ def sparse_mqa_attention_triton(
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     sinks = sinks.contiguous()
-    cfg = config or attention_config(num_tokens, num_heads, num_rows, head_dim, _num_sms(q.device))
+    cfg = config or attention_config(num_tokens, num_heads, num_rows, head_dim, _num_sms(q.device),
+                                     wgmma=wgmma_supported(q, kv_pool))
+    if cfg.wgmma and not (wgmma_supported(q, kv_pool) and cfg.block_h == 64 and cfg.band_prepass):
+        raise ValueError(f"{cfg} asks for the wgmma kernel, which takes Hopper, 64-head blocks, D = 512 and a "
+                         f"band pre-pass; got q {tuple(q.shape)} {q.dtype} on {q.device}")
     block_d = max(16, triton.next_power_of_2(head_dim))
     head_blocks = triton.cdiv(num_heads, cfg.block_h)
     splits = cfg.num_splits
@@ -391,16 +411,19 @@ def sparse_mqa_attention_triton(
             **pdl_args(rows.device))
     else:
         band = rows  # unused
-    grid = (num_tokens * head_blocks * dv_split * splits,)
-    _sparse_mqa_fwd_kernel[grid](
-        q, kv_pool, rows, band, sinks, out, part_acc, part_ml,
-        num_heads, num_rows, head_dim, rows_per_split, head_blocks,
-        q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1),
-        float(scale) * _LOG2E,
-        NUM_SPLITS=splits, DV_SPLIT=dv_split, PREFETCH=cfg.prefetch,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SCAN=scan, BAND_PREPASS=cfg.band_prepass,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device)
-    )
+    if cfg.wgmma:
+        launch_wgmma_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, float(scale) * _LOG2E,
+                               cfg.block_n, cfg.num_stages, splits)
+    else:
+        _sparse_mqa_fwd_kernel[(num_tokens * head_blocks * dv_split * splits,)](
+            q, kv_pool, rows, band, sinks, out, part_acc, part_ml,
+            num_heads, num_rows, head_dim, rows_per_split, head_blocks,
+            q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1),
+            float(scale) * _LOG2E,
+            NUM_SPLITS=splits, DV_SPLIT=dv_split, PREFETCH=cfg.prefetch,
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SCAN=scan, BAND_PREPASS=cfg.band_prepass,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device)
+        )
     fuse_rope = inverse_rope is not None and splits > 1 and block_d == head_dim
     if splits > 1:
         merge_bh = MERGE_HEADS

@@ -154,14 +154,15 @@ def test_attention_config_is_static():
 
 
 def test_attention_config_wgmma_rule():
-    """Hopper: 64-head programs with the rows split while the programs fit one wave (>= 64 rows each);
+    """Hopper: 64-head programs with the rows split while the programs fit one wave (>= 32 rows each);
     shapes the kernel does not take keep the Triton configs."""
     big = attention_config(4096, 64, 640, 512, 132, wgmma=True)
     assert big.wgmma and big.num_splits == 1 and big.block_h == 64 and big.band_prepass
     assert attention_config(64, 64, 640, 512, 132, wgmma=True).num_splits == 2  # 128 programs
     assert attention_config(64, 128, 1152, 512, 132, wgmma=True).num_splits == 1
-    assert attention_config(8, 64, 640, 512, 132, wgmma=True).num_splits == 8  # >= 64 rows per split
-    assert attention_config(8, 64, 160, 512, 132, wgmma=True).num_splits == 2
+    assert attention_config(8, 64, 640, 512, 132, wgmma=True).num_splits == 16  # 128 programs
+    assert attention_config(8, 64, 160, 512, 132, wgmma=True).num_splits == 4  # >= 32 rows per split
+    assert attention_config(1, 64, 384, 512, 132, wgmma=True).num_splits == 8
     assert not attention_config(8, 16, 640, 512, 132, wgmma=True).wgmma  # 16 heads
     assert not attention_config(8, 64, 640, 128, 132, wgmma=True).wgmma  # D = 128
     assert not attention_config(8, 64, 640, 512, 132).wgmma
@@ -291,12 +292,14 @@ def test_attention_real_shapes_gpu(name, T, H, L):
         assert out2[0].abs().max().item() == 0.0, (name, cfg)
 
 
-# The Hopper Gluon kernel (sparse_attention_wgmma.py): the default tile, 32-row tiles in a deeper ring,
-# and row splits (merged by the Triton merge kernel), including more splits than some tokens have tiles.
+# The Hopper Gluon kernel (sparse_attention_wgmma.py): 64- and 32-row tiles, row splits (merged by the Triton
+# merge kernel) including more splits than some tokens have tiles, and persistent programs that each walk many
+# units (3 and 5 programs) or one program per unit.
 WGMMA_CONFIGS = (AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True),
-                 AttnConfig(64, 32, 8, 4, 1, band_prepass=True, wgmma=True),
-                 AttnConfig(64, 64, 8, 2, 4, band_prepass=True, wgmma=True),
-                 AttnConfig(64, 32, 8, 3, 16, band_prepass=True, wgmma=True))
+                 AttnConfig(64, 32, 8, 2, 1, band_prepass=True, wgmma=True, max_programs=3),
+                 AttnConfig(64, 64, 8, 2, 4, band_prepass=True, wgmma=True, max_programs=5),
+                 AttnConfig(64, 32, 8, 2, 16, band_prepass=True, wgmma=True),
+                 AttnConfig(64, 64, 8, 2, 2, band_prepass=True, wgmma=True, max_programs=1 << 20))
 
 
 def _hopper() -> bool:

@@ -35,6 +35,7 @@ from sparseserve.kernels.sparse_attention import (
     sparse_mqa_attention_ref,
     sparse_mqa_attention_triton,
 )
+from sparseserve.kernels.sparse_attention_wgmma import wgmma_supported
 
 HBM_BPS = 4.23e12  # measured device-to-device copy on the H200 (DESIGN.md §5)
 BF16_FLOPS = 790e12  # measured bf16 GEMM on random data
@@ -227,6 +228,8 @@ def warm(part: int, nparts: int) -> None:
             for L in (160, 384, 640, 1152):
                 for pf in (False, True):
                     cfgs.add(attention_config(T, heads, L, D, torch.cuda.get_device_properties(0).multi_processor_count, pf))
+                cfgs.add(attention_config(T, heads, L, D, torch.cuda.get_device_properties(0).multi_processor_count,
+                                          wgmma=torch.cuda.get_device_capability()[0] == 9))
         jobs += [("attn", heads, c) for c in sorted(cfgs, key=repr)]
     icfgs = set(indexer_sweep_configs())
     for T, E in [(b, c // 4) for b in BATCHES for c in CONTEXTS] + [(p, p // 4) for p in PREFILLS]:
@@ -266,7 +269,12 @@ def kernel_report() -> list[dict]:
     from sparseserve.kernels import indexer as idx_mod, sparse_attention as attn_mod
 
     rows = []
-    for fn in (attn_mod._sparse_mqa_fwd_kernel, attn_mod._sparse_mqa_merge_kernel, idx_mod._indexer_scores_kernel):
+    from sparseserve.kernels import sparse_attention_wgmma as wgmma_mod
+
+    kernels = [attn_mod._sparse_mqa_fwd_kernel, attn_mod._sparse_mqa_merge_kernel, idx_mod._indexer_scores_kernel]
+    if wgmma_mod._HAVE_GLUON:
+        kernels.append(wgmma_mod._sparse_mqa_wgmma_kernel)
+    for fn in kernels:
         try:
             for entry in getattr(fn, "device_caches", {}).values():
                 for key, k in entry[0].items():
@@ -340,20 +348,28 @@ def run(args) -> dict:
 
     def attn(phase, meta, case):
         q, kv, rows, sinks, scale = case["args"]
-        cfg = attention_config(q.shape[0], q.shape[1], rows.shape[1], D, num_sms)
+        on_hopper = wgmma_supported(q, kv)
+        cfg = attention_config(q.shape[0], q.shape[1], rows.shape[1], D, num_sms, wgmma=on_hopper)
         launch = lambda a, c=cfg: sparse_mqa_attention_triton(*a, c)  # noqa: E731
         ref_fn = lambda: sparse_mqa_attention_ref(*case["args"])  # noqa: E731
         meta["rel_err_vs_bf16_ref"] = _check_close(launch(case["args"]), ref_fn(), 2e-2, repr(meta))
         t = timed(case, launch)
-        # Both policies of the small-batch path (pipelined cp.async vs register prefetch) on
-        # every case, so the default can be set per regime from one run.
-        for pf in (False, True):
-            alt = attention_config(q.shape[0], q.shape[1], rows.shape[1], D, num_sms, pf)
-            if alt != cfg:
-                out_alt = sparse_mqa_attention_triton(*case["args"], alt)
-                _check_close(out_alt, ref_fn(), 2e-2, repr(meta) + repr(alt))
-                meta["alt_config"] = repr(alt)
-                meta["alt_time_us"] = round(timed(case, lambda a, c=alt: sparse_mqa_attention_triton(*a, c)), 2)
+        if cfg.wgmma:
+            # Same-run baseline: the Triton kernel with the config it takes when the wgmma kernel is off.
+            alt = attention_config(q.shape[0], q.shape[1], rows.shape[1], D, num_sms)
+            _check_close(sparse_mqa_attention_triton(*case["args"], alt), ref_fn(), 2e-2, repr(meta) + repr(alt))
+            meta["triton_config"] = repr(alt)
+            meta["triton_time_us"] = round(timed(case, lambda a, c=alt: sparse_mqa_attention_triton(*a, c)), 2)
+        else:
+            # Both policies of the small-batch path (pipelined cp.async vs register prefetch) on
+            # every case, so the default can be set per regime from one run.
+            for pf in (False, True):
+                alt = attention_config(q.shape[0], q.shape[1], rows.shape[1], D, num_sms, pf)
+                if alt != cfg:
+                    out_alt = sparse_mqa_attention_triton(*case["args"], alt)
+                    _check_close(out_alt, ref_fn(), 2e-2, repr(meta) + repr(alt))
+                    meta["alt_config"] = repr(alt)
+                    meta["alt_time_us"] = round(timed(case, lambda a, c=alt: sparse_mqa_attention_triton(*a, c)), 2)
         ref_t = _time_ref(ref_fn) if with_ref else None
         _record(results, "attn", phase, meta, case, t, ref_t, cfg)
         if args.sweep and meta.get("sweep"):

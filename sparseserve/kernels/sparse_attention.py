@@ -285,7 +285,8 @@ class AttnConfig:
     dv_split: int = 1  # 2: each program owns half of the output columns
     prefetch: bool = False  # register double-buffering of the row gather (use with num_stages=1)
     band_prepass: bool = False  # valid-row bands from a separate kernel (the 64-head variants: no spills)
-    wgmma: bool = False  # the Hopper Gluon kernel (sparse_attention_wgmma.py): 64 heads, D = 512, 8 warps
+    wgmma: bool = False  # the Hopper Gluon kernel (sparse_attention_wgmma.py): 64 heads, D = 512, 8 warps, 2 stages
+    max_programs: int = 0  # wgmma: at most this many persistent programs (0: one per SM)
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -354,7 +355,7 @@ _PREFETCH_DEFAULT = False
 # overrides them only to measure other splits in a whole decode step (gpu_session.sh).
 SPLIT_MIN_ROWS = env_count("SPARSESERVE_ATTN_SPLIT_MIN_ROWS", 64)
 SPLIT_MAX = env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8)
-WGMMA_SPLIT_MIN_ROWS = env_count("SPARSESERVE_ATTN_WGMMA_SPLIT_MIN_ROWS", 64)
+WGMMA_SPLIT_MIN_ROWS = env_count("SPARSESERVE_ATTN_WGMMA_SPLIT_MIN_ROWS", 32)
 WGMMA_SPLIT_MAX = env_count("SPARSESERVE_ATTN_WGMMA_SPLIT_MAX", 16)
 # Heads per merge program (a power of two): 4 gives a batch-1 token 16 programs at 64 heads instead of 4
 # (H200, session 11, b2b steps: batch 1 0.746 / 0.747 -> 0.739 / 0.738 ms, batch 8 0.998 / 1.000 -> 0.994 / 0.991).
@@ -390,9 +391,10 @@ def sparse_mqa_attention_triton(
     sinks = sinks.contiguous()
     cfg = config or attention_config(num_tokens, num_heads, num_rows, head_dim, _num_sms(q.device),
                                      wgmma=wgmma_supported(q, kv_pool))
-    if cfg.wgmma and not (wgmma_supported(q, kv_pool) and cfg.block_h == 64 and cfg.band_prepass):
-        raise ValueError(f"{cfg} asks for the wgmma kernel, which takes Hopper, 64-head blocks, D = 512 and a "
-                         f"band pre-pass; got q {tuple(q.shape)} {q.dtype} on {q.device}")
+    if cfg.wgmma and not (wgmma_supported(q, kv_pool) and cfg.block_h == 64 and cfg.band_prepass
+                          and cfg.num_stages == 2 and cfg.block_n in (32, 64)):
+        raise ValueError(f"{cfg} asks for the wgmma kernel, which takes Hopper, 64-head blocks, D = 512, 2 stages of "
+                         f"32 or 64 rows and a band pre-pass; got q {tuple(q.shape)} {q.dtype} on {q.device}")
     block_d = max(16, triton.next_power_of_2(head_dim))
     head_blocks = triton.cdiv(num_heads, cfg.block_h)
     splits = cfg.num_splits
@@ -413,7 +415,7 @@ def sparse_mqa_attention_triton(
         band = rows  # unused
     if cfg.wgmma:
         launch_wgmma_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, float(scale) * _LOG2E,
-                               cfg.block_n, cfg.num_stages, splits)
+                               cfg.block_n, splits, cfg.max_programs or _num_sms(q.device))
     else:
         _sparse_mqa_fwd_kernel[(num_tokens * head_blocks * dv_split * splits,)](
             q, kv_pool, rows, band, sinks, out, part_acc, part_ml,

@@ -10,9 +10,11 @@ Why a second kernel. The Triton kernel's 64-head variant reaches 17-31% of the b
 synchronous load, so every tile pays two dependent memory round trips, and its layout for the
 chained dots ([8, 1] warps for a 64-row product) makes both warpgroups compute the same QK^T.
 Gluon states layouts and copies explicitly, so here:
-  * rows are gathered with cp.async straight into a ring of STAGES shared-memory tiles, issued
-    STAGES - 1 tiles ahead, and the row ids one tile further ahead still, so neither the ids nor
-    the rows are waited for by the math of the current tile;
+  * rows are gathered with cp.async straight into a ring of two shared-memory tiles (q takes
+    64 KB, a 64-row tile 64 KB: a third does not fit), the next tile issued while the tensor cores
+    run this tile's QK^T and the row ids one tile further ahead still;
+  * programs are persistent (one per SM) and walk their units (token x head block x row split)
+    as one stream of tiles, so a unit's q and first rows load while the previous unit finishes;
   * both products are wgmma on shared-memory operands with warps [4, 2]: QK^T splits the tile's
     rows between the two warpgroups (no duplicate), PV splits the 512 value columns; the
     probabilities pass from one to the other through a small shared tile.
@@ -30,6 +32,7 @@ from functools import lru_cache
 
 import torch
 
+from .dispatch import enabled_on
 from .pdl import pdl_args
 
 try:  # Gluon ships with triton >= 3.5; the stacks we support (3.6, 3.9) have it
@@ -69,116 +72,164 @@ if _HAVE_GLUON:
         _cp.commit_group()
 
     @gluon.jit
+    def _issue_q(q_smem, q_ptr, unit, units_per_token, stride_qt, stride_qh, offs_qh, offs_d,
+                 NUM_SPLITS: gl.constexpr):
+        """cp.async of the unit's 64 query heads into q_smem, as its own commit group."""
+        tok = (unit // units_per_token).to(gl.int64)
+        hb = (unit % units_per_token) // NUM_SPLITS
+        heads = (hb * 64 + offs_qh).to(gl.int64)
+        q_rows = q_ptr + tok * stride_qt + gl.expand_dims(heads * stride_qh, 1)
+        _async_gather(q_smem, q_rows + gl.expand_dims(offs_d, 0))
+        _cp.commit_group()
+
+    @gluon.jit
+    def _unit_band(band_ptr, unit, num_units, units_per_token, NUM_SPLITS: gl.constexpr):
+        """[start, end) of the unit's valid rows (the band pre-pass); (0, 0) past the last unit."""
+        idx = (unit // units_per_token) * NUM_SPLITS + unit % NUM_SPLITS
+        live = unit < num_units
+        return (gl.load(band_ptr + idx * 2, mask=live, other=0),
+                gl.load(band_ptr + idx * 2 + 1, mask=live, other=0))
+
+    @gluon.jit
+    def _next_tile(unit, tile, start, end, band_ptr, num_units, units_per_token, num_programs,
+                   NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The tile after (unit, tile) in this program's stream: every unit has at least one tile
+        (an empty unit's one tile is all holes, so it still writes its output), then the program's
+        next unit (unit + num_programs) starts."""
+        if tile + 1 < gl.maximum(gl.cdiv(end - start, BLOCK_N), 1):
+            tile = tile + 1
+        else:
+            unit = unit + num_programs
+            tile = 0
+            start, end = _unit_band(band_ptr, unit, num_units, units_per_token, NUM_SPLITS)
+        return unit, tile, start, end
+
+    @gluon.jit
+    def _tile_ids(rows_ptr, stride_rt, unit, tile, start, end, units_per_token, offs, BLOCK_N: gl.constexpr):
+        """Row ids of one tile (-1 past the band's end and past the last unit)."""
+        tok = (unit // units_per_token).to(gl.int64)
+        pos = start + tile * BLOCK_N + offs
+        return gl.load(rows_ptr + tok * stride_rt + pos, mask=pos < end, other=-1)
+
+    @gluon.jit
     def _sparse_mqa_wgmma_kernel(
         q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-        num_heads, head_blocks,
+        num_heads, num_units, units_per_token,
         stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
         qk_scale,  # scale * log2(e): logits are kept in base 2
-        NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr,
         gather_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
         tile_smem: gl.constexpr, p_smem_layout: gl.constexpr,
         PDL: gl.constexpr,
     ):
+        # Persistent: program p takes units p, p + G, ... (a unit = token x 64-head block x row
+        # split) as one stream of tiles, so the next unit's q and first rows load while this one
+        # finishes, instead of after it (a unit often has only 2-10 tiles).
         wait_for_prior_grid(PDL)
         BLOCK_H: gl.constexpr = 64
         D: gl.constexpr = 512
         dtype: gl.constexpr = q_ptr.dtype.element_ty
-        pid = gl.program_id(0)
-        per_token = head_blocks * NUM_SPLITS
-        tok = (pid // per_token).to(gl.int64)
-        hb = (pid % per_token) // NUM_SPLITS
-        split = pid % NUM_SPLITS
+        num_programs = gl.num_programs(0)
 
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D], tile_smem)
-        kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], tile_smem)
+        kv_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], tile_smem)  # ring of 2 tiles
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_smem_layout)
 
-        # q: one cp.async group ahead of the first rows (groups complete in order).
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, gather_layout))
-        offs_qh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, gather_layout))
-        q_rows = q_ptr + tok * stride_qt + gl.expand_dims(offs_qh.to(gl.int64) * stride_qh, 1)
-        _async_gather(q_smem, q_rows + gl.expand_dims(offs_d, 0))
-        _cp.commit_group()
-
-        band = band_ptr + (tok * NUM_SPLITS + split) * 2
-        row_start = gl.load(band)
-        row_end = gl.load(band + 1)
-        rows_base = rows_ptr + tok * stride_rt
+        offs_qh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, gather_layout))
         offs_g = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gather_layout))
         offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        offs_sh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+        offs_oh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+        offs_od = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
 
-        # Prologue: tiles 0 .. STAGES-2 in flight; the ids of tile STAGES-1 in registers.
-        for t in gl.static_range(STAGES - 1):
-            offs = row_start + t * BLOCK_N + offs_g
-            r = gl.load(rows_base + offs, mask=offs < row_end, other=-1)
-            _issue_gather(kv_smem, kv_ptr, stride_kv, r, offs_d, t)
-        offs = row_start + (STAGES - 1) * BLOCK_N + offs_g
-        r_ahead = gl.load(rows_base + offs, mask=offs < row_end, other=-1)
+        # Two cursors over the stream: `c*` the tile being computed, `g*` the next tile to gather.
+        cu = gl.program_id(0)
+        ct = 0
+        c_start, c_end = _unit_band(band_ptr, cu, num_units, units_per_token, NUM_SPLITS)
+        _issue_q(q_smem, q_ptr, cu, units_per_token, stride_qt, stride_qh, offs_qh, offs_d, NUM_SPLITS)
+        r = _tile_ids(rows_ptr, stride_rt, cu, ct, c_start, c_end, units_per_token, offs_g, BLOCK_N)
+        _issue_gather(kv_smem, kv_ptr, stride_kv, r, offs_d, 0)
+        gu, gt, g_start, g_end = _next_tile(cu, ct, c_start, c_end, band_ptr, num_units, units_per_token,
+                                            num_programs, NUM_SPLITS, BLOCK_N)
+        r_ahead = _tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
 
         # The running max starts at the sink logit and the sum at exp(sink - max) = 1, so the sink
         # is in the denominator from the start; only split 0 counts it (the merge adds the rest).
-        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-        m_sink = gl.load(sinks_ptr + offs_h).to(gl.float32) * 1.4426950408889634
+        hb = (cu % units_per_token) // NUM_SPLITS
+        m_sink = gl.load(sinks_ptr + hb * BLOCK_H + offs_sh).to(gl.float32) * 1.4426950408889634
         m_i = m_sink
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout)) + (split == 0).to(gl.float32)
         acc = gl.zeros([BLOCK_H, D], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
         l_cols = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
 
-        num_tiles = gl.cdiv(row_end - row_start, BLOCK_N)
-        for i in range(num_tiles):
-            stage = i % STAGES
-            # Tile i has landed once at most STAGES - 2 younger groups are pending; the barrier
-            # makes every thread's copies visible and tells us all warps are done with tile i - 1
-            # (its ring slot and the probabilities tile are free again).
-            _cp.wait_group(STAGES - 2)
+        j = 0  # tiles computed so far: ring slot j % 2
+        while cu < num_units:
+            # Every copy issued so far (this tile, and q when a unit starts) has landed; the
+            # barrier makes them visible to all warps and frees the slot and p of the last tile.
+            _cp.wait_group(0)
             _cta_barrier()
             fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads the async one
-            k_tile = kv_smem.index(stage)
+            k_tile = kv_smem.index(j % 2)
             s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            # While the tensor cores run QK^T: refill the slot tile i - 1 left, fetch ids ahead.
-            _issue_gather(kv_smem, kv_ptr, stride_kv, r_ahead, offs_d, (i + STAGES - 1) % STAGES)
-            offs = row_start + (i + STAGES) * BLOCK_N + offs_g
-            r_ahead = gl.load(rows_base + offs, mask=offs < row_end, other=-1)
-            offs_t = row_start + i * BLOCK_N + offs_s
-            r_s = gl.load(rows_base + offs_t, mask=offs_t < row_end, other=-1)
+            # While the tensor cores run QK^T: gather the next tile, fetch the ids after it.
+            _issue_gather(kv_smem, kv_ptr, stride_kv, r_ahead, offs_d, (j + 1) % 2)
+            gu, gt, g_start, g_end = _next_tile(gu, gt, g_start, g_end, band_ptr, num_units, units_per_token,
+                                                num_programs, NUM_SPLITS, BLOCK_N)
+            r_ahead = _tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
+            r_s = _tile_ids(rows_ptr, stride_rt, cu, ct, c_start, c_end, units_per_token, offs_s, BLOCK_N)
             s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
 
             s = gl.where(gl.expand_dims(r_s >= 0, 0), s * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1))  # the one cross-warpgroup reduction per tile
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s - gl.expand_dims(m_new, 1))
-            # The row sums stay per column until the end (no second reduction per tile).
-            l_cols = l_cols * gl.expand_dims(alpha, 1) + p
+            l_cols = l_cols * gl.expand_dims(alpha, 1) + p  # row sums reduced once, at the unit's end
             m_i = m_new
             p_smem.store(p.to(dtype))
             fence_async_shared()
-            _cta_barrier()  # both warpgroups' halves of p are in place before either multiplies
+            _cta_barrier()  # p is whole, and both warpgroups are done with q for this tile
+            last = ct + 1 >= gl.maximum(gl.cdiv(c_end - c_start, BLOCK_N), 1)
+            nu = cu + num_programs
+            if last & (nu < num_units):
+                _issue_q(q_smem, q_ptr, nu, units_per_token, stride_qt, stride_qh, offs_qh, offs_d, NUM_SPLITS)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             acc = warpgroup_mma(p_smem, k_tile, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        l_i = l_i * gl.exp2(m_sink - m_i) + gl.sum(l_cols, 1)
-        _cp.wait_group(0)  # nothing may still write shared memory when the program exits
 
-        offs_oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-        offs_od = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        if NUM_SPLITS == 1:
-            out = acc / gl.expand_dims(l_o, 1)
-            out_rows = out_ptr + tok * stride_ot + gl.expand_dims(offs_oh.to(gl.int64) * stride_oh, 1)
-            gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(dtype))
-        else:
-            # Partials as the Triton kernel writes them: acc [T, S, H, D], (max, sum) [T, S, 2, H], fp32.
-            part = tok * NUM_SPLITS + split
-            acc_rows = part_acc_ptr + (part * num_heads + gl.expand_dims(offs_oh, 1)) * D
-            gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc)
-            gl.store(part_ml_ptr + part * 2 * num_heads + offs_h, m_i)
-            gl.store(part_ml_ptr + part * 2 * num_heads + num_heads + offs_h, l_i)
+            if last:
+                tok = (cu // units_per_token).to(gl.int64)
+                split = cu % NUM_SPLITS
+                heads = hb * BLOCK_H
+                l_i = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + gl.sum(l_cols, 1)
+                if NUM_SPLITS == 1:
+                    out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+                    out_rows = out_ptr + tok * stride_ot + gl.expand_dims((heads + offs_oh).to(gl.int64) * stride_oh, 1)
+                    gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(dtype))
+                else:
+                    # Partials as the Triton kernel writes them: acc [T, S, H, D], (max, sum) [T, S, 2, H], fp32.
+                    part = tok * NUM_SPLITS + split
+                    acc_rows = part_acc_ptr + (part * num_heads + heads + gl.expand_dims(offs_oh, 1)) * D
+                    gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc)
+                    gl.store(part_ml_ptr + part * 2 * num_heads + heads + offs_sh, m_i)
+                    gl.store(part_ml_ptr + part * 2 * num_heads + num_heads + heads + offs_sh, l_i)
+                cu = nu
+                ct = 0
+                c_start, c_end = _unit_band(band_ptr, cu, num_units, units_per_token, NUM_SPLITS)
+                hb = (cu % units_per_token) // NUM_SPLITS
+                m_sink = gl.load(sinks_ptr + hb * BLOCK_H + offs_sh).to(gl.float32) * 1.4426950408889634
+                m_i = m_sink
+                acc = gl.zeros([BLOCK_H, D], gl.float32, layout=o_layout)
+                l_cols = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+            else:
+                ct = ct + 1
+            j = j + 1
+        _cp.wait_group(0)  # nothing may still write shared memory when the program exits
 
 
 def wgmma_supported(q: torch.Tensor, kv_pool: torch.Tensor) -> bool:
     """Whether this kernel can serve the call: Hopper, D = 512, heads in blocks of 64, 16-bit."""
-    if not _HAVE_GLUON or q.device.type != "cuda" or q.dim() != 3:
+    if not _HAVE_GLUON or q.device.type != "cuda" or q.dim() != 3 or not enabled_on("attention_wgmma", q.device):
         return False
     _, num_heads, head_dim = q.shape
     return (_is_hopper(q.device) and head_dim == HEAD_DIM and num_heads % HEAD_BLOCK == 0
@@ -205,19 +256,21 @@ def _layouts(block_n: int):
 
 
 def launch_wgmma_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale: float,
-                           block_n: int, stages: int, num_splits: int) -> None:
+                           block_n: int, num_splits: int, max_programs: int) -> None:
     """Launch the kernel. The caller (`sparse_attention.sparse_mqa_attention_triton`) has checked
     `wgmma_supported`, made the last dims contiguous and run the band pre-pass for rows cut into
-    `num_splits` pieces; with splits, its merge kernel combines the partials."""
+    `num_splits` pieces; with splits, its merge kernel combines the partials. At most
+    `max_programs` persistent programs (one per SM: each holds ~200 KB of shared memory)."""
     num_tokens, num_heads, _ = q.shape
-    head_blocks = num_heads // HEAD_BLOCK
+    units_per_token = num_heads // HEAD_BLOCK * num_splits
+    num_units = num_tokens * units_per_token
     gather, s, o, tile, p = _layouts(block_n)
-    _sparse_mqa_wgmma_kernel[(num_tokens * head_blocks * num_splits,)](
+    _sparse_mqa_wgmma_kernel[(min(num_units, max_programs),)](
         q, kv_pool, rows, band, sinks, out, part_acc, part_ml,
-        num_heads, head_blocks,
+        num_heads, num_units, units_per_token,
         q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1),
         qk_scale,
-        NUM_SPLITS=num_splits, BLOCK_N=block_n, STAGES=stages,
+        NUM_SPLITS=num_splits, BLOCK_N=block_n,
         gather_layout=gather, s_layout=s, o_layout=o, tile_smem=tile, p_smem_layout=p,
         num_warps=8, **pdl_args(q.device),
     )

@@ -376,3 +376,26 @@ def test_merge_heads_knob_must_be_a_power_of_two():
     run = subprocess.run([sys.executable, "-c", "import sparseserve.kernels.sparse_attention"], env=env,
                          capture_output=True, text=True)
     assert run.returncode != 0 and "SPARSESERVE_ATTN_MERGE_HEADS must be a power of two, got 3" in run.stderr
+
+
+@cpu_interp
+def test_merge_skips_a_split_marked_empty_cpu():
+    """The wgmma kernel marks an empty row split with max -inf and sum 0 and leaves its acc unwritten
+    (garbage, here NaN): the merge must give it weight 0 without reading it."""
+    from sparseserve.kernels.sparse_attention import _sparse_mqa_merge_kernel
+
+    gen = torch.Generator().manual_seed(21)
+    T, S, H, D = 2, 3, 4, 16
+    part_acc = torch.randn(T, S, H, D, generator=gen)
+    part_ml = torch.stack([torch.randn(T, S, H, generator=gen), torch.rand(T, S, H, generator=gen) + 0.5], dim=2)
+    part_acc[0, 2] = float("nan")
+    part_ml[0, 2, 0], part_ml[0, 2, 1] = float("-inf"), 0.0
+    out = torch.empty(T, H, D)
+    _sparse_mqa_merge_kernel[(T, H // 4)](part_acc, part_ml, out, out, out, H, D, out.stride(0), out.stride(1), -1.0,
+                                          NUM_SPLITS=S, BLOCK_H=4, BLOCK_D=D, ROPE_HALF=0, PDL=0)
+    m, l = part_ml[:, :, 0], part_ml[:, :, 1]
+    w = torch.exp2(m - m.amax(dim=1, keepdim=True))  # [T, S, H]
+    acc = torch.where(w.unsqueeze(-1) > 0, part_acc, 0.0)
+    expect = (acc * w.unsqueeze(-1)).sum(1) / (l * w).sum(1).unsqueeze(-1)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)

@@ -252,11 +252,13 @@ def _sparse_mqa_merge_kernel(
     for s in tl.static_range(NUM_SPLITS):
         m_s = tl.load(ml_base + s * 2 * num_heads + offs_h, mask=h_mask, other=0.0)
         l_s = tl.load(ml_base + s * 2 * num_heads + num_heads + offs_h, mask=h_mask, other=0.0)
-        w = tl.exp2(m_s - m)  # every split's max is >= the sink logit: finite, no NaN
+        w = tl.exp2(m_s - m)  # split 0's max is >= the sink logit, so m is finite: no NaN
         l += l_s * w
+        # A split of weight 0 adds nothing; the wgmma kernel marks an empty split so (max -inf) and
+        # does not write its acc, which is then never read.
         a = tl.load(
             part_acc_ptr + ((tok * NUM_SPLITS + s) * num_heads + offs_h[:, None]) * head_dim + offs_d[None, :],
-            mask=mask, other=0.0,
+            mask=mask & (w[:, None] > 0), other=0.0,
         )
         acc += a * w[:, None]
     l = tl.where(h_mask, l, 1.0)  # padded heads: avoid 0/0 (never stored)

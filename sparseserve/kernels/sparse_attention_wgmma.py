@@ -209,10 +209,17 @@ if _HAVE_GLUON:
                 else:
                     # Partials as the Triton kernel writes them: acc [T, S, H, D], (max, sum) [T, S, 2, H], fp32.
                     part = tok * NUM_SPLITS + split
-                    acc_rows = part_acc_ptr + (part * num_heads + heads + gl.expand_dims(offs_oh, 1)) * D
-                    gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc)
-                    gl.store(part_ml_ptr + part * 2 * num_heads + heads + offs_sh, m_i)
-                    gl.store(part_ml_ptr + part * 2 * num_heads + num_heads + heads + offs_sh, l_i)
+                    ml = part_ml_ptr + part * 2 * num_heads + heads + offs_sh
+                    if (c_end <= c_start) & (split > 0):
+                        # An empty split (short contexts leave most of them empty) adds nothing: a max of
+                        # -inf gives it weight 0 and the merge skips its acc, so 128 KB are not written.
+                        gl.store(ml, gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout)))
+                        gl.store(ml + num_heads, gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout)))
+                    else:
+                        acc_rows = part_acc_ptr + (part * num_heads + heads + gl.expand_dims(offs_oh, 1)) * D
+                        gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc)
+                        gl.store(ml, m_i)
+                        gl.store(ml + num_heads, l_i)
                 cu = nu
                 ct = 0
                 c_start, c_end = _unit_band(band_ptr, cu, num_units, units_per_token, NUM_SPLITS)

@@ -309,9 +309,10 @@ def attention_config(
 ) -> AttnConfig:
     """Pick block sizes and row splits from static shapes only (graph-safe).
 
-    wgmma (the Hopper Gluon kernel can serve the call: `sparse_attention_wgmma.wgmma_supported`):
-    64 heads per program, 64-row tiles in a 2-slot ring, and the rows split in a power of two
-    (<= WGMMA_SPLIT_MAX, >= WGMMA_SPLIT_MIN_ROWS rows each) while the programs still fit one wave.
+    wgmma (the Hopper Gluon kernel can serve the call: `sparse_attention_wgmma.wgmma_supported`), from
+    WGMMA_MIN_PROGRAMS (token, 64-head) programs on: 64 heads per program, 64-row tiles in a 2-slot ring,
+    and the rows split in a power of two (<= WGMMA_SPLIT_MAX, >= WGMMA_SPLIT_MIN_ROWS rows each) while
+    the programs still fit one wave.
 
     Chosen from a config sweep on the H200 (docs/performance.md, benchmarks/results/kernels.json):
     - many (token, 64-head) programs (big decode batches, prefill): 64 heads per program, so a KV
@@ -325,7 +326,7 @@ def attention_config(
     """
     if prefetch is None:
         prefetch = _PREFETCH_DEFAULT
-    if wgmma and num_heads % 64 == 0 and head_dim == 512:
+    if wgmma and num_heads % 64 == 0 and head_dim == 512 and num_tokens * (num_heads // 64) >= WGMMA_MIN_PROGRAMS:
         programs = num_tokens * (num_heads // 64)
         splits = 1
         while (splits * 2 <= WGMMA_SPLIT_MAX and programs * splits * 2 <= num_sms
@@ -359,6 +360,10 @@ SPLIT_MIN_ROWS = env_count("SPARSESERVE_ATTN_SPLIT_MIN_ROWS", 64)
 SPLIT_MAX = env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8)
 WGMMA_SPLIT_MIN_ROWS = env_count("SPARSESERVE_ATTN_WGMMA_SPLIT_MIN_ROWS", 32)
 WGMMA_SPLIT_MAX = env_count("SPARSESERVE_ATTN_WGMMA_SPLIT_MAX", 16)
+# Fewer (token, 64-head) programs than this keep the Triton 16-head path: at batch 1-8 the wgmma kernel was
+# at best 1-2 us faster on full row lists, and in decode steps with 256-token prompts (lists mostly holes,
+# most of 16 splits empty) 24 us slower per step at batch 8 (H200, session 17, docs/performance.md).
+WGMMA_MIN_PROGRAMS = env_count("SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS", 16)
 # Heads per merge program (a power of two): 4 gives a batch-1 token 16 programs at 64 heads instead of 4
 # (H200, session 11, b2b steps: batch 1 0.746 / 0.747 -> 0.739 / 0.738 ms, batch 8 0.998 / 1.000 -> 0.994 / 0.991).
 MERGE_HEADS = env_count("SPARSESERVE_ATTN_MERGE_HEADS", 4)

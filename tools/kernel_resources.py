@@ -6,6 +6,9 @@ compiles to a cubin with its bundled ptxas; cuobjdump reads the resources).
 
 Default: registers and spill stack of the sparse-attention kernel's configs.
 
+--wgmma: the Hopper Gluon attention kernel's tiles (registers, spill stack, shared memory; a CI test runs it:
+no spills, fits one block). Must run with TRITON_INTERPRET=0.
+
 Each config is BLOCK_H,BLOCK_N,num_warps,num_stages,NUM_SPLITS[,DV_SPLIT[,PREFETCH]]. Arguments are specialised as the
 engine's launches are on the H200 (pointers and int arguments divisible by 16, one head block for
 64 heads), so the numbers match the compile report of `sparseserve.benchmarks.kernels` on the
@@ -80,14 +83,8 @@ def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int, 
             signature[name] = POINTER_TYPES.get(name, "i32")
     aligned = [name for name in names if signature[name] not in ("constexpr", "fp32") and name != "rows_per_split"]
     kernel = compile_sm90(fn, signature, constexprs, aligned, num_warps=warps, num_stages=stages)
-    bindir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    dump = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
-                          capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
-    usage = re.search(r"REG:(\d+) STACK:(\d+)", dump)
-    return f"registers {usage.group(1)}, spill stack {usage.group(2)} B, shared memory {kernel.metadata.shared} B"
+    regs, stack = _usage(kernel)
+    return f"registers {regs}, spill stack {stack} B, shared memory {kernel.metadata.shared} B"
 
 
 def expand_mix(tokens: int, **override) -> dict:
@@ -138,6 +135,46 @@ def embed() -> dict:
     return {"kernel": "embed_streams", "shared": kernel.metadata.shared}
 
 
+def _usage(kernel) -> tuple[int, int]:
+    """(registers, spill stack bytes) of a compiled kernel, read by the bundled cuobjdump."""
+    bindir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    dump = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
+                          capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", dump)
+    return int(usage.group(1)), int(usage.group(2))
+
+
+def wgmma_attention_rows() -> list[dict]:
+    """The Gluon attention kernel (kernels/sparse_attention_wgmma.py) at its tile sizes, direct and split:
+    registers, spill stack and shared memory against the sm_90 limit (Gluon compiles offline too)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from sparseserve.kernels import sparse_attention_wgmma as wgmma
+
+    fn = wgmma._sparse_mqa_wgmma_kernel
+    pointers = {**POINTER_TYPES, "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+    rows = []
+    for block_n, splits in ((64, 1), (64, 4), (32, 1)):
+        gather, s, o, tile, p = wgmma._layouts(block_n)
+        constexprs = dict(NUM_SPLITS=splits, BLOCK_N=block_n, gather_layout=gather, s_layout=s, o_layout=o,
+                          tile_smem=tile, p_smem_layout=p, PDL=1)
+        signature = {n: "constexpr" if n in constexprs else "fp32" if n == "qk_scale" else pointers.get(n, "i32")
+                     for n in fn.arg_names}
+        names = list(signature)
+        aligned = [n for n in names if signature[n] not in ("constexpr", "fp32") and n not in ("num_heads", "num_units")]
+        source = GluonASTSource(fn=fn, signature=signature,
+                                constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        regs, stack = _usage(kernel)
+        rows.append(dict(kernel="sparse_mqa_wgmma", block_n=block_n, splits=splits, registers=regs, spill_stack=stack,
+                         shared=kernel.metadata.shared, fits=kernel.metadata.shared <= SM90_SHARED_LIMIT))
+    return rows
+
+
 def mhc_shared_rows() -> list[dict]:
     """Every config above; `expected_over` marks the one known not to fit."""
     out = [expand_mix(t) for t in (1, 4, 16, 256)]
@@ -153,7 +190,13 @@ def main() -> None:
                         help="the engine's defaults; e.g. 64,64,8,2,1,2 (column split), 16,16,4,1,4,1,1 (prefetch)")
     parser.add_argument("--mhc-shared", action="store_true",
                         help="shared memory of the fused mHC kernels' configs instead, one JSON line each")
+    parser.add_argument("--wgmma", action="store_true",
+                        help="the Gluon (wgmma) attention kernel's tiles instead, one JSON line each")
     args = parser.parse_args()
+    if args.wgmma:
+        for row in wgmma_attention_rows():
+            print(json.dumps(row))
+        return
     if args.mhc_shared:
         for row in mhc_shared_rows():
             row["fits"] = row["shared"] <= SM90_SHARED_LIMIT

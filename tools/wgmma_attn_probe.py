@@ -1,6 +1,6 @@
 """H200 probe of the Gluon (wgmma) attention kernel against the Triton kernel and the reference.
 
-    PYTHONPATH=. python tools/wgmma_attn_probe.py [--out PATH] [--quick]
+    PYTHONPATH=. python tools/wgmma_attn_probe.py [--modes check,timing,matrix] [--out PATH] [--quick]
 
 1. Correctness: random inputs with -1 holes and ragged valid counts, causal prefill lists, several
    (block_n, stages, splits), against `sparse_mqa_attention_ref` (relative Frobenius error).
@@ -133,32 +133,11 @@ def matrix(gen) -> list[dict]:
     return res
 
 
-def ablate(gen) -> list[dict]:
-    from tools._wgmma_ablate import run as run_abl
-    res = []
-    for phase, model, kind, size in (("prefill", "flash", "csa", 32768), ("prefill", "flash", "hca", 4096),
-                                     ("decode", "flash", "csa", 256)):
-        case = (kb.attn_prefill_case(model, kind, size, gen) if phase == "prefill"
-                else kb.attn_decode_case(model, kind, size, 32768, gen))
-        line = []
-        for abl in range(6):
-            if phase == "prefill":
-                t = kb._bench(lambda a=case["args"]: run_abl(*a, abl))
-            else:
-                t = kb._bench_graph([(lambda a=a: run_abl(*a, abl)) for a in case["sets"]])
-            res.append(dict(phase=phase, model=model, kind=kind, size=size, ablate=abl, us=round(t, 2)))
-            line.append(f"A{abl}={t:.1f}")
-        print(f"ablate {phase} {model} {kind} {size}: " + " ".join(line), flush=True)
-        del case
-        torch.cuda.empty_cache()
-    return res
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="wgmma_attn_probe.json")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--modes", default="check,timing", help="of check,timing,matrix,ablate")
+    ap.add_argument("--modes", default="check,timing", help="of check,timing,matrix")
     args = ap.parse_args()
     import triton
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -166,8 +145,7 @@ def main() -> None:
     report = dict(card=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=" ".join(sys.argv))
     modes = set(args.modes.split(","))
-    for mode, fn in (("check", correctness), ("ablate", ablate), ("timing", lambda g: timing(g, args.quick)),
-                     ("matrix", matrix)):
+    for mode, fn in (("check", correctness), ("timing", lambda g: timing(g, args.quick)), ("matrix", matrix)):
         if mode in modes:
             try:
                 report[mode] = fn(gen)

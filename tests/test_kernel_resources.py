@@ -12,14 +12,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_launch_configs_fit_in_shared_memory():
+def _compile_report(flag: str) -> list[dict]:
+    """`tools/kernel_resources.py <flag>` in a subprocess (outside the interpreter): its JSON lines."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_resources.py"), "--mhc-shared"], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_resources.py"), flag], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode and ("ptxas" in proc.stderr or "backend" in proc.stderr.lower()):
         pytest.skip(f"cannot compile for sm_90 here: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_launch_configs_fit_in_shared_memory():
+    rows = _compile_report("--mhc-shared")
     assert len(rows) >= 7
     for row in rows:
         assert row["fits"] != row.get("expected_over", False), row
@@ -28,13 +33,7 @@ def test_launch_configs_fit_in_shared_memory():
 def test_wgmma_attention_compiles_for_sm90_without_spills():
     """The Gluon attention kernel compiles for sm_90a with this Triton (API drift between versions shows
     here, on the CPU), without spilling its [64, 512] fp32 accumulator, and fits one block's shared memory."""
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_resources.py"), "--wgmma"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    if proc.returncode and ("ptxas" in proc.stderr or "backend" in proc.stderr.lower()):
-        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr[-300:]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = _compile_report("--wgmma")
     assert len(rows) == 3
     for row in rows:
         assert row["fits"] and row["spill_stack"] == 0 and row["registers"] <= 255, row

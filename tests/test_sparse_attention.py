@@ -171,6 +171,19 @@ def test_attention_config_wgmma_rule():
     assert not attention_config(8, 64, 640, 512, 132).wgmma
 
 
+def test_wgmma_kernel_takes_only_rows_cp_async_can_read():
+    """16-byte cp.async needs aligned rows: other views (an odd column offset, a row stride that is not a
+    multiple of 16 elements) go to the Triton kernel instead of failing to compile."""
+    from sparseserve.kernels.sparse_attention_wgmma import cp_async_aligned
+
+    base = torch.zeros(4, 64, 512 + 16, dtype=torch.bfloat16)
+    assert cp_async_aligned(base[..., :512])
+    assert not cp_async_aligned(base[..., 1:513])  # 2-byte offset
+    assert not cp_async_aligned(torch.zeros(4, 64, 520, dtype=torch.bfloat16)[..., :512])  # head stride 520
+    assert not cp_async_aligned(base.transpose(1, 2)[:, :64])
+    assert cp_async_aligned(torch.zeros(1, 64, 512, dtype=torch.bfloat16)[:, :, :])
+
+
 def test_wgmma_config_off_hopper_is_a_clear_error():
     q, kv = torch.randn(2, 64, 512), torch.randn(10, 512)
     rows = torch.zeros(2, 3, dtype=torch.int32)

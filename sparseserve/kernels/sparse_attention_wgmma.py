@@ -241,7 +241,15 @@ def wgmma_supported(q: torch.Tensor, kv_pool: torch.Tensor) -> bool:
     _, num_heads, head_dim = q.shape
     return (_is_hopper(q.device) and head_dim == HEAD_DIM and num_heads % HEAD_BLOCK == 0
             and q.dtype in (torch.bfloat16, torch.float16) and kv_pool.dtype == q.dtype
-            and kv_pool.shape[-1] == HEAD_DIM)
+            and kv_pool.shape[-1] == HEAD_DIM and cp_async_aligned(q) and cp_async_aligned(kv_pool))
+
+
+def cp_async_aligned(t: torch.Tensor) -> bool:
+    """Whether 16-byte cp.async copies can read t's rows: 16-byte-aligned start, unit last stride, and the
+    other strides multiples of 16 elements (what Triton's argument specialisation can prove; otherwise the
+    kernel does not compile, so such a view takes the Triton kernel instead)."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(stride % 16 == 0 for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1))
 
 
 def _is_hopper(device: torch.device) -> bool:

@@ -23,6 +23,10 @@
 #   bash tools/gpu_session.sh spec-side  speculative graph tests and verify steps with the side stream on (and off)
 #   bash tools/gpu_session.sh split   session 10's third call: attention row splits at small batches, short/long prompts
 #   bash tools/gpu_session.sh ab-suite decode A/B of a branch against ab_main/ (AB_VARIANTS), then the gpu tests
+#   bash tools/gpu_session.sh attn-next  on a branch with a changed wgmma attention kernel (session 17 left wgmma-q-prefetch
+#                                     and wgmma-skip-empty): its attention gpu tests (stops if one fails), the probe's check,
+#                                     prefill cases of ab_main/ (main's kernel) and of this tree, decode steps of ab_main/,
+#                                     this tree, and this tree with the wgmma kernel at every batch (~6 minutes)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -224,6 +228,15 @@ case "${1:-tests}" in
     { ab_steps "${AB_VARIANTS:-fan nofan:SPARSESERVE_DISABLE_KERNELS=metadata_fan fan2 nofan2:SPARSESERVE_DISABLE_KERNELS=metadata_fan}"
       merge_runs s16_decode_runs.json
     } 2>&1 | filter > "$OUT/s16_steps.log"; grep -a "graph  0" "$OUT/s16_steps.log" ;;
+  attn-next)
+    timeout -k 5 200 python -m pytest -q -x -m gpu tests/test_sparse_attention.py 2>&1 | filter | tail -3 || exit 1
+    timeout -k 5 120 python tools/wgmma_attn_probe.py --modes check --out "$OUT/check.json" 2>&1 | filter | tail -4
+    for tree in ab_main .; do
+      (cd $tree && timeout -k 5 120 python -m sparseserve.benchmarks.kernels --only attn-prefill --no-ref \
+        --out "$OUT/kernels_prefill_$( [ $tree = . ] && echo branch || echo main ).json" 2>&1 | grep "^attn" | cut -c1-160)
+    done
+    ab_steps "ab_main branch wgmma_all:SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS=1" 2>&1 | filter | grep -A4 "batch   mode"
+    merge_runs decode_graphs_attn_next.json ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"

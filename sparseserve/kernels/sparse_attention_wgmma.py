@@ -1,8 +1,8 @@
 """Hopper (sm_90) kernel for the 64-head path of gathered-row MQA with a sink, written in Gluon.
 
 Same contract as `sparse_attention.sparse_mqa_attention_ref` (the plain-PyTorch reference beside
-it, and the CPU path); only the programs that take 64 heads at once come here (big decode batches,
-prefill). The Triton kernel in `sparse_attention.py` stays the path of every other shape, of the
+it, and the CPU path); only the shapes that take 64 heads per program come here (prefill, and decode
+from 16 token x 64-head programs on: `sparse_attention.attention_config`). The Triton kernel in `sparse_attention.py` stays the path of every other shape, of the
 CPU interpreter and of GPUs other than Hopper.
 
 Why a second kernel. The Triton kernel's 64-head variant reaches 17-31% of the bf16 rate
@@ -21,10 +21,11 @@ Gluon states layouts and copies explicitly, so here:
 
 Roofline: as in `sparse_attention.py` (bytes = 2*L*D + 4*H*D per token, FLOPs = 4*H*L*D).
 
-Shapes it takes: D = 512 (V4), heads a multiple of 64, bf16 or fp16. One program per (token,
-64-head block, split of the row list); splits write the same partials as the Triton kernel and its
-merge kernel combines them. Every choice comes from static shapes (graph-safe); each program reads
-its valid band [first, last + 1) from the band pre-pass of `sparse_attention.py`.
+Shapes it takes: D = 512 (V4), heads a multiple of 64, bf16 or fp16, rows that 16-byte cp.async can
+read (`cp_async_aligned`). The work is cut into units (token, 64-head block, split of the row list),
+at most one program per SM walks its share of them; splits write the same partials as the Triton
+kernel and its merge kernel combines them. Every choice comes from static shapes (graph-safe); each
+unit's valid band [first, last + 1) comes from the band pre-pass of `sparse_attention.py`.
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Hopper (sm_90) kernel for the 64-head path of gathered-row MQA with a sink, written in Gluon.
 
 Same contract as `sparse_attention.sparse_mqa_attention_ref` (the plain-PyTorch reference beside
-it, and the CPU path); only the shapes that take 64 heads per program come here (prefill, and decode
-from 16 token x 64-head programs on: `sparse_attention.attention_config`). The Triton kernel in `sparse_attention.py` stays the path of every other shape, of the
-CPU interpreter and of GPUs other than Hopper.
+it, and the CPU path); only the shapes that take 64 heads per program come here (prefill, and
+decode from 16 token x 64-head programs on: `sparse_attention.attention_config`). The Triton kernel
+in `sparse_attention.py` stays the path of every other shape, of the CPU interpreter and of GPUs
+other than Hopper.
 
 Why a second kernel. The Triton kernel's 64-head variant reaches 17-31% of the bf16 rate
 (docs/performance.md, "What limits it"): Triton's pipeliner leaves the indirect row gather as a

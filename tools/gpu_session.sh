@@ -26,7 +26,8 @@
 #   bash tools/gpu_session.sh attn-next  on a branch with a changed wgmma attention kernel (session 17 left wgmma-q-prefetch
 #                                     and wgmma-skip-empty): its attention gpu tests (stops if one fails), the probe's check,
 #                                     prefill cases of ab_main/ (main's kernel) and of this tree, decode steps of ab_main/,
-#                                     this tree, and this tree with the wgmma kernel at every batch (~6 minutes)
+#                                     this tree, and this tree with the wgmma kernel at every batch, and
+#                                     tools/gluon_ws_probe.py --run (~6 minutes)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -231,6 +232,7 @@ case "${1:-tests}" in
   attn-next)
     timeout -k 5 200 python -m pytest -q -x -m gpu tests/test_sparse_attention.py 2>&1 | filter | tail -3 || exit 1
     timeout -k 5 120 python tools/wgmma_attn_probe.py --modes check --out "$OUT/check.json" 2>&1 | filter | tail -4
+    timeout -k 5 60 python tools/gluon_ws_probe.py --run 2>&1 | grep "compile\|error"
     for tree in ab_main .; do
       (cd $tree && timeout -k 5 120 python -m sparseserve.benchmarks.kernels --only attn-prefill --no-ref \
         --out "$OUT/kernels_prefill_$( [ $tree = . ] && echo branch || echo main ).json" 2>&1 | grep "^attn" | cut -c1-160)

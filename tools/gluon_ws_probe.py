@@ -55,7 +55,7 @@ def _split_d_qk_kernel(q_ptr, k_ptr, s_ptr):
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], tile, gl.load(k_ptr + offs))
     s_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 64], plain)
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(done, count=2 * 128)  # every thread of both warpgroups arrives once
+    mbarrier.init(done, count=2)  # one arrival per partition: Gluon syncs the partition, then one thread arrives
     fence_async_shared()
     _barrier()
     gl.warp_specialize([(_half_qk, (q_smem, k_smem, s_smem, done, 0)), (_half_qk, (q_smem, k_smem, s_smem, done, 1))],

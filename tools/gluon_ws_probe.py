@@ -16,10 +16,6 @@ installed Triton and, with --run, whether it computes q k^T.
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
-import tempfile
 
 import torch
 import triton
@@ -28,6 +24,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+
+from kernel_resources import _usage  # tools/ is the script's directory
 
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
@@ -74,15 +72,9 @@ def compile_sm90() -> dict:
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
     kernel = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs={}, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    bindir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    dump = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
-                          capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
-    usage = re.search(r"REG:(\d+) STACK:(\d+)", dump)
+    registers, spill_stack = _usage(kernel)
     ptx = kernel.asm["ptx"]
-    return dict(triton=triton.__version__, registers=int(usage.group(1)), spill_stack=int(usage.group(2)),
+    return dict(triton=triton.__version__, registers=registers, spill_stack=spill_stack,
                 shared=kernel.metadata.shared, wgmma=ptx.count("wgmma.mma_async"), setmaxnreg=ptx.count("setmaxnreg"))
 
 

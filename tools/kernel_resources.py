@@ -46,16 +46,17 @@ POINTER_TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "part_
                  "part_ml_ptr": "*bf16", "rows_ptr": "*i32", "band_ptr": "*i32", "sinks_ptr": "*fp32"}
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, aligned: list[str], **options):
+def compile_sm90(fn, signature: dict, constexprs: dict, aligned: list[str], source_cls=ASTSource, **options):
     """fn compiled for sm_90a, the `aligned` arguments specialised as divisible by 16 (as the
     engine's launches are: 16-byte-aligned pointers, dims that are multiples of 16). Kernels with a
-    PDL constexpr (the last argument) are compiled as the H200 launches them: with the wait."""
+    PDL constexpr (the last argument) are compiled as the H200 launches them: with the wait.
+    Gluon kernels: source_cls=GluonASTSource."""
     if "PDL" in fn.arg_names and "PDL" not in signature:
         signature, constexprs = {**signature, "PDL": "constexpr"}, {**constexprs, "PDL": 1}
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                       attrs=attrs)
+    source = source_cls(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                        attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -163,12 +164,8 @@ def wgmma_attention_rows() -> list[dict]:
                           tile_smem=tile, p_smem_layout=p, PDL=1)
         signature = {n: "constexpr" if n in constexprs else "fp32" if n == "qk_scale" else pointers.get(n, "i32")
                      for n in fn.arg_names}
-        names = list(signature)
-        aligned = [n for n in names if signature[n] not in ("constexpr", "fp32") and n not in ("num_heads", "num_units")]
-        source = GluonASTSource(fn=fn, signature=signature,
-                                constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        aligned = [n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in ("num_heads", "num_units")]
+        kernel = compile_sm90(fn, signature, constexprs, aligned, source_cls=GluonASTSource, num_warps=8)
         regs, stack = _usage(kernel)
         rows.append(dict(kernel="sparse_mqa_wgmma", block_n=block_n, splits=splits, registers=regs, spill_stack=stack,
                          shared=kernel.metadata.shared, fits=kernel.metadata.shared <= SM90_SHARED_LIMIT))

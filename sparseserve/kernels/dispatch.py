@@ -8,6 +8,7 @@ every kernel without programmatic dependent launch (see kernels/pdl.py)."""
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 import torch
 
@@ -20,6 +21,29 @@ def use_triton(name: str, tensor: torch.Tensor) -> bool:
 
 def enabled_on(name: str, device: torch.device) -> bool:
     return device.type == "cuda" and name not in _DISABLED and "all" not in _DISABLED
+
+
+def num_sms(device: torch.device, cpu_default: int = 132) -> int:
+    """The device's multiprocessor count (cached: launch configs ask on every call); `cpu_default` for CPU
+    tensors under the interpreter."""
+    if device.type != "cuda":
+        return cpu_default
+    return _properties(_index(device)).multi_processor_count
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability (cached)."""
+    props = _properties(_index(device))
+    return props.major, props.minor
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@lru_cache(maxsize=None)
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
 
 
 def env_count(name: str, default: int) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .dispatch import use_triton
+from .dispatch import num_sms, use_triton
 from .pdl import pdl_args, wait_for_prior_grid
 
 try:  # Triton is optional: without it every path is the reference.
@@ -38,7 +38,6 @@ try:  # Triton is optional: without it every path is the reference.
     HAS_TRITON = True
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
-
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:
@@ -111,8 +110,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, groups: int = 1, config: 
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return y
-    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    block_n, block_k, warps = config or gemv_config(n, k, groups, num_sms)
+    block_n, block_k, warps = config or gemv_config(n, k, groups, num_sms(x.device))
     # Column n reads x's group (n // group_n); one group: every program reads x's start.
     group_n = n // groups if groups > 1 else triton.cdiv(n, block_n) * block_n
     if group_n % block_n:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import use_triton
+from .dispatch import num_sms, use_triton
 from .pdl import pdl_args, wait_for_prior_grid
 
 
@@ -149,12 +149,6 @@ def indexer_config(num_tokens: int, num_heads: int, head_dim: int, num_entries: 
     return IndexerConfig(64, 1, 4, 3)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def indexer_scores_triton(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -183,7 +177,7 @@ def indexer_scores_triton(
         index_pool = index_pool.contiguous()
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
-    cfg = config or indexer_config(num_tokens, num_heads, head_dim, num_entries, _num_sms(q.device))
+    cfg = config or indexer_config(num_tokens, num_heads, head_dim, num_entries, num_sms(q.device))
     chunks = triton.cdiv(num_entries, cfg.block_e * cfg.tiles)
     _indexer_scores_kernel[(num_tokens * chunks,)](
         q, weights, index_pool, block_table, token_seq.contiguous(), positions.contiguous(), out,

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import env_count, use_triton
+from .dispatch import env_count, num_sms, use_triton
 from .rope import apply_rope
 from .pdl import pdl_args, wait_for_prior_grid
 from .sparse_attention_wgmma import launch_wgmma_attention, wgmma_supported
@@ -291,18 +291,6 @@ class AttnConfig:
     max_programs: int = 0  # wgmma: at most this many persistent programs (0: one per SM)
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
 def attention_config(
     num_tokens: int, num_heads: int, num_rows: int, head_dim: int, num_sms: int, prefetch: bool | None = None,
     wgmma: bool = False,
@@ -326,15 +314,14 @@ def attention_config(
     """
     if prefetch is None:
         prefetch = _PREFETCH_DEFAULT
-    if wgmma and num_heads % 64 == 0 and head_dim == 512 and num_tokens * (num_heads // 64) >= WGMMA_MIN_PROGRAMS:
-        programs = num_tokens * (num_heads // 64)
+    wide = num_tokens * triton.cdiv(num_heads, 64)  # (token, 64-head) programs
+    if wgmma and num_heads % 64 == 0 and head_dim == 512 and wide >= WGMMA_MIN_PROGRAMS:
         splits = 1
-        while (splits * 2 <= WGMMA_SPLIT_MAX and programs * splits * 2 <= num_sms
+        while (splits * 2 <= WGMMA_SPLIT_MAX and wide * splits * 2 <= num_sms
                and num_rows >= splits * 2 * WGMMA_SPLIT_MIN_ROWS):
             splits *= 2
         return AttnConfig(64, 64, 8, 2, splits, band_prepass=True, wgmma=True)
     big_d = head_dim > 128
-    wide = num_tokens * triton.cdiv(num_heads, 64)
     if num_heads >= 64 and 4 * wide >= 3 * num_sms:
         if not big_d:
             return AttnConfig(64, 64, 4, 2, band_prepass=True)
@@ -396,9 +383,9 @@ def sparse_mqa_attention_triton(
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     sinks = sinks.contiguous()
-    cfg = config or attention_config(num_tokens, num_heads, num_rows, head_dim, _num_sms(q.device),
-                                     wgmma=wgmma_supported(q, kv_pool))
-    if cfg.wgmma and not (wgmma_supported(q, kv_pool) and cfg.block_h == 64 and cfg.band_prepass
+    on_hopper = wgmma_supported(q, kv_pool)
+    cfg = config or attention_config(num_tokens, num_heads, num_rows, head_dim, num_sms(q.device), wgmma=on_hopper)
+    if cfg.wgmma and not (on_hopper and cfg.block_h == 64 and cfg.band_prepass
                           and cfg.num_stages == 2 and cfg.block_n in (32, 64)):
         raise ValueError(f"{cfg} asks for the wgmma kernel, which takes Hopper, 64-head blocks, D = 512, 2 stages of "
                          f"32 or 64 rows and a band pre-pass; got q {tuple(q.shape)} {q.dtype} on {q.device}")
@@ -422,7 +409,7 @@ def sparse_mqa_attention_triton(
         band = rows  # unused
     if cfg.wgmma:
         launch_wgmma_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, float(scale) * _LOG2E,
-                               cfg.block_n, splits, cfg.max_programs or _num_sms(q.device))
+                               cfg.block_n, splits, cfg.max_programs or num_sms(q.device))
     else:
         _sparse_mqa_fwd_kernel[(num_tokens * head_blocks * dv_split * splits,)](
             q, kv_pool, rows, band, sinks, out, part_acc, part_ml,

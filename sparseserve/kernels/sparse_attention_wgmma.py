@@ -30,11 +30,9 @@ unit's valid band [first, last + 1) comes from the band pre-pass of `sparse_atte
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from .dispatch import enabled_on
+from .dispatch import capability, enabled_on
 from .pdl import pdl_args
 
 try:  # Gluon ships with triton >= 3.5; the stacks we support (3.6, 3.9) have it
@@ -241,7 +239,7 @@ def wgmma_supported(q: torch.Tensor, kv_pool: torch.Tensor) -> bool:
     if not _HAVE_GLUON or q.device.type != "cuda" or q.dim() != 3 or not enabled_on("attention_wgmma", q.device):
         return False
     _, num_heads, head_dim = q.shape
-    return (_is_hopper(q.device) and head_dim == HEAD_DIM and num_heads % HEAD_BLOCK == 0
+    return (capability(q.device)[0] == 9 and head_dim == HEAD_DIM and num_heads % HEAD_BLOCK == 0
             and q.dtype in (torch.bfloat16, torch.float16) and kv_pool.dtype == q.dtype
             and kv_pool.shape[-1] == HEAD_DIM and cp_async_aligned(q) and cp_async_aligned(kv_pool))
 
@@ -252,15 +250,6 @@ def cp_async_aligned(t: torch.Tensor) -> bool:
     kernel does not compile, so such a view takes the Triton kernel instead)."""
     return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
             and all(stride % 16 == 0 for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1))
-
-
-def _is_hopper(device: torch.device) -> bool:
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
-
-
-@lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def _layouts(block_n: int):

@@ -90,6 +90,7 @@ try:  # Triton is optional on the CPU path.
 except ImportError:  # pragma: no cover - exercised only without triton
     _HAVE_TRITON = False
 
+from .dispatch import num_sms  # noqa: E402
 from .pdl import pdl_args, wait_for_prior_grid  # noqa: E402 (after the optional Triton import)
 
 BACKENDS = ("auto", "standard", "persistent", "torch")
@@ -749,9 +750,7 @@ def auto_path(max_rows: int, max_width: int) -> str:
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # CPU under TRITON_INTERPRET=1: a few programs, to exercise the item loop
+    return num_sms(device, cpu_default=4)  # CPU under TRITON_INTERPRET=1: a few programs, to exercise the item loop
 
 
 def _normalize_device(device: torch.device | str | None) -> torch.device:

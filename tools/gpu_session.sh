@@ -230,9 +230,10 @@ case "${1:-tests}" in
       merge_runs s16_decode_runs.json
     } 2>&1 | filter > "$OUT/s16_steps.log"; grep -a "graph  0" "$OUT/s16_steps.log" ;;
   attn-next)
+    timeout -k 5 60 python tools/gluon_ws_probe.py --run 2>&1 | grep -v "^$" | tail -5
+    timeout -k 5 120 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check.json" 2>&1 | filter | tail -25
     timeout -k 5 200 python -m pytest -q -x -m gpu tests/test_sparse_attention.py 2>&1 | filter | tail -3 || exit 1
-    timeout -k 5 200 python tools/wgmma_attn_probe.py --modes check,timing --quick --out "$OUT/probe.json" 2>&1 | filter | grep -v "^check H"
-    timeout -k 5 60 python tools/gluon_ws_probe.py --run 2>&1 | grep "compile\|error"
+    timeout -k 5 200 python tools/wgmma_attn_probe.py --modes timing --quick --out "$OUT/probe.json" 2>&1 | filter | grep -v "^check H"
     for tree in ab_main .; do
       (cd $tree && timeout -k 5 120 python -m sparseserve.benchmarks.kernels --only attn-prefill --no-ref \
         --out "$OUT/kernels_prefill_$( [ $tree = . ] && echo branch || echo main ).json" 2>&1 | grep "^attn" | cut -c1-160)

@@ -263,6 +263,19 @@ def measure_ceilings() -> dict:
     return dict(copy_bytes_per_s=2 * x.numel() * 2 / (copy_us * 1e-6), bf16_gemm_flops=2 * 8192**3 / (mm_us * 1e-6))
 
 
+def same_size_copy_us(nbytes: int) -> float:
+    """Microseconds of a device copy that moves nbytes (half read, half written), timed like the decode
+    cases (`_bench_graph` over distinct buffers of >= 400 MB per cycle, so every source is out of L2).
+    The HBM rate a kernel of this size can reach: at small sizes launch and ramp-up dominate."""
+    n = max(1, nbytes // 4)  # bf16 elements read (and written) per call
+    sets = _num_sets(nbytes)
+    src = torch.empty(sets, n, dtype=torch.bfloat16, device=DEV).normal_()
+    dst = torch.empty_like(src)
+    t = _bench_graph([(lambda i=i: dst[i].copy_(src[i])) for i in range(sets)])
+    del src, dst
+    return t
+
+
 def kernel_report() -> list[dict]:
     """Registers, spills and shared memory of every compiled variant (best effort: the cache
     layout is Triton-internal)."""
@@ -370,6 +383,10 @@ def run(args) -> dict:
                     _check_close(out_alt, ref_fn(), 2e-2, repr(meta) + repr(alt))
                     meta["alt_config"] = repr(alt)
                     meta["alt_time_us"] = round(timed(case, lambda a, c=alt: sparse_mqa_attention_triton(*a, c)), 2)
+        if "sets" in case and DEV == "cuda":  # decode: what HBM delivers at this size, measured in the same run
+            copy_us = same_size_copy_us(case["bytes"])
+            meta["copy_same_bytes_us"] = round(copy_us, 2)
+            meta["frac_of_same_size_copy"] = round(copy_us / t, 3)
         ref_t = _time_ref(ref_fn) if with_ref else None
         _record(results, "attn", phase, meta, case, t, ref_t, cfg)
         if args.sweep and meta.get("sweep"):

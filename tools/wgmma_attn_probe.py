@@ -22,7 +22,7 @@ from sparseserve.benchmarks import kernels as kb
 from sparseserve.kernels.sparse_attention import (AttnConfig, attention_config, sparse_mqa_attention_ref,
                                                   sparse_mqa_attention_triton)
 
-WG = lambda bn, st, sp=1, mp=0: AttnConfig(64, bn, 8, st, sp, band_prepass=True, wgmma=True, max_programs=mp)  # noqa: E731
+WG = lambda bn, st, sp=1, mp=0, pr=False: AttnConfig(64, bn, 8, st, sp, band_prepass=True, wgmma=True, max_programs=mp, pair=pr)  # noqa: E731,E501
 
 
 def rel_err(out, ref) -> float:
@@ -42,22 +42,24 @@ def correctness(gen) -> list[dict]:
         rows[0] = -1  # a token with no row at all: output must be exactly 0
         sinks = torch.randn(heads, device=dev, generator=gen) * 2
         ref = sparse_mqa_attention_ref(q, kv, rows, sinks, 512 ** -0.5)
-        for cfg in (WG(64, 2), WG(32, 2), WG(64, 2, 1, 3), WG(64, 2, 2), WG(32, 2, 4, 7), WG(64, 2, 8), WG(64, 2, 2, 1 << 20)):
+        for cfg in (WG(64, 2), WG(32, 2), WG(64, 2, 1, 3), WG(64, 2, 2), WG(32, 2, 4, 7), WG(64, 2, 8), WG(64, 2, 2, 1 << 20),
+                    WG(64, 2, 1, 0, True), WG(64, 2, 1, 3, True), WG(64, 2, 4, 7, True), WG(64, 2, 2, 1 << 20, True)):
             out = sparse_mqa_attention_triton(q, kv, rows, sinks, 512 ** -0.5, cfg)
             torch.cuda.synchronize()
             e = rel_err(out, ref)
             zero_ok = bool((out[0] == 0).all())
             rows_out.append(dict(heads=heads, tokens=tokens, L=L, cfg=repr(cfg), rel_err=e, empty_token_zero=zero_ok))
-            print(f"check H{heads} T{tokens} L{L} {cfg.block_n}/{cfg.num_stages}/S{cfg.num_splits}: "
+            print(f"check H{heads} T{tokens} L{L} {'pair ' if cfg.pair else ''}{cfg.block_n}/{cfg.num_stages}/S{cfg.num_splits}/P{cfg.max_programs}: "
                   f"err {e:.2e} empty->0 {zero_ok}", flush=True)
     # causal prefill lists (window holes at the start, compressed holes at the end)
     for model, kind in (("flash", "csa"), ("pro", "hca")):
         case = kb.attn_prefill_case(model, kind, 1024, gen)
         ref = sparse_mqa_attention_ref(*case["args"])
-        for cfg in (WG(64, 2), WG(32, 2, 1, 5)):
+        for cfg in (WG(64, 2), WG(32, 2, 1, 5), WG(64, 2, 1, 0, True), WG(64, 2, 1, 5, True)):
             e = rel_err(sparse_mqa_attention_triton(*case["args"], cfg), ref)
             rows_out.append(dict(prefill=f"{model}-{kind}-1024", cfg=repr(cfg), rel_err=e))
-            print(f"check prefill {model} {kind} 1024 {cfg.block_n}/{cfg.num_stages}: err {e:.2e}", flush=True)
+            print(f"check prefill {model} {kind} 1024 {'pair ' if cfg.pair else ''}{cfg.block_n}/{cfg.num_stages}/P{cfg.max_programs}: "
+                  f"err {e:.2e}", flush=True)
     return rows_out
 
 
@@ -71,12 +73,12 @@ def timing(gen, quick: bool) -> list[dict]:
         case = kb.attn_prefill_case(model, kind, tokens, gen)
         q, kv, rows, sinks, scale = case["args"]
         base = attention_config(q.shape[0], q.shape[1], rows.shape[1], 512, sms)
-        for cfg in (base, WG(64, 2), WG(64, 2, 1, 1 << 20), WG(32, 2)):
+        for cfg in (base, WG(64, 2), WG(64, 2, 1, 0, True)):
             t = kb._bench(lambda c=cfg, a=case["args"]: sparse_mqa_attention_triton(*a, c))
             r = dict(phase="prefill", model=model, kind=kind, tokens=tokens, cfg=repr(cfg), us=round(t, 1),
                      tflops=round(case["flops"] / t / 1e6, 1), bf16_frac=round(case["flops"] / (t * 1e-6) / kb.BF16_FLOPS, 3))
             res.append(r)
-            print(f"prefill {model} {kind} {tokens} {'wgmma' if cfg.wgmma else 'triton'} {cfg.block_n}/"
+            print(f"prefill {model} {kind} {tokens} {('pair' if cfg.pair else 'wgmma') if cfg.wgmma else 'triton'} {cfg.block_n}/"
                   f"{cfg.num_stages}/P{cfg.max_programs}: {t:.1f} us {r['tflops']} TF/s ({100 * r['bf16_frac']:.0f}%)", flush=True)
         del case
         torch.cuda.empty_cache()
@@ -90,14 +92,14 @@ def timing(gen, quick: bool) -> list[dict]:
         hb = q.shape[1] // 64
         for sp in (1, 2, 4, 8):
             if batch * hb * sp <= 4 * sms and (sp == 1 or batch * hb * sp // 2 < 2 * sms):
-                cands += [WG(64, 2, sp, 1 << 20), WG(64, 2, sp)]
+                cands += [WG(64, 2, sp, 0, True), WG(64, 2, sp)]
         for cfg in cands:
             t = kb._bench_graph([(lambda a=a, c=cfg: sparse_mqa_attention_triton(*a, c)) for a in case["sets"]])
             r = dict(phase="decode", model=model, kind=kind, batch=batch, cfg=repr(cfg), us=round(t, 2),
                      hbm_frac=round(case["bytes"] / (t * 1e-6) / kb.HBM_BPS, 3),
                      bf16_frac=round(case["flops"] / (t * 1e-6) / kb.BF16_FLOPS, 3))
             res.append(r)
-            print(f"decode {model} {kind} b{batch} {'wgmma' if cfg.wgmma else 'triton'} {cfg.block_h}/{cfg.block_n}/"
+            print(f"decode {model} {kind} b{batch} {('pair' if cfg.pair else 'wgmma') if cfg.wgmma else 'triton'} {cfg.block_h}/{cfg.block_n}/"
                   f"{cfg.num_stages}/S{cfg.num_splits}/P{cfg.max_programs}: {t:.1f} us  {100 * r['hbm_frac']:.0f}% HBM "
                   f"{100 * r['bf16_frac']:.0f}% bf16", flush=True)
         del case

@@ -31,6 +31,7 @@ from .dispatch import env_count, num_sms, use_triton
 from .rope import apply_rope
 from .pdl import pdl_args, wait_for_prior_grid
 from .sparse_attention_wgmma import launch_wgmma_attention, wgmma_supported
+from .sparse_attention_wgmma_pair import launch_pair_attention
 
 
 def sparse_mqa_attention_ref(
@@ -289,6 +290,7 @@ class AttnConfig:
     band_prepass: bool = False  # valid-row bands from a separate kernel (the 64-head variants: no spills)
     wgmma: bool = False  # the Hopper Gluon kernel (sparse_attention_wgmma.py): 64 heads, D = 512, 8 warps, 2 stages
     max_programs: int = 0  # wgmma: at most this many persistent programs (0: one per SM)
+    pair: bool = False  # wgmma: the tile-pair kernel (sparse_attention_wgmma_pair.py; 64-row tiles)
 
 
 def attention_config(
@@ -386,7 +388,7 @@ def sparse_mqa_attention_triton(
     on_hopper = wgmma_supported(q, kv_pool)
     cfg = config or attention_config(num_tokens, num_heads, num_rows, head_dim, num_sms(q.device), wgmma=on_hopper)
     if cfg.wgmma and not (on_hopper and cfg.block_h == 64 and cfg.band_prepass
-                          and cfg.num_stages == 2 and cfg.block_n in (32, 64)):
+                          and cfg.num_stages == 2 and cfg.block_n in (32, 64) and not (cfg.pair and cfg.block_n != 64)):
         raise ValueError(f"{cfg} asks for the wgmma kernel, which takes Hopper, 64-head blocks, D = 512, 2 stages of "
                          f"32 or 64 rows and a band pre-pass; got q {tuple(q.shape)} {q.dtype} on {q.device}")
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -407,7 +409,10 @@ def sparse_mqa_attention_triton(
             **pdl_args(rows.device))
     else:
         band = rows  # unused
-    if cfg.wgmma:
+    if cfg.wgmma and cfg.pair:
+        launch_pair_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, float(scale) * _LOG2E,
+                              splits, cfg.max_programs or num_sms(q.device))
+    elif cfg.wgmma:
         launch_wgmma_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, float(scale) * _LOG2E,
                                cfg.block_n, splits, cfg.max_programs or num_sms(q.device))
     else:

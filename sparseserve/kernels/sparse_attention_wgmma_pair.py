@@ -19,6 +19,8 @@ pair (or unit): its phase parity is the pair (unit) counter's.
 """
 from __future__ import annotations
 
+import os
+
 from .sparse_attention_wgmma import _HAVE_GLUON
 
 if _HAVE_GLUON:
@@ -58,15 +60,19 @@ if _HAVE_GLUON:
         q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         num_heads, num_units, units_per_token,
         stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh, qk_scale,
-        q_lo, q_hi, q_mine,  # q's column halves ([64, 256] each); q_mine: the one this warpgroup loads
-        k_lo, k_hi,  # this warpgroup's ring slot, column halves
+        q_mine, q_theirs,  # q's column halves ([64, 256] each): mine (I load it) and the other's
         v_mine, v_other_slot,  # my columns of my slot / of the other's slot (the PV operands)
         g_first, g_second,  # gather order of my slot's halves: my columns first, then the other's
         p_mine, p_other, mx_mine, mx_other, lx_mine, lx_other,
         mx_ready_mine, mx_ready_other, p_ready_mine, p_ready_other, p_free_mine, p_free_other,
         q_ready_mine, q_ready_other, l_ready_mine, l_ready_other,
-        NUM_SPLITS: gl.constexpr, HALF: gl.constexpr,
+        NUM_SPLITS: gl.constexpr, HALF: gl.constexpr, ORDER: gl.constexpr,
     ):
+        # ORDER 0: PV on my own tile first, then regather my columns of my slot, then PV on the other's
+        # tile, then (once the other's PV on them is done) the other columns of my slot.
+        # ORDER 1: PV on the other's tile first, then (once the other's PV on them is done) the other
+        # columns of my slot are regathered while I run PV on my own tile, then my columns.
+        # Either way QK^T of the next pair starts on the half gathered first.
         BLOCK_H: gl.constexpr = 64
         BLOCK_N: gl.constexpr = 64
         DH: gl.constexpr = 256
@@ -94,8 +100,12 @@ if _HAVE_GLUON:
         c_start, c_end = _unit_band(band_ptr, cu, num_units, units_per_token, NUM_SPLITS)
         _gather_q_half(q_mine, q_ptr, cu, units_per_token, stride_qt, stride_qh, offs_qh, offs_mine, NUM_SPLITS)
         r = _pair_tile_ids(rows_ptr, stride_rt, cu, cp, c_start, c_end, units_per_token, offs_g, HALF)
-        _gather_half(g_first, kv_ptr, stride_kv, r, offs_mine)
-        _gather_half(g_second, kv_ptr, stride_kv, r, offs_other)
+        if ORDER == 0:
+            _gather_half(g_first, kv_ptr, stride_kv, r, offs_mine)
+            _gather_half(g_second, kv_ptr, stride_kv, r, offs_other)
+        else:
+            _gather_half(g_second, kv_ptr, stride_kv, r, offs_other)
+            _gather_half(g_first, kv_ptr, stride_kv, r, offs_mine)
 
         hb = (cu % units_per_token) // NUM_SPLITS
         m_sink = gl.load(sinks_ptr + hb * BLOCK_H + offs_sh).to(gl.float32) * 1.4426950408889634
@@ -107,14 +117,24 @@ if _HAVE_GLUON:
         i = 0  # pairs done by this program: the parity of the per-pair barriers
         uc = 0  # units done: the parity of the per-unit barriers
         while cu < num_units:
-            _cp.wait_group(0)  # my slot (both halves) and, at a unit's start, my half of q
+            # The half gathered first (and, at a unit's start, my half of q, issued before both) has landed.
+            _cp.wait_group(1)
             _cta_barrier()  # this partition's warps only
             fence_async_shared()
             if cp == 0:
                 mbarrier.arrive(q_ready_mine)
                 mbarrier.wait(q_ready_other, uc & 1)
-            s = warpgroup_mma(q_lo, k_lo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_hi, k_hi.permute((1, 0)), s, is_async=True)
+            if ORDER == 0:
+                s = warpgroup_mma(q_mine, g_first.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            else:
+                s = warpgroup_mma(q_theirs, g_second.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            _cp.wait_group(0)
+            _cta_barrier()
+            fence_async_shared()
+            if ORDER == 0:
+                s = warpgroup_mma(q_theirs, g_second.permute((1, 0)), s, is_async=True)
+            else:
+                s = warpgroup_mma(q_mine, g_first.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
             n_pairs = gl.maximum(gl.cdiv(gl.cdiv(c_end - c_start, BLOCK_N), 2), 1)
             last = cp + 1 >= n_pairs
@@ -131,6 +151,8 @@ if _HAVE_GLUON:
             mx_mine.store(m_tile)
             mbarrier.arrive(mx_ready_mine)
             mbarrier.wait(mx_ready_other, i & 1)
+            if last & (nu < num_units):  # both of us are past the unit's last QK^T: load my half of the next q
+                _gather_q_half(q_mine, q_ptr, nu, units_per_token, stride_qt, stride_qh, offs_qh, offs_mine, NUM_SPLITS)
             m_new = gl.maximum(m_i, gl.maximum(m_tile, mx_other.load(vec_layout)))
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s - gl.expand_dims(m_new, 1))
@@ -140,21 +162,32 @@ if _HAVE_GLUON:
             p_mine.store(p16)
             fence_async_shared()
             mbarrier.arrive(p_ready_mine)
-
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_mine, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            # My columns of my slot: read only by me (QK^T and this PV, both done): gather my next tile's.
-            _cta_barrier()
-            _gather_half(g_first, kv_ptr, stride_kv, r_next, offs_mine)
 
-            mbarrier.wait(p_ready_other, i & 1)
-            acc = warpgroup_mma(p_other, v_other_slot, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            mbarrier.arrive(p_free_other)  # done with the other's p and with my columns of its slot
-            # The other's columns of my slot are free once its PV on them is done.
-            mbarrier.wait(p_free_mine, i & 1)
-            _gather_half(g_second, kv_ptr, stride_kv, r_next, offs_other)
+            if ORDER == 0:
+                acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_mine, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                # My columns of my slot: read only by me (QK^T and this PV, both done): gather my next tile's.
+                _cta_barrier()
+                _gather_half(g_first, kv_ptr, stride_kv, r_next, offs_mine)
+                mbarrier.wait(p_ready_other, i & 1)
+                acc = warpgroup_mma(p_other, v_other_slot, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                mbarrier.arrive(p_free_other)  # done with the other's p and with my columns of its slot
+                # The other's columns of my slot are free once its PV on them is done.
+                mbarrier.wait(p_free_mine, i & 1)
+                _gather_half(g_second, kv_ptr, stride_kv, r_next, offs_other)
+            else:
+                mbarrier.wait(p_ready_other, i & 1)
+                acc = warpgroup_mma(p_other, v_other_slot, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                mbarrier.arrive(p_free_other)
+                mbarrier.wait(p_free_mine, i & 1)
+                _gather_half(g_second, kv_ptr, stride_kv, r_next, offs_other)
+                acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_mine, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                _cta_barrier()
+                _gather_half(g_first, kv_ptr, stride_kv, r_next, offs_mine)
 
             if last:
                 # Row sums of the two tiles' streams, added once per unit.
@@ -183,10 +216,6 @@ if _HAVE_GLUON:
                         if HALF == 0:
                             gl.store(ml, m_i)
                             gl.store(ml + num_heads, l_fin)
-                # Both warpgroups are past their last QK^T of the unit (the l exchange): q is free.
-                if nu < num_units:
-                    _gather_q_half(q_mine, q_ptr, nu, units_per_token, stride_qt, stride_qh, offs_qh, offs_mine,
-                                   NUM_SPLITS)
                 cu = nu
                 cp = 0
                 c_start = nu_start
@@ -208,7 +237,7 @@ if _HAVE_GLUON:
         num_heads, num_units, units_per_token,
         stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
         qk_scale,
-        NUM_SPLITS: gl.constexpr, WORKER_REGS: gl.constexpr, PDL: gl.constexpr,
+        NUM_SPLITS: gl.constexpr, WORKER_REGS: gl.constexpr, PDL: gl.constexpr, ORDER: gl.constexpr = 1,
     ):
         wait_for_prior_grid(PDL)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -255,17 +284,17 @@ if _HAVE_GLUON:
             (_pair_partition, (q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                                num_heads, num_units, units_per_token,
                                stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh, qk_scale,
-                               q_lo, q_hi, q_lo, k0_lo, k0_hi, k0_lo, k1_lo, k0_lo, k0_hi,
+                               q_lo, q_hi, k0_lo, k1_lo, k0_lo, k0_hi,
                                p0, p1, mx0, mx1, lx0, lx1,
                                mxr0, mxr1, pr0, pr1, pf0, pf1, qr0, qr1, lr0, lr1,
-                               NUM_SPLITS, 0)),
+                               NUM_SPLITS, 0, ORDER)),
             (_pair_partition, (q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                                num_heads, num_units, units_per_token,
                                stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh, qk_scale,
-                               q_lo, q_hi, q_hi, k1_lo, k1_hi, k1_hi, k0_hi, k1_hi, k1_lo,
+                               q_hi, q_lo, k1_hi, k0_hi, k1_hi, k1_lo,
                                p1, p0, mx1, mx0, lx1, lx0,
                                mxr1, mxr0, pr1, pr0, pf1, pf0, qr1, qr0, lr1, lr0,
-                               NUM_SPLITS, 1)),
+                               NUM_SPLITS, 1, ORDER)),
         ], [4], [WORKER_REGS])
 
 
@@ -283,5 +312,6 @@ def launch_pair_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml,
         q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1),
         qk_scale,
         NUM_SPLITS=num_splits, WORKER_REGS=worker_regs,
+        ORDER=int(os.environ.get("SPARSESERVE_PAIR_ORDER", "1")),  # experiment knob (branch only)
         num_warps=4, **pdl_args(q.device),
     )

@@ -169,6 +169,12 @@ def test_attention_config_wgmma_rule():
     assert not attention_config(64, 16, 640, 512, 132, wgmma=True).wgmma  # 16 heads
     assert not attention_config(64, 64, 640, 128, 132, wgmma=True).wgmma  # D = 128
     assert not attention_config(8, 64, 640, 512, 132).wgmma
+    # The tile-pair kernel: 128-head models with long lists only.
+    assert attention_config(4096, 128, 1152, 512, 132, wgmma=True).pair
+    assert attention_config(64, 128, 1152, 512, 132, wgmma=True).pair
+    assert not attention_config(4096, 128, 384, 512, 132, wgmma=True).pair  # HCA 32K
+    assert not attention_config(4096, 64, 1152, 512, 132, wgmma=True).pair  # 64 heads
+    assert not attention_config(4096, 128, 1152, 512, 132).pair
 
 
 def test_wgmma_kernel_takes_only_rows_cp_async_can_read():
@@ -315,7 +321,9 @@ WGMMA_CONFIGS = (AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True),
                  AttnConfig(64, 32, 8, 2, 1, band_prepass=True, wgmma=True, max_programs=3),
                  AttnConfig(64, 64, 8, 2, 4, band_prepass=True, wgmma=True, max_programs=5),
                  AttnConfig(64, 32, 8, 2, 16, band_prepass=True, wgmma=True),
-                 AttnConfig(64, 64, 8, 2, 2, band_prepass=True, wgmma=True, max_programs=1 << 20))
+                 AttnConfig(64, 64, 8, 2, 2, band_prepass=True, wgmma=True, max_programs=1 << 20),
+                 AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True, pair=True),
+                 AttnConfig(64, 64, 8, 2, 4, band_prepass=True, wgmma=True, max_programs=5, pair=True))
 
 
 def _hopper() -> bool:

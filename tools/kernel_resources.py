@@ -172,14 +172,14 @@ def wgmma_attention_rows() -> list[dict]:
     from sparseserve.kernels import sparse_attention_wgmma_pair as pair
 
     fn = pair._sparse_mqa_pair_kernel
-    for splits, wregs, order in ((1, 248, 0), (1, 248, 1), (4, 248, 1)):
-        constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=wregs, PDL=1, ORDER=order)
+    for splits in (1, 4):
+        constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=248, PDL=1)
         signature = {n: "constexpr" if n in constexprs else "fp32" if n == "qk_scale" else pointers.get(n, "i32")
                      for n in fn.arg_names}
         aligned = [n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in ("num_heads", "num_units")]
         kernel = compile_sm90(fn, signature, constexprs, aligned, source_cls=GluonASTSource, num_warps=4)
         regs, stack = _usage(kernel)
-        rows.append(dict(kernel=f"sparse_mqa_pair worker_regs {wregs} order {order}", block_n=64, splits=splits, registers=regs, spill_stack=stack,
+        rows.append(dict(kernel="sparse_mqa_pair", block_n=64, splits=splits, registers=regs, spill_stack=stack,
                          shared=kernel.metadata.shared, fits=kernel.metadata.shared <= SM90_SHARED_LIMIT))
     return rows
 

@@ -17,6 +17,7 @@ from HBM). The plain-PyTorch reference is timed in the same process (1 warm-up +
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -271,9 +272,7 @@ def same_size_copy_us(nbytes: int) -> float:
     sets = _num_sets(nbytes)
     src = torch.empty(sets, n, dtype=torch.bfloat16, device=DEV).normal_()
     dst = torch.empty_like(src)
-    t = _bench_graph([(lambda i=i: dst[i].copy_(src[i])) for i in range(sets)])
-    del src, dst
-    return t
+    return _bench_graph([(lambda i=i: dst[i].copy_(src[i])) for i in range(sets)])
 
 
 def kernel_report() -> list[dict]:
@@ -373,6 +372,10 @@ def run(args) -> dict:
             _check_close(sparse_mqa_attention_triton(*case["args"], alt), ref_fn(), 2e-2, repr(meta) + repr(alt))
             meta["triton_config"] = repr(alt)
             meta["triton_time_us"] = round(timed(case, lambda a, c=alt: sparse_mqa_attention_triton(*a, c)), 2)
+            if cfg.pair:  # and the wgmma kernel it replaces on these shapes
+                one = dataclasses.replace(cfg, pair=False)
+                meta["wgmma_config"] = repr(one)
+                meta["wgmma_time_us"] = round(timed(case, lambda a, c=one: sparse_mqa_attention_triton(*a, c)), 2)
         else:
             # Both policies of the small-batch path (pipelined cp.async vs register prefetch) on
             # every case, so the default can be set per regime from one run.

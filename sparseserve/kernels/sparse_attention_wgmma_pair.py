@@ -1,4 +1,4 @@
-"""Experimental (branch `wgmma-pair`): the wgmma attention kernel with each warpgroup owning a whole tile.
+"""Hopper (sm_90) attention kernel, written in Gluon, in which each warpgroup owns a whole tile.
 
 Same contract, units, bands, partials and merge as `sparse_attention_wgmma.py`. There both warpgroups
 work on every tile in lockstep: QK^T splits the tile's 64 rows between them (m64n32 instructions that
@@ -16,10 +16,16 @@ other half once the other warpgroup's PV on it is done. Row sums are added acros
 unit's end. A unit with an odd number of tiles leaves warpgroup 1 a masked tile in its last pair.
 Every barrier is an mbarrier of count 1 (one elected arrival per partition) and completes once per
 pair (or unit): its phase parity is the pair (unit) counter's.
+
+When it is used (`sparse_attention.attention_config`): long row lists of 128-head models (V4-Pro CSA:
+1152 rows). H200, session 18, same-run probe against `sparse_attention_wgmma.py`: Pro CSA prefill 4K
+2017 vs 2235 us (43% of bf16), decode batch 256 234 vs 256 us, batch 64 68 vs 72 us; but Flash CSA
+(640 rows) prefill only 2% faster and decode 5-17% slower, HCA prefill 9-18% slower (short units: the
+per-unit exchange and the first pair's gathers are exposed, and an odd tile count leaves one
+warpgroup a masked tile). Resources (`tools/kernel_resources.py --wgmma`): 255 registers, 136-184 B of
+spilled wgmma descriptors (reloaded from L1 before each product), 214,540 B of shared memory.
 """
 from __future__ import annotations
-
-import os
 
 from .sparse_attention_wgmma import _HAVE_GLUON
 
@@ -66,13 +72,11 @@ if _HAVE_GLUON:
         p_mine, p_other, mx_mine, mx_other, lx_mine, lx_other,
         mx_ready_mine, mx_ready_other, p_ready_mine, p_ready_other, p_free_mine, p_free_other,
         q_ready_mine, q_ready_other, l_ready_mine, l_ready_other,
-        NUM_SPLITS: gl.constexpr, HALF: gl.constexpr, ORDER: gl.constexpr,
+        NUM_SPLITS: gl.constexpr, HALF: gl.constexpr,
     ):
-        # ORDER 0: PV on my own tile first, then regather my columns of my slot, then PV on the other's
-        # tile, then (once the other's PV on them is done) the other columns of my slot.
-        # ORDER 1: PV on the other's tile first, then (once the other's PV on them is done) the other
-        # columns of my slot are regathered while I run PV on my own tile, then my columns.
-        # Either way QK^T of the next pair starts on the half gathered first.
+        # Per pair: PV on the other's tile first, so the other columns of my slot (which its PV reads) are
+        # free, and regathered, while I run PV on my own tile; then my columns. QK^T of the next pair starts
+        # on the half gathered first. (The opposite order measured the same within 1-2%: session 18.)
         BLOCK_H: gl.constexpr = 64
         BLOCK_N: gl.constexpr = 64
         DH: gl.constexpr = 256
@@ -100,12 +104,8 @@ if _HAVE_GLUON:
         c_start, c_end = _unit_band(band_ptr, cu, num_units, units_per_token, NUM_SPLITS)
         _gather_q_half(q_mine, q_ptr, cu, units_per_token, stride_qt, stride_qh, offs_qh, offs_mine, NUM_SPLITS)
         r = _pair_tile_ids(rows_ptr, stride_rt, cu, cp, c_start, c_end, units_per_token, offs_g, HALF)
-        if ORDER == 0:
-            _gather_half(g_first, kv_ptr, stride_kv, r, offs_mine)
-            _gather_half(g_second, kv_ptr, stride_kv, r, offs_other)
-        else:
-            _gather_half(g_second, kv_ptr, stride_kv, r, offs_other)
-            _gather_half(g_first, kv_ptr, stride_kv, r, offs_mine)
+        _gather_half(g_second, kv_ptr, stride_kv, r, offs_other)
+        _gather_half(g_first, kv_ptr, stride_kv, r, offs_mine)
 
         hb = (cu % units_per_token) // NUM_SPLITS
         m_sink = gl.load(sinks_ptr + hb * BLOCK_H + offs_sh).to(gl.float32) * 1.4426950408889634
@@ -124,17 +124,11 @@ if _HAVE_GLUON:
             if cp == 0:
                 mbarrier.arrive(q_ready_mine)
                 mbarrier.wait(q_ready_other, uc & 1)
-            if ORDER == 0:
-                s = warpgroup_mma(q_mine, g_first.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            else:
-                s = warpgroup_mma(q_theirs, g_second.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_theirs, g_second.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             _cp.wait_group(0)
             _cta_barrier()
             fence_async_shared()
-            if ORDER == 0:
-                s = warpgroup_mma(q_theirs, g_second.permute((1, 0)), s, is_async=True)
-            else:
-                s = warpgroup_mma(q_mine, g_first.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q_mine, g_first.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
             n_pairs = gl.maximum(gl.cdiv(gl.cdiv(c_end - c_start, BLOCK_N), 2), 1)
             last = cp + 1 >= n_pairs
@@ -164,30 +158,18 @@ if _HAVE_GLUON:
             mbarrier.arrive(p_ready_mine)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
 
-            if ORDER == 0:
-                acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_mine, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-                # My columns of my slot: read only by me (QK^T and this PV, both done): gather my next tile's.
-                _cta_barrier()
-                _gather_half(g_first, kv_ptr, stride_kv, r_next, offs_mine)
-                mbarrier.wait(p_ready_other, i & 1)
-                acc = warpgroup_mma(p_other, v_other_slot, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-                mbarrier.arrive(p_free_other)  # done with the other's p and with my columns of its slot
-                # The other's columns of my slot are free once its PV on them is done.
-                mbarrier.wait(p_free_mine, i & 1)
-                _gather_half(g_second, kv_ptr, stride_kv, r_next, offs_other)
-            else:
-                mbarrier.wait(p_ready_other, i & 1)
-                acc = warpgroup_mma(p_other, v_other_slot, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-                mbarrier.arrive(p_free_other)
-                mbarrier.wait(p_free_mine, i & 1)
-                _gather_half(g_second, kv_ptr, stride_kv, r_next, offs_other)
-                acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_mine, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-                _cta_barrier()
-                _gather_half(g_first, kv_ptr, stride_kv, r_next, offs_mine)
+            mbarrier.wait(p_ready_other, i & 1)
+            acc = warpgroup_mma(p_other, v_other_slot, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            mbarrier.arrive(p_free_other)  # done with the other's p and with my columns of its slot
+            # The other columns of my slot are free once the other's PV on them is done.
+            mbarrier.wait(p_free_mine, i & 1)
+            _gather_half(g_second, kv_ptr, stride_kv, r_next, offs_other)
+            acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_mine, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            # My columns of my slot: read only by me (QK^T and this PV, both done).
+            _cta_barrier()
+            _gather_half(g_first, kv_ptr, stride_kv, r_next, offs_mine)
 
             if last:
                 # Row sums of the two tiles' streams, added once per unit.
@@ -237,7 +219,7 @@ if _HAVE_GLUON:
         num_heads, num_units, units_per_token,
         stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
         qk_scale,
-        NUM_SPLITS: gl.constexpr, WORKER_REGS: gl.constexpr, PDL: gl.constexpr, ORDER: gl.constexpr = 1,
+        NUM_SPLITS: gl.constexpr, WORKER_REGS: gl.constexpr, PDL: gl.constexpr,
     ):
         wait_for_prior_grid(PDL)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -287,14 +269,14 @@ if _HAVE_GLUON:
                                q_lo, q_hi, k0_lo, k1_lo, k0_lo, k0_hi,
                                p0, p1, mx0, mx1, lx0, lx1,
                                mxr0, mxr1, pr0, pr1, pf0, pf1, qr0, qr1, lr0, lr1,
-                               NUM_SPLITS, 0, ORDER)),
+                               NUM_SPLITS, 0)),
             (_pair_partition, (q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                                num_heads, num_units, units_per_token,
                                stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh, qk_scale,
                                q_hi, q_lo, k1_hi, k0_hi, k1_hi, k1_lo,
                                p1, p0, mx1, mx0, lx1, lx0,
                                mxr1, mxr0, pr1, pr0, pf1, pf0, qr1, qr0, lr1, lr0,
-                               NUM_SPLITS, 1, ORDER)),
+                               NUM_SPLITS, 1)),
         ], [4], [WORKER_REGS])
 
 
@@ -312,6 +294,5 @@ def launch_pair_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml,
         q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1),
         qk_scale,
         NUM_SPLITS=num_splits, WORKER_REGS=worker_regs,
-        ORDER=int(os.environ.get("SPARSESERVE_PAIR_ORDER", "1")),  # experiment knob (branch only)
         num_warps=4, **pdl_args(q.device),
     )

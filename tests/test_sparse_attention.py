@@ -172,6 +172,7 @@ def test_attention_config_wgmma_rule():
     # The tile-pair kernel: 128-head models with long lists only.
     assert attention_config(4096, 128, 1152, 512, 132, wgmma=True).pair
     assert attention_config(64, 128, 1152, 512, 132, wgmma=True).pair
+    assert not attention_config(8, 128, 1152, 512, 132, wgmma=True).pair  # 8 splits of 144 rows
     assert not attention_config(4096, 128, 384, 512, 132, wgmma=True).pair  # HCA 32K
     assert not attention_config(4096, 64, 1152, 512, 132, wgmma=True).pair  # 64 heads
     assert not attention_config(4096, 128, 1152, 512, 132).pair

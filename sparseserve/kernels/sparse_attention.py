@@ -302,8 +302,8 @@ def attention_config(
     wgmma (the Hopper Gluon kernel can serve the call: `sparse_attention_wgmma.wgmma_supported`), from
     WGMMA_MIN_PROGRAMS (token, 64-head) programs on: 64 heads per program, 64-row tiles in a 2-slot ring,
     and the rows split in a power of two (<= WGMMA_SPLIT_MAX, >= WGMMA_SPLIT_MIN_ROWS rows each) while
-    the programs still fit one wave; 128-head models with >= WGMMA_PAIR_MIN_ROWS rows take the tile-pair
-    kernel.
+    the programs still fit one wave; 128-head models with >= WGMMA_PAIR_MIN_ROWS rows per split take the
+    tile-pair kernel.
 
     Chosen from a config sweep on the H200 (docs/performance.md, benchmarks/results/kernels.json):
     - many (token, 64-head) programs (big decode batches, prefill): 64 heads per program, so a KV
@@ -323,8 +323,8 @@ def attention_config(
         while (splits * 2 <= WGMMA_SPLIT_MAX and wide * splits * 2 <= num_sms
                and num_rows >= splits * 2 * WGMMA_SPLIT_MIN_ROWS):
             splits *= 2
-        # Long lists of 128-head models: the tile-pair kernel (sparse_attention_wgmma_pair.py).
-        pair = num_heads % 128 == 0 and num_rows >= WGMMA_PAIR_MIN_ROWS
+        # Long units of 128-head models: the tile-pair kernel (sparse_attention_wgmma_pair.py).
+        pair = num_heads % 128 == 0 and num_rows // splits >= WGMMA_PAIR_MIN_ROWS
         return AttnConfig(64, 64, 8, 2, splits, band_prepass=True, wgmma=True, pair=pair)
     big_d = head_dim > 128
     if num_heads >= 64 and 4 * wide >= 3 * num_sms:
@@ -356,8 +356,9 @@ WGMMA_SPLIT_MAX = env_count("SPARSESERVE_ATTN_WGMMA_SPLIT_MAX", 16)
 # at best 1-2 us faster on full row lists, and in decode steps with 256-token prompts (lists mostly holes,
 # most of 16 splits empty) 24 us slower per step at batch 8 (H200, session 17, docs/performance.md).
 WGMMA_MIN_PROGRAMS = env_count("SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS", 16)
-# Row lists this long (V4-Pro CSA: 1152) of 128-head models take the tile-pair kernel: Pro CSA prefill 4K 2017 vs
-# 2235 us, decode batch 256 234 vs 256 us; Flash CSA (640 rows) and HCA gained nothing or lost (H200, session 18).
+# Row splits this long (V4-Pro CSA, and HCA from 128K: 1152 rows) of 128-head models take the tile-pair kernel.
+# H200, session 18, same run: Pro CSA prefill 32K 23202 vs 26491 us, 4K 2020 vs 2232, decode batch 64/256 4-6%
+# faster; batch 8 (8 splits of 144 rows) 5-10% slower, Flash CSA (640 rows) and HCA prefill no gain or slower.
 WGMMA_PAIR_MIN_ROWS = env_count("SPARSESERVE_ATTN_WGMMA_PAIR_MIN_ROWS", 1024)
 # Heads per merge program (a power of two): 4 gives a batch-1 token 16 programs at 64 heads instead of 4
 # (H200, session 11, b2b steps: batch 1 0.746 / 0.747 -> 0.739 / 0.738 ms, batch 8 0.998 / 1.000 -> 0.994 / 0.991).

@@ -35,7 +35,8 @@ if _HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-    from .sparse_attention_wgmma import _async_gather, _cp, _cta_barrier, _unit_band, wait_for_prior_grid
+    from .sparse_attention_wgmma import (
+        _async_gather, _cp, _cta_barrier, _issue_q, _unit_band, wait_for_prior_grid)
 
     @gluon.jit
     def _pair_tile_ids(rows_ptr, stride_rt, unit, pair, start, end, units_per_token, offs, HALF: gl.constexpr):
@@ -49,16 +50,6 @@ if _HAVE_GLUON:
         """cp.async of one column half ([64 rows, 256]) of rows r; -1 rows masked (no traffic). One commit group."""
         row_ptr = kv_ptr + gl.expand_dims(r.to(gl.int64) * stride_kv, 1)
         _async_gather(dst, row_ptr + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(r >= 0, 1))
-        _cp.commit_group()
-
-    @gluon.jit
-    def _gather_q_half(dst, q_ptr, unit, units_per_token, stride_qt, stride_qh, offs_qh, offs_d,
-                       NUM_SPLITS: gl.constexpr):
-        tok = (unit // units_per_token).to(gl.int64)
-        hb = (unit % units_per_token) // NUM_SPLITS
-        heads = (hb * 64 + offs_qh).to(gl.int64)
-        rows = q_ptr + tok * stride_qt + gl.expand_dims(heads * stride_qh, 1)
-        _async_gather(dst, rows + gl.expand_dims(offs_d, 0))
         _cp.commit_group()
 
     @gluon.jit
@@ -102,7 +93,7 @@ if _HAVE_GLUON:
         cu = gl.program_id(0)
         cp = 0
         c_start, c_end = _unit_band(band_ptr, cu, num_units, units_per_token, NUM_SPLITS)
-        _gather_q_half(q_mine, q_ptr, cu, units_per_token, stride_qt, stride_qh, offs_qh, offs_mine, NUM_SPLITS)
+        _issue_q(q_mine, q_ptr, cu, units_per_token, stride_qt, stride_qh, offs_qh, offs_mine, NUM_SPLITS)
         r = _pair_tile_ids(rows_ptr, stride_rt, cu, cp, c_start, c_end, units_per_token, offs_g, HALF)
         _gather_half(g_second, kv_ptr, stride_kv, r, offs_other)
         _gather_half(g_first, kv_ptr, stride_kv, r, offs_mine)
@@ -146,7 +137,7 @@ if _HAVE_GLUON:
             mbarrier.arrive(mx_ready_mine)
             mbarrier.wait(mx_ready_other, i & 1)
             if last & (nu < num_units):  # both of us are past the unit's last QK^T: load my half of the next q
-                _gather_q_half(q_mine, q_ptr, nu, units_per_token, stride_qt, stride_qh, offs_qh, offs_mine, NUM_SPLITS)
+                _issue_q(q_mine, q_ptr, nu, units_per_token, stride_qt, stride_qh, offs_qh, offs_mine, NUM_SPLITS)
             m_new = gl.maximum(m_i, gl.maximum(m_tile, mx_other.load(vec_layout)))
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s - gl.expand_dims(m_new, 1))

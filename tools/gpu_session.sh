@@ -23,11 +23,10 @@
 #   bash tools/gpu_session.sh spec-side  speculative graph tests and verify steps with the side stream on (and off)
 #   bash tools/gpu_session.sh split   session 10's third call: attention row splits at small batches, short/long prompts
 #   bash tools/gpu_session.sh ab-suite decode A/B of a branch against ab_main/ (AB_VARIANTS), then the gpu tests
-#   bash tools/gpu_session.sh attn-next  on a branch with a changed wgmma attention kernel (session 17 left wgmma-q-prefetch
-#                                     and wgmma-skip-empty): its attention gpu tests (stops if one fails), the probe's check,
+#   bash tools/gpu_session.sh attn-next  on a branch with a changed wgmma attention kernel (session 18 left wgmma-pair-producer):
+#                                     tools/gluon_ws_probe.py --run, the probe's check, its attention gpu tests (stops if one fails),
 #                                     prefill cases of ab_main/ (main's kernel) and of this tree, decode steps of ab_main/,
-#                                     this tree, and this tree with the wgmma kernel at every batch, and
-#                                     tools/gluon_ws_probe.py --run (~6 minutes)
+#                                     this tree, and this tree with the wgmma kernel at every batch (~7 minutes)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch

@@ -112,6 +112,35 @@ if _HAVE_GLUON:
         return gl.load(rows_ptr + tok * stride_rt + pos, mask=pos < end, other=-1)
 
     @gluon.jit
+    def _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, split, heads, num_heads,
+                    stride_ot, stride_oh, band_empty, offs_oh, offs_od, offs_sh,
+                    NUM_SPLITS: gl.constexpr, WRITE_ML: gl.constexpr):
+        """A finished unit's result: the normalised output of its 64 heads (one split), or its partials as the
+        Triton kernel writes them: acc [T, S, H, 512], (max, sum) [T, S, 2, H], fp32. acc may hold only some
+        of the columns (offs_od); WRITE_ML: this caller also writes the unit's (max, sum). tok (int64), split
+        and heads (the block's first head) locate the unit."""
+        if NUM_SPLITS == 1:
+            out = acc / gl.expand_dims(gl.convert_layout(l_i, offs_oh.type.layout), 1)
+            out_rows = out_ptr + tok * stride_ot + gl.expand_dims((heads + offs_oh).to(gl.int64) * stride_oh, 1)
+            gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(out_ptr.dtype.element_ty))
+        else:
+            part = tok * NUM_SPLITS + split
+            ml = part_ml_ptr + part * 2 * num_heads + heads + offs_sh
+            if band_empty & (split > 0):
+                # An empty split (short contexts leave most of them empty) adds nothing: a max of
+                # -inf gives it weight 0 and the merge skips its acc, so 128 KB are not written.
+                if WRITE_ML:
+                    zero = (offs_sh * 0).to(gl.float32)  # (in offs_sh's layout: both supported Tritons)
+                    gl.store(ml, zero - float("inf"))
+                    gl.store(ml + num_heads, zero)
+            else:
+                acc_rows = part_acc_ptr + (part * num_heads + heads + gl.expand_dims(offs_oh, 1)) * 512
+                gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc)
+                if WRITE_ML:
+                    gl.store(ml, m_i)
+                    gl.store(ml + num_heads, l_i)
+
+    @gluon.jit
     def _sparse_mqa_wgmma_kernel(
         q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         num_heads, num_units, units_per_token,
@@ -200,26 +229,9 @@ if _HAVE_GLUON:
             if last:
                 tok = (cu // units_per_token).to(gl.int64)
                 split = cu % NUM_SPLITS
-                heads = hb * BLOCK_H
                 l_i = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + gl.sum(l_cols, 1)
-                if NUM_SPLITS == 1:
-                    out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
-                    out_rows = out_ptr + tok * stride_ot + gl.expand_dims((heads + offs_oh).to(gl.int64) * stride_oh, 1)
-                    gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(dtype))
-                else:
-                    # Partials as the Triton kernel writes them: acc [T, S, H, D], (max, sum) [T, S, 2, H], fp32.
-                    part = tok * NUM_SPLITS + split
-                    ml = part_ml_ptr + part * 2 * num_heads + heads + offs_sh
-                    if (c_end <= c_start) & (split > 0):
-                        # An empty split (short contexts leave most of them empty) adds nothing: a max of
-                        # -inf gives it weight 0 and the merge skips its acc, so 128 KB are not written.
-                        gl.store(ml, gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout)))
-                        gl.store(ml + num_heads, gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout)))
-                    else:
-                        acc_rows = part_acc_ptr + (part * num_heads + heads + gl.expand_dims(offs_oh, 1)) * D
-                        gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc)
-                        gl.store(ml, m_i)
-                        gl.store(ml + num_heads, l_i)
+                _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, split, hb * BLOCK_H, num_heads,
+                            stride_ot, stride_oh, c_end <= c_start, offs_oh, offs_od, offs_sh, NUM_SPLITS, True)
                 cu = nu
                 ct = 0
                 c_start, c_end = _unit_band(band_ptr, cu, num_units, units_per_token, NUM_SPLITS)

@@ -36,7 +36,7 @@ if _HAVE_GLUON:
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
     from .sparse_attention_wgmma import (
-        _async_gather, _cp, _cta_barrier, _issue_q, _unit_band, wait_for_prior_grid)
+        _async_gather, _cp, _cta_barrier, _issue_q, _store_unit, _unit_band, wait_for_prior_grid)
 
     @gluon.jit
     def _pair_tile_ids(rows_ptr, stride_rt, unit, pair, start, end, units_per_token, offs, HALF: gl.constexpr):
@@ -170,25 +170,9 @@ if _HAVE_GLUON:
                 l_tot = l_i + lx_other.load(vec_layout)
                 tok = (cu // units_per_token).to(gl.int64)
                 split = cu % NUM_SPLITS
-                heads = hb * BLOCK_H
                 l_fin = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + l_tot
-                if NUM_SPLITS == 1:
-                    out = acc / gl.expand_dims(gl.convert_layout(l_fin, gl.SliceLayout(1, o_layout)), 1)
-                    out_rows = out_ptr + tok * stride_ot + gl.expand_dims((heads + offs_oh).to(gl.int64) * stride_oh, 1)
-                    gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(dtype))
-                else:
-                    part = tok * NUM_SPLITS + split
-                    ml = part_ml_ptr + part * 2 * num_heads + heads + offs_sh
-                    if (c_end <= c_start) & (split > 0):
-                        if HALF == 0:
-                            gl.store(ml, gl.full([BLOCK_H], float("-inf"), gl.float32, layout=vec_layout))
-                            gl.store(ml + num_heads, gl.zeros([BLOCK_H], gl.float32, layout=vec_layout))
-                    else:
-                        acc_rows = part_acc_ptr + (part * num_heads + heads + gl.expand_dims(offs_oh, 1)) * 512
-                        gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc)
-                        if HALF == 0:
-                            gl.store(ml, m_i)
-                            gl.store(ml + num_heads, l_fin)
+                _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_fin, tok, split, hb * BLOCK_H, num_heads,
+                            stride_ot, stride_oh, c_end <= c_start, offs_oh, offs_od, offs_sh, NUM_SPLITS, HALF == 0)
                 cu = nu
                 cp = 0
                 c_start = nu_start

@@ -17,12 +17,14 @@ unit's end. A unit with an odd number of tiles leaves warpgroup 1 a masked tile 
 Every barrier is an mbarrier of count 1 (one elected arrival per partition) and completes once per
 pair (or unit): its phase parity is the pair (unit) counter's.
 
-When it is used (`sparse_attention.attention_config`): long row lists of 128-head models (V4-Pro CSA:
-1152 rows). H200, session 18, same-run probe against `sparse_attention_wgmma.py`: Pro CSA prefill 4K
-2017 vs 2235 us (43% of bf16), decode batch 256 234 vs 256 us, batch 64 68 vs 72 us; but Flash CSA
-(640 rows) prefill only 2% faster and decode 5-17% slower, HCA prefill 9-18% slower (short units: the
-per-unit exchange and the first pair's gathers are exposed, and an odd tile count leaves one
-warpgroup a masked tile). Resources (`tools/kernel_resources.py --wgmma`): 255 registers, 136-184 B of
+When it is used (`sparse_attention.attention_config`): long units, i.e. >= 1024 rows per split of
+128-head models (V4-Pro CSA, decode from batch 64 and prefill) and >= 512 rows in prefill-sized grids
+(V4-Flash CSA prefill). H200, session 18, kernel benchmark against `sparse_attention_wgmma.py` in the
+same run: prefill Pro CSA 32K 23,615 vs 26,563 us (50% of bf16), 4K 2,019 vs 2,246; Flash CSA 32K
+7,618 vs 7,948, 4K 881 vs 915; Pro decode batch 64 / 256 4-7% faster. Not used where it lost: Flash
+decode (640 rows from HBM: 5-17% slower), decode with 8 splits (23 vs 21 us), HCA prefill (5-18% slower):
+short units expose the per-unit exchange and the first pair's gathers, and an odd tile count leaves
+warpgroup 1 a masked tile. Resources (`tools/kernel_resources.py --wgmma`): 255 registers, 136-184 B of
 spilled wgmma descriptors (reloaded from L1 before each product), 214,540 B of shared memory.
 """
 from __future__ import annotations

@@ -27,6 +27,10 @@
 #                                     tools/gluon_ws_probe.py --run, the probe's check, its attention gpu tests (stops if one fails),
 #                                     prefill cases of ab_main/ (main's kernel) and of this tree, decode steps of ab_main/,
 #                                     this tree, and this tree with the wgmma kernel at every batch (~7 minutes)
+#   bash tools/gpu_session.sh pair-next  on a branch with a changed tile-pair kernel (session 18 left wgmma-pair-producer and
+#                                     wgmma-pair-skip): the probe's check, the attention gpu tests (stops if one fails), the
+#                                     probe's full timing (pair vs wgmma, prefill 4K/32K and decode), the prefill cases of
+#                                     ab_main/ (main) and of this tree (~5 minutes)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -228,6 +232,14 @@ case "${1:-tests}" in
     { ab_steps "${AB_VARIANTS:-fan nofan:SPARSESERVE_DISABLE_KERNELS=metadata_fan fan2 nofan2:SPARSESERVE_DISABLE_KERNELS=metadata_fan}"
       merge_runs s16_decode_runs.json
     } 2>&1 | filter > "$OUT/s16_steps.log"; grep -a "graph  0" "$OUT/s16_steps.log" ;;
+  pair-next)
+    timeout -k 5 150 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check.json" 2>&1 | filter | grep "pair\|wrote"
+    timeout -k 5 200 python -m pytest -q -x -m gpu tests/test_sparse_attention.py 2>&1 | filter | tail -3 || exit 1
+    timeout -k 5 200 python tools/wgmma_attn_probe.py --modes timing --out "$OUT/probe.json" 2>&1 | filter | grep -v "triton"
+    for tree in ab_main .; do
+      (cd $tree && timeout -k 5 150 python -m sparseserve.benchmarks.kernels --only attn-prefill --no-ref \
+        --out "$OUT/kernels_prefill_$( [ $tree = . ] && echo branch || echo main ).json" 2>&1 | grep "^attn" | cut -c1-160)
+    done ;;
   attn-next)
     timeout -k 5 60 python tools/gluon_ws_probe.py --run 2>&1 | grep -v "^$" | tail -5
     timeout -k 5 120 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check.json" 2>&1 | filter | tail -25

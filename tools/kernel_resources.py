@@ -148,39 +148,38 @@ def _usage(kernel) -> tuple[int, int]:
     return int(usage.group(1)), int(usage.group(2))
 
 
-def wgmma_attention_rows() -> list[dict]:
-    """The Gluon attention kernel (kernels/sparse_attention_wgmma.py) at its tile sizes, direct and split:
-    registers, spill stack and shared memory against the sm_90 limit (Gluon compiles offline too)."""
+def _gluon_attention_row(fn, constexprs: dict, num_warps: int, **label) -> dict:
+    """One Gluon attention kernel compiled for sm_90a (Gluon compiles offline too): registers, spill stack and
+    shared memory against the sm_90 limit."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from sparseserve.kernels import sparse_attention_wgmma as wgmma
-
-    fn = wgmma._sparse_mqa_wgmma_kernel
     pointers = {**POINTER_TYPES, "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+    signature = {n: "constexpr" if n in constexprs else "fp32" if n == "qk_scale" else pointers.get(n, "i32")
+                 for n in fn.arg_names}
+    aligned = [n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in ("num_heads", "num_units")]
+    kernel = compile_sm90(fn, signature, constexprs, aligned, source_cls=GluonASTSource, num_warps=num_warps)
+    regs, stack = _usage(kernel)
+    return dict(**label, registers=regs, spill_stack=stack, shared=kernel.metadata.shared,
+                fits=kernel.metadata.shared <= SM90_SHARED_LIMIT)
+
+
+def wgmma_attention_rows() -> list[dict]:
+    """The Gluon attention kernels (kernels/sparse_attention_wgmma.py at its tile sizes, direct and split;
+    the tile-pair kernel, kernels/sparse_attention_wgmma_pair.py, direct and split)."""
+    from sparseserve.kernels import sparse_attention_wgmma as wgmma
+    from sparseserve.kernels import sparse_attention_wgmma_pair as pair
+
     rows = []
     for block_n, splits in ((64, 1), (64, 4), (32, 1)):
         gather, s, o, tile, p = wgmma._layouts(block_n)
         constexprs = dict(NUM_SPLITS=splits, BLOCK_N=block_n, gather_layout=gather, s_layout=s, o_layout=o,
                           tile_smem=tile, p_smem_layout=p, PDL=1)
-        signature = {n: "constexpr" if n in constexprs else "fp32" if n == "qk_scale" else pointers.get(n, "i32")
-                     for n in fn.arg_names}
-        aligned = [n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in ("num_heads", "num_units")]
-        kernel = compile_sm90(fn, signature, constexprs, aligned, source_cls=GluonASTSource, num_warps=8)
-        regs, stack = _usage(kernel)
-        rows.append(dict(kernel="sparse_mqa_wgmma", block_n=block_n, splits=splits, registers=regs, spill_stack=stack,
-                         shared=kernel.metadata.shared, fits=kernel.metadata.shared <= SM90_SHARED_LIMIT))
-    from sparseserve.kernels import sparse_attention_wgmma_pair as pair
-
-    fn = pair._sparse_mqa_pair_kernel
+        rows.append(_gluon_attention_row(wgmma._sparse_mqa_wgmma_kernel, constexprs, 8,
+                                         kernel="sparse_mqa_wgmma", block_n=block_n, splits=splits))
     for splits in (1, 4):
         constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=248, PDL=1)
-        signature = {n: "constexpr" if n in constexprs else "fp32" if n == "qk_scale" else pointers.get(n, "i32")
-                     for n in fn.arg_names}
-        aligned = [n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in ("num_heads", "num_units")]
-        kernel = compile_sm90(fn, signature, constexprs, aligned, source_cls=GluonASTSource, num_warps=4)
-        regs, stack = _usage(kernel)
-        rows.append(dict(kernel="sparse_mqa_pair", block_n=64, splits=splits, registers=regs, spill_stack=stack,
-                         shared=kernel.metadata.shared, fits=kernel.metadata.shared <= SM90_SHARED_LIMIT))
+        rows.append(_gluon_attention_row(pair._sparse_mqa_pair_kernel, constexprs, 4,
+                                         kernel="sparse_mqa_pair", block_n=64, splits=splits))
     return rows
 
 

@@ -37,7 +37,7 @@ from types import MappingProxyType
 
 import torch
 
-from .dispatch import enabled_on
+from .dispatch import capability, enabled_on
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 TRIGGERS = {"exit": 1, "start": 2}  # the PDL constexpr: 0 off, 1 wait, 2 wait then trigger
@@ -59,7 +59,7 @@ def pdl_enabled(device: torch.device) -> bool:
     environment, the same for every step and every graph capture)."""
     if _INTERPRET or not _HAVE_GDC or not enabled_on("pdl", device):
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return capability(device) >= (9, 0)
 
 
 def pdl_args(device: torch.device) -> Mapping[str, object]:

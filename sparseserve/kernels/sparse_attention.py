@@ -401,7 +401,7 @@ def sparse_mqa_attention_triton(
     on_hopper = wgmma_supported(q, kv_pool)
     cfg = config or attention_config(num_tokens, num_heads, num_rows, head_dim, num_sms(q.device), wgmma=on_hopper)
     if cfg.wgmma and not (on_hopper and cfg.block_h == 64 and cfg.band_prepass
-                          and cfg.num_stages == 2 and cfg.block_n in (32, 64) and not (cfg.pair and cfg.block_n != 64)):
+                          and cfg.num_stages == 2 and cfg.block_n in ((64,) if cfg.pair else (32, 64))):
         raise ValueError(f"{cfg} asks for the wgmma kernel, which takes Hopper, 64-head blocks, D = 512, 2 stages of "
                          f"32 or 64 rows and a band pre-pass; got q {tuple(q.shape)} {q.dtype} on {q.device}")
     block_d = max(16, triton.next_power_of_2(head_dim))

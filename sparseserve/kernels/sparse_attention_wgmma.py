@@ -273,22 +273,28 @@ def _layouts(block_n: int):
     return gather, s, o, tile, p
 
 
+def unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale: float,
+                     num_splits: int) -> tuple[tuple, int]:
+    """The positional arguments that this kernel and the tile-pair kernel take, and the number of units
+    (token x 64-head block x row split) that their persistent programs walk."""
+    num_tokens, num_heads, _ = q.shape
+    units_per_token = num_heads // HEAD_BLOCK * num_splits
+    num_units = num_tokens * units_per_token
+    args = (q, kv_pool, rows, band, sinks, out, part_acc, part_ml, num_heads, num_units, units_per_token,
+            q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1), qk_scale)
+    return args, num_units
+
+
 def launch_wgmma_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale: float,
                            block_n: int, num_splits: int, max_programs: int) -> None:
     """Launch the kernel. The caller (`sparse_attention.sparse_mqa_attention_triton`) has checked
     `wgmma_supported`, made the last dims contiguous and run the band pre-pass for rows cut into
     `num_splits` pieces; with splits, its merge kernel combines the partials. At most
     `max_programs` persistent programs (one per SM: each holds ~200 KB of shared memory)."""
-    num_tokens, num_heads, _ = q.shape
-    units_per_token = num_heads // HEAD_BLOCK * num_splits
-    num_units = num_tokens * units_per_token
+    args, num_units = unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale, num_splits)
     gather, s, o, tile, p = _layouts(block_n)
     _sparse_mqa_wgmma_kernel[(min(num_units, max_programs),)](
-        q, kv_pool, rows, band, sinks, out, part_acc, part_ml,
-        num_heads, num_units, units_per_token,
-        q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1),
-        qk_scale,
-        NUM_SPLITS=num_splits, BLOCK_N=block_n,
+        *args, NUM_SPLITS=num_splits, BLOCK_N=block_n,
         gather_layout=gather, s_layout=s, o_layout=o, tile_smem=tile, p_smem_layout=p,
         num_warps=8, **pdl_args(q.device),
     )

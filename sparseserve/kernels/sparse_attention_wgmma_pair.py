@@ -29,7 +29,8 @@ spilled wgmma descriptors (reloaded from L1 before each product), 214,540 B of s
 """
 from __future__ import annotations
 
-from .sparse_attention_wgmma import _HAVE_GLUON
+from .pdl import pdl_args
+from .sparse_attention_wgmma import _HAVE_GLUON, unit_launch_args
 
 if _HAVE_GLUON:
     from triton.experimental import gluon
@@ -260,16 +261,6 @@ if _HAVE_GLUON:
 def launch_pair_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale: float,
                           num_splits: int, max_programs: int, worker_regs: int = 248) -> None:
     """As `sparse_attention_wgmma.launch_wgmma_attention` (64-row tiles), for the pair kernel (4 + 4 warps)."""
-    from .pdl import pdl_args
-
-    num_tokens, num_heads, _ = q.shape
-    units_per_token = num_heads // 64 * num_splits
-    num_units = num_tokens * units_per_token
+    args, num_units = unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale, num_splits)
     _sparse_mqa_pair_kernel[(min(num_units, max_programs),)](
-        q, kv_pool, rows, band, sinks, out, part_acc, part_ml,
-        num_heads, num_units, units_per_token,
-        q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1),
-        qk_scale,
-        NUM_SPLITS=num_splits, WORKER_REGS=worker_regs,
-        num_warps=4, **pdl_args(q.device),
-    )
+        *args, NUM_SPLITS=num_splits, WORKER_REGS=worker_regs, num_warps=4, **pdl_args(q.device))

@@ -240,6 +240,21 @@ case "${1:-tests}" in
       (cd $tree && timeout -k 5 150 python -m sparseserve.benchmarks.kernels --only attn-prefill --no-ref \
         --out "$OUT/kernels_prefill_$( [ $tree = . ] && echo branch || echo main ).json" 2>&1 | grep "^attn" | cut -c1-160)
     done ;;
+  pair-both)
+    # Session 19: both prepared tile-pair branches in one call, from ab_skip/ and ab_prod/ (each `git archive BRANCH
+    # sparseserve tests tools pyproject.toml | tar -x -C DIR`, carried): the probe's pair checks and the attention gpu
+    # tests for each, then the probe's quick timing (prefill 4K, decode) for each (~6 minutes on a fresh machine).
+    for tree in ab_skip ab_prod; do
+      echo "== $tree"
+      (cd $tree && timeout -k 5 100 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check_$tree.json" 2>&1 \
+        | filter | grep "pair" | cut -c1-120
+       timeout -k 5 150 python -m pytest -q -x -m gpu tests/test_sparse_attention.py 2>&1 | filter | tail -2)
+    done
+    for tree in ab_skip ab_prod; do
+      echo "== $tree timing"
+      (cd $tree && timeout -k 5 150 python tools/wgmma_attn_probe.py --modes timing --quick --out "$OUT/probe_$tree.json" 2>&1 \
+        | filter | grep -v "triton\|^check")
+    done ;;
   attn-next)
     timeout -k 5 60 python tools/gluon_ws_probe.py --run 2>&1 | grep -v "^$" | tail -5
     timeout -k 5 120 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check.json" 2>&1 | filter | tail -25

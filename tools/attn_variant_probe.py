@@ -74,6 +74,8 @@ _DEFERRED_STORE = """\
 # Variants of the wgmma kernel: name -> (edits, is an ablation whose output is not checked).
 VARIANTS: dict[str, tuple[list[tuple[str, str]], bool]] = {
     "base": ([], False),
+    # The output store modes of launch_wgmma_attention (OUT_STORE_MODE: 0 wgmma layout, 1 staged, 2 TMA).
+    **{f"out_store_{m}": ([("OUT_STORE_MODE = 2\n", f"OUT_STORE_MODE = {m}\n")], False) for m in (0, 1)},
     # No output store at all (the division and the conversion go with it).
     "no_store": ([(_STORE, "            pass\n")], True),
     # The next unit's q is never loaded: every unit after a program's first reuses stale q.

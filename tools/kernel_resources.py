@@ -148,15 +148,16 @@ def _usage(kernel) -> tuple[int, int]:
     return int(usage.group(1)), int(usage.group(2))
 
 
-def _gluon_attention_row(fn, constexprs: dict, num_warps: int, **label) -> dict:
+def _gluon_attention_row(fn, constexprs: dict, num_warps: int, types: dict | None = None, **label) -> dict:
     """One Gluon attention kernel compiled for sm_90a (Gluon compiles offline too): registers, spill stack and
-    shared memory against the sm_90 limit."""
+    shared memory against the sm_90 limit. `types`: argument types other than pointers, ints and qk_scale."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    pointers = {**POINTER_TYPES, "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+    pointers = {**POINTER_TYPES, "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", **(types or {})}
     signature = {n: "constexpr" if n in constexprs else "fp32" if n == "qk_scale" else pointers.get(n, "i32")
                  for n in fn.arg_names}
-    aligned = [n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in ("num_heads", "num_units")]
+    aligned = [n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in ("num_heads", "num_units")
+               and not signature[n].startswith("tensordesc")]
     kernel = compile_sm90(fn, signature, constexprs, aligned, source_cls=GluonASTSource, num_warps=num_warps)
     regs, stack = _usage(kernel)
     return dict(**label, registers=regs, spill_stack=stack, shared=kernel.metadata.shared,
@@ -172,9 +173,11 @@ def wgmma_attention_rows() -> list[dict]:
     rows = []
     for block_n, splits in ((64, 1), (64, 4), (32, 1)):
         gather, s, o, tile, p = wgmma._layouts(block_n)
-        constexprs = dict(NUM_SPLITS=splits, BLOCK_N=block_n, gather_layout=gather, s_layout=s, o_layout=o,
-                          tile_smem=tile, p_smem_layout=p, PDL=1)
-        rows.append(_gluon_attention_row(wgmma._sparse_mqa_wgmma_kernel, constexprs, 8,
+        mode = wgmma.OUT_STORE_MODE if (block_n, splits) == (64, 1) else 0  # as launch_wgmma_attention picks
+        constexprs = dict(NUM_SPLITS=splits, BLOCK_N=block_n, OUT_STORE=mode, gather_layout=gather, s_layout=s,
+                          o_layout=o, tile_smem=tile, p_smem_layout=p, PDL=1)
+        types = {"out_desc": f"tensordesc<bf16[64,64],{tile!r}>" if mode == 2 else "*bf16"}
+        rows.append(_gluon_attention_row(wgmma._sparse_mqa_wgmma_kernel, constexprs, 8, types,
                                          kernel="sparse_mqa_wgmma", block_n=block_n, splits=splits))
     for splits in (1, 4):
         constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=248, PDL=1)

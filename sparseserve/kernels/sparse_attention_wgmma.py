@@ -40,7 +40,8 @@ try:  # Gluon ships with triton >= 3.5; the stacks we support (3.6, 3.9) have it
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
+        fence_async_shared, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     _HAVE_GLUON = True
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernel serves every shape
@@ -48,6 +49,9 @@ except ImportError:  # pragma: no cover - an older Triton: the Triton kernel ser
 
 HEAD_BLOCK = 64  # heads per program: the M of both wgmma products
 HEAD_DIM = 512
+# How a finished unit's output leaves (NUM_SPLITS == 1, 64-row tiles): 0 stores from the wgmma layout
+# (4 bytes per thread), 1 through the unit's last ring slot (16 bytes per thread), 2 TMA from that slot.
+OUT_STORE_MODE = 2
 
 
 if _HAVE_GLUON:
@@ -146,7 +150,8 @@ if _HAVE_GLUON:
         num_heads, num_units, units_per_token,
         stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
         qk_scale,  # scale * log2(e): logits are kept in base 2
-        NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr,
+        out_desc,  # OUT_STORE 2: TMA descriptor of out as [tokens * heads, 512], 64 x 64 boxes
+        NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, OUT_STORE: gl.constexpr,
         gather_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
         tile_smem: gl.constexpr, p_smem_layout: gl.constexpr,
         PDL: gl.constexpr,
@@ -193,6 +198,8 @@ if _HAVE_GLUON:
         l_cols = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
 
         j = 0  # tiles computed so far: ring slot j % 2
+        STAGED: gl.constexpr = (OUT_STORE > 0) and NUM_SPLITS == 1 and BLOCK_N == 64
+        tma_pending = False  # a TMA store still reads ring slot (j + 1) % 2
         while cu < num_units:
             # Every copy issued so far (this tile, and q when a unit starts) has landed; the
             # barrier makes them visible to all warps and frees the slot and p of the last tile.
@@ -201,6 +208,11 @@ if _HAVE_GLUON:
             fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads the async one
             k_tile = kv_smem.index(j % 2)
             s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if STAGED and OUT_STORE == 2:
+                if tma_pending:  # the last unit's output must have left the slot the next gather fills
+                    tma.store_wait(0)
+                    _cta_barrier()
+                    tma_pending = False
             # While the tensor cores run QK^T: gather the next tile, fetch the ids after it.
             _issue_gather(kv_smem, kv_ptr, stride_kv, r_ahead, offs_d, (j + 1) % 2)
             gu, gt, g_start, g_end = _next_tile(gu, gt, g_start, g_end, band_ptr, num_units, units_per_token,
@@ -230,8 +242,25 @@ if _HAVE_GLUON:
                 tok = (cu // units_per_token).to(gl.int64)
                 split = cu % NUM_SPLITS
                 l_i = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + gl.sum(l_cols, 1)
-                _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, split, hb * BLOCK_H, num_heads,
-                            stride_ot, stride_oh, c_end <= c_start, offs_oh, offs_od, offs_sh, NUM_SPLITS, True)
+                if STAGED:
+                    # This warpgroup's PV is done with the slot, and it writes only the 256 columns its PV read.
+                    out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+                    k_tile.store(out.to(dtype))
+                    if OUT_STORE == 2:
+                        fence_async_shared()  # generic-proxy writes, read by the TMA engine
+                        _cta_barrier()
+                        row0 = (tok * num_heads + hb * BLOCK_H).to(gl.int32)
+                        for c in gl.static_range(D // 64):
+                            tma.async_copy_shared_to_global(out_desc, [row0, c * 64], k_tile.slice(c * 64, 64, dim=1))
+                        tma_pending = True
+                    else:
+                        _cta_barrier()
+                        staged = k_tile.load(gather_layout)
+                        out_rows = out_ptr + tok * stride_ot + gl.expand_dims((hb * BLOCK_H + offs_qh).to(gl.int64) * stride_oh, 1)
+                        gl.store(out_rows + gl.expand_dims(offs_d, 0), staged)
+                else:
+                    _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, split, hb * BLOCK_H, num_heads,
+                                stride_ot, stride_oh, c_end <= c_start, offs_oh, offs_od, offs_sh, NUM_SPLITS, True)
                 cu = nu
                 ct = 0
                 c_start, c_end = _unit_band(band_ptr, cu, num_units, units_per_token, NUM_SPLITS)
@@ -244,6 +273,8 @@ if _HAVE_GLUON:
                 ct = ct + 1
             j = j + 1
         _cp.wait_group(0)  # nothing may still write shared memory when the program exits
+        if STAGED and OUT_STORE == 2:
+            tma.store_wait(0)  # nor may a TMA store still read it
 
 
 def wgmma_supported(q: torch.Tensor, kv_pool: torch.Tensor) -> bool:
@@ -293,8 +324,13 @@ def launch_wgmma_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml
     `max_programs` persistent programs (one per SM: each holds ~200 KB of shared memory)."""
     args, num_units = unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale, num_splits)
     gather, s, o, tile, p = _layouts(block_n)
+    mode = OUT_STORE_MODE if num_splits == 1 and block_n == 64 else 0
+    if mode == 2 and not out.is_contiguous():
+        mode = 1
+    out_desc = (TensorDescriptor.from_tensor(out.view(-1, HEAD_DIM), [HEAD_BLOCK, 64], tile) if mode == 2
+                else out)  # unused unless mode 2
     _sparse_mqa_wgmma_kernel[(min(num_units, max_programs),)](
-        *args, NUM_SPLITS=num_splits, BLOCK_N=block_n,
+        *args, out_desc, NUM_SPLITS=num_splits, BLOCK_N=block_n, OUT_STORE=mode,
         gather_layout=gather, s_layout=s, o_layout=o, tile_smem=tile, p_smem_layout=p,
         num_warps=8, **pdl_args(q.device),
     )

@@ -164,6 +164,14 @@ def _gluon_attention_row(fn, constexprs: dict, num_warps: int, types: dict | Non
                 fits=kernel.metadata.shared <= SM90_SHARED_LIMIT)
 
 
+def _out_desc_type(out_tma: bool) -> dict:
+    """The out_desc argument's type: the TMA descriptor that `sparse_attention_wgmma.out_descriptor` builds
+    (bf16, 64 x 64 boxes, 128-byte swizzle), or out itself (a placeholder the kernel does not read)."""
+    from triton.experimental.gluon import language as gl
+    box = repr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    return {"out_desc": f"tensordesc<bf16[64,64],{box}>" if out_tma else "*bf16"}
+
+
 def wgmma_attention_rows() -> list[dict]:
     """The Gluon attention kernels (kernels/sparse_attention_wgmma.py at its tile sizes, direct and split;
     the tile-pair kernel, kernels/sparse_attention_wgmma_pair.py, direct and split)."""
@@ -173,15 +181,14 @@ def wgmma_attention_rows() -> list[dict]:
     rows = []
     for block_n, splits in ((64, 1), (64, 4), (32, 1)):
         gather, s, o, tile, p = wgmma._layouts(block_n)
-        mode = wgmma.OUT_STORE_MODE if (block_n, splits) == (64, 1) else 0  # as launch_wgmma_attention picks
-        constexprs = dict(NUM_SPLITS=splits, BLOCK_N=block_n, OUT_STORE=mode, gather_layout=gather, s_layout=s,
+        out_tma = (block_n, splits) == (64, 1)  # as launch_wgmma_attention picks for a contiguous out
+        constexprs = dict(NUM_SPLITS=splits, BLOCK_N=block_n, OUT_TMA=out_tma, gather_layout=gather, s_layout=s,
                           o_layout=o, tile_smem=tile, p_smem_layout=p, PDL=1)
-        types = {"out_desc": f"tensordesc<bf16[64,64],{tile!r}>" if mode == 2 else "*bf16"}
-        rows.append(_gluon_attention_row(wgmma._sparse_mqa_wgmma_kernel, constexprs, 8, types,
+        rows.append(_gluon_attention_row(wgmma._sparse_mqa_wgmma_kernel, constexprs, 8, _out_desc_type(out_tma),
                                          kernel="sparse_mqa_wgmma", block_n=block_n, splits=splits))
     for splits in (1, 4):
-        constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=248, PDL=1)
-        rows.append(_gluon_attention_row(pair._sparse_mqa_pair_kernel, constexprs, 4,
+        constexprs = dict(NUM_SPLITS=splits, OUT_TMA=splits == 1, WORKER_REGS=248, PDL=1)
+        rows.append(_gluon_attention_row(pair._sparse_mqa_pair_kernel, constexprs, 4, _out_desc_type(splits == 1),
                                          kernel="sparse_mqa_pair", block_n=64, splits=splits))
     return rows
 

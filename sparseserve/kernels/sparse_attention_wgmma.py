@@ -49,15 +49,13 @@ except ImportError:  # pragma: no cover - an older Triton: the Triton kernel ser
 
 HEAD_BLOCK = 64  # heads per program: the M of both wgmma products
 HEAD_DIM = 512
-# How a finished unit's output leaves (NUM_SPLITS == 1, 64-row tiles): 0 stores from the wgmma layout
-# (4 bytes per thread), 1 through the unit's last ring slot (16 bytes per thread), 2 TMA from that slot.
-OUT_STORE_MODE = 2
 
 
 if _HAVE_GLUON:
     # Renamed between the supported versions (3.6 -> 3.9); both take (smem, pointers, mask).
     _async_gather = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # (desc, coord, smem)
 
     @gluon.jit
     def wait_for_prior_grid(PDL: gl.constexpr):
@@ -150,8 +148,8 @@ if _HAVE_GLUON:
         num_heads, num_units, units_per_token,
         stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
         qk_scale,  # scale * log2(e): logits are kept in base 2
-        out_desc,  # OUT_STORE 2: TMA descriptor of out as [tokens * heads, 512], 64 x 64 boxes
-        NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, OUT_STORE: gl.constexpr,
+        out_desc,  # OUT_TMA: TMA descriptor of out as [tokens * heads, 512] in 64 x 64 boxes (else unused)
+        NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, OUT_TMA: gl.constexpr,
         gather_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
         tile_smem: gl.constexpr, p_smem_layout: gl.constexpr,
         PDL: gl.constexpr,
@@ -198,8 +196,7 @@ if _HAVE_GLUON:
         l_cols = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
 
         j = 0  # tiles computed so far: ring slot j % 2
-        STAGED: gl.constexpr = (OUT_STORE > 0) and NUM_SPLITS == 1 and BLOCK_N == 64
-        tma_pending = False  # a TMA store still reads ring slot (j + 1) % 2
+        tma_pending = False  # OUT_TMA: a TMA store of the last unit's output still reads ring slot (j + 1) % 2
         while cu < num_units:
             # Every copy issued so far (this tile, and q when a unit starts) has landed; the
             # barrier makes them visible to all warps and frees the slot and p of the last tile.
@@ -208,7 +205,7 @@ if _HAVE_GLUON:
             fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads the async one
             k_tile = kv_smem.index(j % 2)
             s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if STAGED and OUT_STORE == 2:
+            if OUT_TMA:
                 if tma_pending:  # the last unit's output must have left the slot the next gather fills
                     tma.store_wait(0)
                     _cta_barrier()
@@ -242,22 +239,19 @@ if _HAVE_GLUON:
                 tok = (cu // units_per_token).to(gl.int64)
                 split = cu % NUM_SPLITS
                 l_i = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + gl.sum(l_cols, 1)
-                if STAGED:
-                    # This warpgroup's PV is done with the slot, and it writes only the 256 columns its PV read.
+                if OUT_TMA:
+                    # The output leaves through the tile's ring slot, by TMA, while the next unit computes:
+                    # stored from the wgmma layout (4 bytes per thread, 16-byte row runs) it took half of a
+                    # short unit's time (session 19). Each warpgroup's PV is done with the slot, and it
+                    # writes only the 256 columns that its PV read.
                     out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
                     k_tile.store(out.to(dtype))
-                    if OUT_STORE == 2:
-                        fence_async_shared()  # generic-proxy writes, read by the TMA engine
-                        _cta_barrier()
-                        row0 = (tok * num_heads + hb * BLOCK_H).to(gl.int32)
-                        for c in gl.static_range(D // 64):
-                            tma.async_copy_shared_to_global(out_desc, [row0, c * 64], k_tile.slice(c * 64, 64, dim=1))
-                        tma_pending = True
-                    else:
-                        _cta_barrier()
-                        staged = k_tile.load(gather_layout)
-                        out_rows = out_ptr + tok * stride_ot + gl.expand_dims((hb * BLOCK_H + offs_qh).to(gl.int64) * stride_oh, 1)
-                        gl.store(out_rows + gl.expand_dims(offs_d, 0), staged)
+                    fence_async_shared()  # generic-proxy writes, read by the TMA engine
+                    _cta_barrier()
+                    row0 = (tok * num_heads + hb * BLOCK_H).to(gl.int32)
+                    for c in gl.static_range(D // 64):
+                        _tma_store(out_desc, [row0, c * 64], k_tile.slice(c * 64, 64, dim=1))
+                    tma_pending = True
                 else:
                     _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, split, hb * BLOCK_H, num_heads,
                                 stride_ot, stride_oh, c_end <= c_start, offs_oh, offs_od, offs_sh, NUM_SPLITS, True)
@@ -273,7 +267,7 @@ if _HAVE_GLUON:
                 ct = ct + 1
             j = j + 1
         _cp.wait_group(0)  # nothing may still write shared memory when the program exits
-        if STAGED and OUT_STORE == 2:
+        if OUT_TMA:
             tma.store_wait(0)  # nor may a TMA store still read it
 
 
@@ -316,21 +310,28 @@ def unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_s
     return args, num_units
 
 
+def out_descriptor(out: torch.Tensor, num_splits: int, tma_store: bool):
+    """(out_desc, OUT_TMA) for the Gluon kernels: a TMA descriptor of out as [tokens * heads, 512] in
+    64 x 64 boxes when units store their normalised output themselves (one split) and out is contiguous;
+    otherwise out itself, as a placeholder the kernel does not read, and the stores from registers."""
+    if tma_store and num_splits == 1 and out.is_contiguous():
+        box = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        return TensorDescriptor.from_tensor(out.view(-1, HEAD_DIM), [HEAD_BLOCK, 64], box), True
+    return out, False
+
+
 def launch_wgmma_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale: float,
-                           block_n: int, num_splits: int, max_programs: int) -> None:
+                           block_n: int, num_splits: int, max_programs: int, tma_store: bool = True) -> None:
     """Launch the kernel. The caller (`sparse_attention.sparse_mqa_attention_triton`) has checked
     `wgmma_supported`, made the last dims contiguous and run the band pre-pass for rows cut into
     `num_splits` pieces; with splits, its merge kernel combines the partials. At most
-    `max_programs` persistent programs (one per SM: each holds ~200 KB of shared memory)."""
+    `max_programs` persistent programs (one per SM: each holds ~200 KB of shared memory).
+    tma_store: one-split units with 64-row tiles store their output by TMA (False: from registers)."""
     args, num_units = unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale, num_splits)
     gather, s, o, tile, p = _layouts(block_n)
-    mode = OUT_STORE_MODE if num_splits == 1 and block_n == 64 else 0
-    if mode == 2 and not out.is_contiguous():
-        mode = 1
-    out_desc = (TensorDescriptor.from_tensor(out.view(-1, HEAD_DIM), [HEAD_BLOCK, 64], tile) if mode == 2
-                else out)  # unused unless mode 2
+    out_desc, out_tma = out_descriptor(out, num_splits, tma_store and block_n == 64)
     _sparse_mqa_wgmma_kernel[(min(num_units, max_programs),)](
-        *args, out_desc, NUM_SPLITS=num_splits, BLOCK_N=block_n, OUT_STORE=mode,
+        *args, out_desc, NUM_SPLITS=num_splits, BLOCK_N=block_n, OUT_TMA=out_tma,
         gather_layout=gather, s_layout=s, o_layout=o, tile_smem=tile, p_smem_layout=p,
         num_warps=8, **pdl_args(q.device),
     )

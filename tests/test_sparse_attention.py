@@ -174,7 +174,7 @@ def test_attention_config_wgmma_rule():
     assert attention_config(64, 128, 1152, 512, 132, wgmma=True).pair
     assert not attention_config(8, 128, 1152, 512, 132, wgmma=True).pair  # 8 splits of 144 rows
     assert not attention_config(4096, 128, 384, 512, 132, wgmma=True).pair  # HCA 32K
-    assert attention_config(4096, 64, 640, 512, 132, wgmma=True).pair  # Flash CSA prefill
+    assert not attention_config(4096, 64, 640, 512, 132, wgmma=True).pair  # Flash CSA prefill: TMA-store wgmma
     assert not attention_config(256, 64, 640, 512, 132, wgmma=True).pair  # Flash CSA decode
     assert not attention_config(256, 64, 1152, 512, 132, wgmma=True).pair  # 64 heads, decode
     assert not attention_config(4096, 128, 1152, 512, 132).pair

@@ -187,8 +187,8 @@ def wgmma_attention_rows() -> list[dict]:
         rows.append(_gluon_attention_row(wgmma._sparse_mqa_wgmma_kernel, constexprs, 8, _out_desc_type(out_tma),
                                          kernel="sparse_mqa_wgmma", block_n=block_n, splits=splits))
     for splits in (1, 4):
-        constexprs = dict(NUM_SPLITS=splits, OUT_TMA=splits == 1, WORKER_REGS=248, PDL=1)
-        rows.append(_gluon_attention_row(pair._sparse_mqa_pair_kernel, constexprs, 4, _out_desc_type(splits == 1),
+        constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=248, PDL=1)
+        rows.append(_gluon_attention_row(pair._sparse_mqa_pair_kernel, constexprs, 4,
                                          kernel="sparse_mqa_pair", block_n=64, splits=splits))
     return rows
 

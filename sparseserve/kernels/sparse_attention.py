@@ -303,7 +303,7 @@ def attention_config(
     WGMMA_MIN_PROGRAMS (token, 64-head) programs on: 64 heads per program, 64-row tiles in a 2-slot ring,
     and the rows split in a power of two (<= WGMMA_SPLIT_MAX, >= WGMMA_SPLIT_MIN_ROWS rows each) while
     the programs still fit one wave. Long units take the tile-pair kernel: >= WGMMA_PAIR_MIN_ROWS rows per
-    split of 128-head models, and >= WGMMA_PAIR_PREFILL_MIN_ROWS rows in prefill-sized grids.
+    split of 128-head models.
 
     Chosen from a config sweep on the H200 (docs/performance.md, benchmarks/results/kernels.json):
     - many (token, 64-head) programs (big decode batches, prefill): 64 heads per program, so a KV
@@ -323,11 +323,8 @@ def attention_config(
         while (splits * 2 <= WGMMA_SPLIT_MAX and wide * splits * 2 <= num_sms
                and num_rows >= splits * 2 * WGMMA_SPLIT_MIN_ROWS):
             splits *= 2
-        # Long units take the tile-pair kernel (sparse_attention_wgmma_pair.py): in decode only those of
-        # 128-head models (V4-Pro), in prefill-sized grids (rows shared through L2) from shorter lists on.
-        rows_per_unit = num_rows // splits
-        pair = ((num_heads % 128 == 0 and rows_per_unit >= WGMMA_PAIR_MIN_ROWS)
-                or (wide >= 8 * num_sms and rows_per_unit >= WGMMA_PAIR_PREFILL_MIN_ROWS))
+        # Long units of 128-head models (V4-Pro) take the tile-pair kernel (sparse_attention_wgmma_pair.py).
+        pair = num_heads % 128 == 0 and num_rows // splits >= WGMMA_PAIR_MIN_ROWS
         return AttnConfig(64, 64, 8, 2, splits, band_prepass=True, wgmma=True, pair=pair)
     big_d = head_dim > 128
     if num_heads >= 64 and 4 * wide >= 3 * num_sms:
@@ -363,9 +360,8 @@ WGMMA_MIN_PROGRAMS = env_count("SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS", 16)
 # H200, session 18, same run: Pro CSA prefill 32K 23202 vs 26491 us, 4K 2020 vs 2232, decode batch 64/256 4-6%
 # faster; batch 8 (8 splits of 144 rows) 5-10% slower, Flash CSA (640 rows) and HCA prefill no gain or slower.
 WGMMA_PAIR_MIN_ROWS = env_count("SPARSESERVE_ATTN_WGMMA_PAIR_MIN_ROWS", 1024)
-# In prefill-sized grids (>= 8 (token, 64-head) programs per SM) from 512 rows on: Flash CSA (640 rows) prefill 32K
-# 7525 vs 7929 us, 4K 881 vs 908 us; HCA (160-384 rows) 5-18% slower (H200, session 18, same-run probe).
-WGMMA_PAIR_PREFILL_MIN_ROWS = env_count("SPARSESERVE_ATTN_WGMMA_PAIR_PREFILL_MIN_ROWS", 512)
+# (Session 18 also sent V4-Flash CSA prefill, 640 rows, to it: 881 vs 908 us at 4K. Since the wgmma kernel stores
+# its output by TMA, session 19, it is the faster there: 816 vs 875 us at 4K, 7363 vs 7778 at 32K, same run.)
 # Heads per merge program (a power of two): 4 gives a batch-1 token 16 programs at 64 heads instead of 4
 # (H200, session 11, b2b steps: batch 1 0.746 / 0.747 -> 0.739 / 0.738 ms, batch 8 0.998 / 1.000 -> 0.994 / 0.991).
 MERGE_HEADS = env_count("SPARSESERVE_ATTN_MERGE_HEADS", 4)

@@ -30,16 +30,16 @@ spilled wgmma descriptors (reloaded from L1 before each product), 214,540 B of s
 from __future__ import annotations
 
 from .pdl import pdl_args
-from .sparse_attention_wgmma import _HAVE_GLUON, out_descriptor, unit_launch_args
+from .sparse_attention_wgmma import _HAVE_GLUON, unit_launch_args
 
 if _HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+        fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
     from .sparse_attention_wgmma import (
-        _async_gather, _cp, _cta_barrier, _issue_q, _store_unit, _tma_store, _unit_band, wait_for_prior_grid)
+        _async_gather, _cp, _cta_barrier, _issue_q, _store_unit, _unit_band, wait_for_prior_grid)
 
     @gluon.jit
     def _pair_tile_ids(rows_ptr, stride_rt, unit, pair, start, end, units_per_token, offs, HALF: gl.constexpr):
@@ -56,28 +56,17 @@ if _HAVE_GLUON:
         _cp.commit_group()
 
     @gluon.jit
-    def _pair_row_sums(l_i, m_i, m_sink, unit, lx_mine, lx_other, l_ready_mine, l_ready_other, uc,
-                       NUM_SPLITS: gl.constexpr, vec_layout: gl.constexpr):
-        """The unit's softmax denominator: the row sums of both warpgroups' tile streams (exchanged once per
-        unit) and, in split 0, the sink's term."""
-        lx_mine.store(l_i)
-        mbarrier.arrive(l_ready_mine)
-        mbarrier.wait(l_ready_other, uc & 1)
-        l_tot = l_i + lx_other.load(vec_layout)
-        return ((unit % NUM_SPLITS) == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + l_tot
-
-    @gluon.jit
     def _pair_partition(
         q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         num_heads, num_units, units_per_token,
-        stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh, qk_scale, out_desc,
+        stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh, qk_scale,
         q_mine, q_theirs,  # q's column halves ([64, 256] each): mine (I load it) and the other's
         v_mine, v_other_slot,  # my columns of my slot / of the other's slot (the PV operands)
         g_first, g_second,  # gather order of my slot's halves: my columns first, then the other's
         p_mine, p_other, mx_mine, mx_other, lx_mine, lx_other,
         mx_ready_mine, mx_ready_other, p_ready_mine, p_ready_other, p_free_mine, p_free_other,
         q_ready_mine, q_ready_other, l_ready_mine, l_ready_other,
-        NUM_SPLITS: gl.constexpr, OUT_TMA: gl.constexpr, HALF: gl.constexpr,
+        NUM_SPLITS: gl.constexpr, HALF: gl.constexpr,
     ):
         # Per pair: PV on the other's tile first, so the other columns of my slot (which its PV reads) are
         # free, and regathered, while I run PV on my own tile; then my columns. QK^T of the next pair starts
@@ -172,32 +161,21 @@ if _HAVE_GLUON:
             _gather_half(g_second, kv_ptr, stride_kv, r_next, offs_other)
             acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_mine, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            # My columns of my slot: read only by me (QK^T and this PV, both done). At a unit's end with
-            # OUT_TMA they first carry my output columns out (as in sparse_attention_wgmma.py: stores from
-            # the wgmma layout cost a short unit half its time); the TMA engine must have read them
-            # before they are gathered again.
-            if OUT_TMA:
-                if last:
-                    l_fin = _pair_row_sums(l_i, m_i, m_sink, cu, lx_mine, lx_other, l_ready_mine, l_ready_other,
-                                           uc, NUM_SPLITS, vec_layout)
-                    out = acc / gl.expand_dims(gl.convert_layout(l_fin, gl.SliceLayout(1, o_layout)), 1)
-                    g_first.store(out.to(dtype))
-                    fence_async_shared()  # generic-proxy writes, read by the TMA engine
-                    _cta_barrier()
-                    row0 = ((cu // units_per_token) * num_heads + hb * BLOCK_H).to(gl.int32)
-                    for c in gl.static_range(DH // 64):
-                        _tma_store(out_desc, [row0, HALF * DH + c * 64], g_first.slice(c * 64, 64, dim=1))
-                    tma.store_wait(0)
+            # My columns of my slot: read only by me (QK^T and this PV, both done).
             _cta_barrier()
             _gather_half(g_first, kv_ptr, stride_kv, r_next, offs_mine)
 
             if last:
-                if not OUT_TMA:
-                    l_fin = _pair_row_sums(l_i, m_i, m_sink, cu, lx_mine, lx_other, l_ready_mine, l_ready_other,
-                                           uc, NUM_SPLITS, vec_layout)
-                    _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_fin, (cu // units_per_token).to(gl.int64),
-                                cu % NUM_SPLITS, hb * BLOCK_H, num_heads, stride_ot, stride_oh, c_end <= c_start,
-                                offs_oh, offs_od, offs_sh, NUM_SPLITS, HALF == 0)
+                # Row sums of the two tiles' streams, added once per unit.
+                lx_mine.store(l_i)
+                mbarrier.arrive(l_ready_mine)
+                mbarrier.wait(l_ready_other, uc & 1)
+                l_tot = l_i + lx_other.load(vec_layout)
+                tok = (cu // units_per_token).to(gl.int64)
+                split = cu % NUM_SPLITS
+                l_fin = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + l_tot
+                _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_fin, tok, split, hb * BLOCK_H, num_heads,
+                            stride_ot, stride_oh, c_end <= c_start, offs_oh, offs_od, offs_sh, NUM_SPLITS, HALF == 0)
                 cu = nu
                 cp = 0
                 c_start = nu_start
@@ -218,8 +196,8 @@ if _HAVE_GLUON:
         q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         num_heads, num_units, units_per_token,
         stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
-        qk_scale, out_desc,
-        NUM_SPLITS: gl.constexpr, OUT_TMA: gl.constexpr, WORKER_REGS: gl.constexpr, PDL: gl.constexpr,
+        qk_scale,
+        NUM_SPLITS: gl.constexpr, WORKER_REGS: gl.constexpr, PDL: gl.constexpr,
     ):
         wait_for_prior_grid(PDL)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -265,26 +243,24 @@ if _HAVE_GLUON:
         gl.warp_specialize([
             (_pair_partition, (q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                                num_heads, num_units, units_per_token,
-                               stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh, qk_scale, out_desc,
+                               stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh, qk_scale,
                                q_lo, q_hi, k0_lo, k1_lo, k0_lo, k0_hi,
                                p0, p1, mx0, mx1, lx0, lx1,
                                mxr0, mxr1, pr0, pr1, pf0, pf1, qr0, qr1, lr0, lr1,
-                               NUM_SPLITS, OUT_TMA, 0)),
+                               NUM_SPLITS, 0)),
             (_pair_partition, (q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                                num_heads, num_units, units_per_token,
-                               stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh, qk_scale, out_desc,
+                               stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh, qk_scale,
                                q_hi, q_lo, k1_hi, k0_hi, k1_hi, k1_lo,
                                p1, p0, mx1, mx0, lx1, lx0,
                                mxr1, mxr0, pr1, pr0, pf1, pf0, qr1, qr0, lr1, lr0,
-                               NUM_SPLITS, OUT_TMA, 1)),
+                               NUM_SPLITS, 1)),
         ], [4], [WORKER_REGS])
 
 
 def launch_pair_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale: float,
-                          num_splits: int, max_programs: int, worker_regs: int = 248, tma_store: bool = True) -> None:
+                          num_splits: int, max_programs: int, worker_regs: int = 248) -> None:
     """As `sparse_attention_wgmma.launch_wgmma_attention` (64-row tiles), for the pair kernel (4 + 4 warps)."""
     args, num_units = unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale, num_splits)
-    out_desc, out_tma = out_descriptor(out, num_splits, tma_store)
     _sparse_mqa_pair_kernel[(min(num_units, max_programs),)](
-        *args, out_desc, NUM_SPLITS=num_splits, OUT_TMA=out_tma, WORKER_REGS=worker_regs, num_warps=4,
-        **pdl_args(q.device))
+        *args, NUM_SPLITS=num_splits, WORKER_REGS=worker_regs, num_warps=4, **pdl_args(q.device))

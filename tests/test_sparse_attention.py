@@ -193,6 +193,24 @@ def test_wgmma_kernel_takes_only_rows_cp_async_can_read():
     assert cp_async_aligned(torch.zeros(1, 64, 512, dtype=torch.bfloat16)[:, :, :])
 
 
+def test_wgmma_output_store_by_tma_only_where_its_descriptor_fits():
+    """The TMA output store needs a one-split launch (partials are fp32, written by the merge's layout) and a
+    contiguous out (the descriptor views it as [tokens * heads, 512]); every other launch passes out itself
+    and stores from registers. The kernel declares the descriptor right after the shared launch arguments."""
+    wgmma = pytest.importorskip("sparseserve.kernels.sparse_attention_wgmma")
+    if not wgmma._HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    out = torch.zeros(3, 128, 512, dtype=torch.bfloat16)
+    desc, use_tma = wgmma.out_descriptor(out, 1, True)
+    assert use_tma and list(desc.shape) == [3 * 128, 512] and list(desc.block_shape) == [64, 64]
+    assert wgmma.out_descriptor(out, 4, True) == (out, False)  # splits write fp32 partials
+    assert wgmma.out_descriptor(out, 1, False) == (out, False)
+    strided = torch.zeros(3, 128, 640, dtype=torch.bfloat16)[..., :512]
+    assert wgmma.out_descriptor(strided, 1, True) == (strided, False)
+    names = wgmma._sparse_mqa_wgmma_kernel.arg_names
+    assert names[names.index("qk_scale") + 1] == "out_desc"
+
+
 def test_wgmma_config_off_hopper_is_a_clear_error():
     q, kv = torch.randn(2, 64, 512), torch.randn(10, 512)
     rows = torch.zeros(2, 3, dtype=torch.int32)

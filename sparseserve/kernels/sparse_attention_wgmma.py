@@ -18,7 +18,9 @@ Gluon states layouts and copies explicitly, so here:
     as one stream of tiles, so a unit's q and first rows load while the previous unit finishes;
   * both products are wgmma on shared-memory operands with warps [4, 2]: QK^T splits the tile's
     rows between the two warpgroups (no duplicate), PV splits the 512 value columns; the
-    probabilities pass from one to the other through a small shared tile.
+    probabilities pass from one to the other through a small shared tile;
+  * a one-split unit's output leaves by TMA from its last tile's ring slot, waited for one tile
+    later: stored from the wgmma layout it took half of a short (HCA) unit's time (session 19).
 
 Roofline: as in `sparse_attention.py` (bytes = 2*L*D + 4*H*D per token, FLOPs = 4*H*L*D).
 

@@ -18,10 +18,13 @@ Every barrier is an mbarrier of count 1 (one elected arrival per partition) and 
 pair (or unit): its phase parity is the pair (unit) counter's.
 
 When it is used (`sparse_attention.attention_config`): long units, i.e. >= 1024 rows per split of
-128-head models (V4-Pro CSA, decode from batch 64 and prefill) and >= 512 rows in prefill-sized grids
-(V4-Flash CSA prefill). H200, session 18, kernel benchmark against `sparse_attention_wgmma.py` in the
-same run: prefill Pro CSA 32K 23,615 vs 26,563 us (50% of bf16), 4K 2,019 vs 2,246; Flash CSA 32K
-7,618 vs 7,948, 4K 881 vs 915; Pro decode batch 64 / 256 4-7% faster. Not used where it lost: Flash
+128-head models (V4-Pro CSA, decode from batch 64 and prefill). H200, session 18, kernel benchmark
+against `sparse_attention_wgmma.py` in the same run: prefill Pro CSA 32K 23,615 vs 26,563 us (50% of
+bf16), 4K 2,019 vs 2,246; Pro decode batch 64 / 256 4-7% faster. Session 19 gave the wgmma kernel a
+TMA output store, which made it the faster on V4-Flash CSA prefill (4K 816 vs 875 us), and measured
+one here too: it has to wait for the TMA read inside the unit (the slot halves are regathered at
+once), gained on V4-Flash but not on Pro CSA 4K (2,033 vs 2,009 us) and raised the spills, so this
+kernel keeps the register store (Pro CSA 32K: 23,243 vs the wgmma kernel's 25,287). Not used where it lost: Flash
 decode (640 rows from HBM: 5-17% slower), decode with 8 splits (23 vs 21 us), HCA prefill (5-18% slower):
 short units expose the per-unit exchange and the first pair's gathers, and an odd tile count leaves
 warpgroup 1 a masked tile. Resources (`tools/kernel_resources.py --wgmma`): 255 registers, 136-184 B of

@@ -24,7 +24,8 @@ import torch
 
 from sparseserve.benchmarks import kernels as kb
 from sparseserve.kernels import sparse_attention as sa
-from sparseserve.kernels.sparse_attention import AttnConfig, sparse_mqa_attention_ref, sparse_mqa_attention_triton
+from sparseserve.kernels.sparse_attention import (AttnConfig, attention_config, sparse_mqa_attention_ref,
+                                                  sparse_mqa_attention_triton)
 
 KERNELS = pathlib.Path(sa.__file__).parent
 WGMMA_SRC = (KERNELS / "sparse_attention_wgmma.py").read_text()
@@ -33,6 +34,14 @@ WGMMA_SRC = (KERNELS / "sparse_attention_wgmma.py").read_text()
 _STORE = "            gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(out_ptr.dtype.element_ty))\n"
 _Q_NEXT = "            if last & (nu < num_units):\n"
 _NO_TMA = dict(tma_store=False)
+_PART_STORE = "                gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc)\n"
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: kernel[grid](...) does nothing (the no_merge ablation)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
 
 # Variants: name -> (edits of sparse_attention_wgmma.py, launcher keyword arguments, is an ablation whose
 # output is not checked). The launcher arguments apply to both Gluon kernels (wgmma and tile-pair).
@@ -45,6 +54,9 @@ VARIANTS: dict[str, tuple[list[tuple[str, str]], dict, bool]] = {
     "no_store": ([(_STORE, "            pass\n")], _NO_TMA, True),
     "no_q": ([(_Q_NEXT, "            if last & (nu < 0):\n")], _NO_TMA, True),
     "no_store_no_q": ([(_STORE, "            pass\n"), (_Q_NEXT, "            if last & (nu < 0):\n")], _NO_TMA, True),
+    # Split launches (decode): no fp32 partial store (the (max, sum) still written); no merge kernel.
+    "no_part_store": ([(_PART_STORE, "                pass\n")], {}, True),
+    "no_merge": ([], {}, True),
 }
 # Session 19 also timed staging the output through the unit's last ring slot and storing it 16 bytes per
 # thread (Flash HCA 4K 387 us against 476 from registers and 366 by TMA), and that store deferred to the
@@ -66,48 +78,71 @@ def load_variant(name: str, edits: list[tuple[str, str]], tmp: pathlib.Path):
     return mod
 
 
+def _config(kernel: str, case: dict, sms: int) -> AttnConfig:
+    """engine: what attention_config picks for the case; wgmma / pair, optionally -sN: that Gluon kernel at N
+    splits (1 if not given)."""
+    q, _, rows, _, _ = case["args"]
+    if kernel == "engine":
+        return attention_config(q.shape[0], q.shape[1], rows.shape[1], 512, sms, wgmma=True)
+    name, _, splits = kernel.partition("-s")
+    return AttnConfig(64, 64, 8, 2, int(splits or 1), band_prepass=True, wgmma=True, pair=name == "pair")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="flash-hca-4096,pro-hca-4096,flash-csa-4096,flash-hca-32768")
+    ap.add_argument("--cases", default="flash-hca-4096,pro-hca-4096,flash-csa-4096,flash-hca-32768",
+                    help="prefill MODEL-KIND-TOKENS, or decode bBATCH-MODEL-KIND-CTX (e.g. b64-flash-csa-32768)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--kernels", default="wgmma,pair", help="the Gluon kernels to time: wgmma, pair")
+    ap.add_argument("--kernels", default="wgmma,pair",
+                    help="engine (attention_config's pick), wgmma or pair, each optionally -sN (N splits)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     tmp = pathlib.Path(tempfile.mkdtemp())
     names = args.variants.split(",")
     mods = {v: load_variant(v, VARIANTS[v][0], tmp) if VARIANTS[v][0] else None for v in names}
-    originals = sa.launch_wgmma_attention, sa.launch_pair_attention
-    cfgs = {"wgmma": AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True),
-            "pair": AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True, pair=True)}
+    originals = sa.launch_wgmma_attention, sa.launch_pair_attention, sa._sparse_mqa_merge_kernel
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     res = []
     for spec in args.cases.split(","):
-        model, kind, tokens = spec.split("-")
-        case = kb.attn_prefill_case(model, kind, int(tokens), gen)
+        decode = spec.startswith("b")
+        if decode:
+            batch, model, kind, ctx = spec.split("-")
+            case = kb.attn_decode_case(model, kind, int(batch[1:]), int(ctx), gen)
+            units = int(batch[1:]) * case["args"][0].shape[1] // 64
+        else:
+            model, kind, tokens = spec.split("-")
+            case = kb.attn_prefill_case(model, kind, int(tokens), gen)
+            units = case["tokens"] * case["heads"] // 64
         ref = sparse_mqa_attention_ref(*case["args"]).float()
         for kernel in args.kernels.split(","):
+            cfg = _config(kernel, case, sms)
             for name in names:
                 edits, kwargs, ablation = VARIANTS[name]
-                if edits and kernel != "wgmma":
+                if edits and cfg.pair:
                     continue  # source edits are of the wgmma kernel
                 wgmma_launch = (mods[name] or sys.modules[originals[0].__module__]).launch_wgmma_attention
                 sa.launch_wgmma_attention = functools.partial(wgmma_launch, **kwargs)
                 sa.launch_pair_attention = functools.partial(originals[1], **kwargs)
+                if name == "no_merge":
+                    sa._sparse_mqa_merge_kernel = _NoLaunch()
                 try:
-                    fn = lambda a=case["args"], c=cfgs[kernel]: sparse_mqa_attention_triton(*a, c)  # noqa: E731
-                    out = fn().float()
+                    out = sparse_mqa_attention_triton(*case["args"], cfg).float()
                     err = ((out - ref).norm() / ref.norm()).item()
-                    t = kb._bench(fn)
+                    if decode:  # graph replays over input sets that do not fit L2, as the kernel benchmark
+                        t = kb._bench_graph([(lambda a=a, c=cfg: sparse_mqa_attention_triton(*a, c)) for a in case["sets"]])
+                    else:
+                        t = kb._bench(lambda a=case["args"], c=cfg: sparse_mqa_attention_triton(*a, c))
                 finally:
-                    sa.launch_wgmma_attention, sa.launch_pair_attention = originals
-                r = dict(case=spec, kernel=kernel, variant=name, ablation=ablation, us=round(t, 1), rel_err=err,
-                         bf16_frac=round(case["flops"] / (t * 1e-6) / kb.BF16_FLOPS, 3),
-                         us_per_unit_per_sm=round(t * sms / (case["tokens"] * case["heads"] // 64), 2))
+                    sa.launch_wgmma_attention, sa.launch_pair_attention, sa._sparse_mqa_merge_kernel = originals
+                r = dict(case=spec, kernel=kernel, config=repr(cfg), variant=name, ablation=ablation, us=round(t, 2),
+                         rel_err=err, bf16_frac=round(case["flops"] / (t * 1e-6) / kb.BF16_FLOPS, 3),
+                         hbm_frac=round(case["bytes"] / (t * 1e-6) / kb.HBM_BPS, 3),
+                         us_per_unit_per_sm=round(t * sms / units, 2))
                 res.append(r)
-                print(f"{spec:18s} {kernel:5s} {name:14s} {t:9.1f} us  {100 * r['bf16_frac']:4.0f}% bf16  "
-                      f"{r['us_per_unit_per_sm']:6.2f} us/unit/SM  err {err:.2e}{' (ablation)' if ablation else ''}",
-                      flush=True)
+                print(f"{spec:20s} {kernel:8s} S{cfg.num_splits} {name:14s} {t:9.1f} us  {100 * r['bf16_frac']:4.0f}% bf16 "
+                      f"{100 * r['hbm_frac']:4.0f}% HBM  {r['us_per_unit_per_sm']:6.2f} us/unit/SM  err {err:.2e}"
+                      f"{' (ablation)' if ablation else ''}", flush=True)
         del case, ref
         torch.cuda.empty_cache()
     if args.out:

@@ -31,6 +31,8 @@
 #                                     wgmma-pair-skip): the probe's check, the attention gpu tests (stops if one fails), the
 #                                     probe's full timing (pair vs wgmma, prefill 4K/32K and decode), the prefill cases of
 #                                     ab_main/ (main) and of this tree (~5 minutes)
+#   bash tools/gpu_session.sh partials-next  on branch partials-tma (session 19): check, attention gpu tests, decode kernel
+#                                     benchmark and decode steps of ab_main/ and the branch, split ablations (~5 minutes)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -255,6 +257,21 @@ case "${1:-tests}" in
       (cd $tree && timeout -k 5 150 python tools/wgmma_attn_probe.py --modes timing --quick --out "$OUT/probe_$tree.json" 2>&1 \
         | filter | grep -v "triton\|^check")
     done ;;
+  partials-next)
+    # Session 19 left branch partials-tma (16-bit partials by TMA): the probe's check, the attention gpu tests
+    # (stops if one fails), the decode kernel benchmark of ab_main/ (main) and of this tree, decode steps of both,
+    # and the probe's split ablations on this tree (~5 minutes on a fresh machine).
+    timeout -k 5 150 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check.json" 2>&1 | filter \
+      | awk '{print $NF, $0}' | sort | tail -3
+    timeout -k 5 200 python -m pytest -q -x -m gpu tests/test_sparse_attention.py 2>&1 | filter | tail -2 || exit 1
+    for tree in ab_main .; do
+      (cd $tree && timeout -k 5 120 python -m sparseserve.benchmarks.kernels --only attn-decode --no-ref \
+        --out "$OUT/kernels_decode_$( [ $tree = . ] && echo branch || echo main ).json" > /dev/null 2>&1)
+    done
+    ab_steps "ab_main branch" 2>&1 | filter | grep -A4 "batch   mode"
+    merge_runs decode_graphs_partials.json
+    timeout -k 5 120 python tools/attn_variant_probe.py --cases b8-pro-csa-32768,b64-flash-csa-32768,b8-pro-hca-32768 \
+      --kernels engine --variants base,no_tma,no_part_store,no_merge --out "$OUT/variants_decode.json" 2>&1 | grep "^b" ;;
   attn-next)
     timeout -k 5 60 python tools/gluon_ws_probe.py --run 2>&1 | grep -v "^$" | tail -5
     timeout -k 5 120 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check.json" 2>&1 | filter | tail -25

@@ -271,7 +271,7 @@ case "${1:-tests}" in
     ab_steps "ab_main branch" 2>&1 | filter | grep -A4 "batch   mode"
     merge_runs decode_graphs_partials.json
     timeout -k 5 120 python tools/attn_variant_probe.py --cases b8-pro-csa-32768,b64-flash-csa-32768,b8-pro-hca-32768 \
-      --kernels engine --variants base,no_tma,no_part_store,no_merge --out "$OUT/variants_decode.json" 2>&1 | grep "^b" ;;
+      --kernels engine --variants base,no_tma,no_merge --out "$OUT/variants_decode.json" 2>&1 | grep "^b" ;;
   attn-next)
     timeout -k 5 60 python tools/gluon_ws_probe.py --run 2>&1 | grep -v "^$" | tail -5
     timeout -k 5 120 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check.json" 2>&1 | filter | tail -25

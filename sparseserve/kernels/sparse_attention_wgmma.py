@@ -313,9 +313,10 @@ def unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_s
 
 
 def out_descriptor(out: torch.Tensor, num_splits: int, tma_store: bool):
-    """(out_desc, OUT_TMA) for the Gluon kernels: a TMA descriptor of out as [tokens * heads, 512] in
-    64 x 64 boxes when units store their normalised output themselves (one split) and out is contiguous;
-    otherwise out itself, as a placeholder the kernel does not read, and the stores from registers."""
+    """(out_desc, OUT_TMA) for this kernel: a TMA descriptor of out as [tokens * heads, 512] in 64 x 64 boxes
+    when units store their normalised output themselves (one split) and out is contiguous; otherwise out
+    itself, as a placeholder the kernel does not read, and the stores from registers. (Built per launch on
+    the host, a few microseconds; a captured graph keeps it, as it keeps out's address.)"""
     if tma_store and num_splits == 1 and out.is_contiguous():
         box = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         return TensorDescriptor.from_tensor(out.view(-1, HEAD_DIM), [HEAD_BLOCK, 64], box), True

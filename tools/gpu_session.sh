@@ -33,6 +33,8 @@
 #                                     ab_main/ (main) and of this tree (~5 minutes)
 #   bash tools/gpu_session.sh partials-next  on branch partials-tma (session 19): check, attention gpu tests, decode kernel
 #                                     benchmark and decode steps of ab_main/ and the branch, split ablations (~5 minutes)
+#   bash tools/gpu_session.sh prefetch-next  on branch wgmma-row-prefetch (session 19): check, attention gpu tests, the
+#                                     probe's A/B with and without the L2 row prefetch, decode kernel benchmark (~4 minutes)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -272,6 +274,20 @@ case "${1:-tests}" in
     merge_runs decode_graphs_partials.json
     timeout -k 5 120 python tools/attn_variant_probe.py --cases b8-pro-csa-32768,b64-flash-csa-32768,b8-pro-hca-32768 \
       --kernels engine --variants base,no_tma,no_merge --out "$OUT/variants_decode.json" 2>&1 | grep "^b" ;;
+  prefetch-next)
+    # Session 19 left branch wgmma-row-prefetch (L2 prefetch of the tile after next): the probe's check, the attention
+    # gpu tests (stops if one fails), the probe's A/B with and without the prefetch (decode cases at the engine's
+    # configs, prefill on the wgmma kernel), the decode kernel benchmark of this tree (~4 minutes on a fresh machine).
+    timeout -k 5 150 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check.json" 2>&1 | filter \
+      | awk '{print $NF, $0}' | sort | tail -3
+    timeout -k 5 200 python -m pytest -q -x -m gpu tests/test_sparse_attention.py 2>&1 | filter | tail -2 || exit 1
+    timeout -k 5 150 python tools/attn_variant_probe.py --kernels engine --variants base,no_row_prefetch \
+      --cases b64-flash-csa-32768,b64-flash-hca-32768,b256-flash-csa-32768,b256-flash-hca-131072,b64-pro-hca-4096,b8-pro-csa-32768 \
+      --out "$OUT/variants_decode.json" 2>&1 | grep "^b"
+    timeout -k 5 100 python tools/attn_variant_probe.py --kernels wgmma --variants base,no_row_prefetch \
+      --cases flash-hca-4096,flash-csa-4096 --out "$OUT/variants_prefill.json" 2>&1 | grep "^f"
+    timeout -k 5 120 python -m sparseserve.benchmarks.kernels --only attn-decode --no-ref \
+      --out "$OUT/kernels_decode_branch.json" 2>&1 | grep -c "^attn" ;;
   attn-next)
     timeout -k 5 60 python tools/gluon_ws_probe.py --run 2>&1 | grep -v "^$" | tail -5
     timeout -k 5 120 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check.json" 2>&1 | filter | tail -25

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import inspect
 import json
 import pathlib
 import sys
@@ -78,6 +79,11 @@ def load_variant(name: str, edits: list[tuple[str, str]], tmp: pathlib.Path):
     return mod
 
 
+def _accepted(fn, kwargs: dict) -> dict:
+    """The launcher options that fn takes (a variant's option may exist for one of the two kernels only)."""
+    return {k: v for k, v in kwargs.items() if k in inspect.signature(fn).parameters}
+
+
 def _config(kernel: str, case: dict, sms: int) -> AttnConfig:
     """engine: what attention_config picks for the case; wgmma / pair, optionally -sN: that Gluon kernel at N
     splits (1 if not given)."""
@@ -122,8 +128,8 @@ def main() -> None:
                 if edits and cfg.pair:
                     continue  # source edits are of the wgmma kernel
                 wgmma_launch = (mods[name] or sys.modules[originals[0].__module__]).launch_wgmma_attention
-                sa.launch_wgmma_attention = functools.partial(wgmma_launch, **kwargs)
-                sa.launch_pair_attention = functools.partial(originals[1], **kwargs)
+                sa.launch_wgmma_attention = functools.partial(wgmma_launch, **_accepted(wgmma_launch, kwargs))
+                sa.launch_pair_attention = functools.partial(originals[1], **_accepted(originals[1], kwargs))
                 if name == "no_merge":
                     sa._sparse_mqa_merge_kernel = _NoLaunch()
                 try:

@@ -22,6 +22,7 @@ import sys
 import tempfile
 
 import torch
+from attn_latency_probe import _NoLaunch  # (tools/ is this script's directory, so first on sys.path)
 
 from sparseserve.benchmarks import kernels as kb
 from sparseserve.kernels import sparse_attention as sa
@@ -36,13 +37,6 @@ _STORE = "            gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(out
 _Q_NEXT = "            if last & (nu < num_units):\n"
 _NO_TMA = dict(tma_store=False)
 _PART_STORE = "                gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc)\n"
-
-
-class _NoLaunch:
-    """Stands in for a Triton kernel: kernel[grid](...) does nothing (the no_merge ablation)."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
 
 # Variants: name -> (edits of sparse_attention_wgmma.py, launcher keyword arguments, is an ablation whose
 # output is not checked). The launcher arguments apply to both Gluon kernels (wgmma and tile-pair).

@@ -23,14 +23,6 @@
 #   bash tools/gpu_session.sh spec-side  speculative graph tests and verify steps with the side stream on (and off)
 #   bash tools/gpu_session.sh split   session 10's third call: attention row splits at small batches, short/long prompts
 #   bash tools/gpu_session.sh ab-suite decode A/B of a branch against ab_main/ (AB_VARIANTS), then the gpu tests
-#   bash tools/gpu_session.sh attn-next  on a branch with a changed wgmma attention kernel (session 18 left wgmma-pair-producer):
-#                                     tools/gluon_ws_probe.py --run, the probe's check, its attention gpu tests (stops if one fails),
-#                                     prefill cases of ab_main/ (main's kernel) and of this tree, decode steps of ab_main/,
-#                                     this tree, and this tree with the wgmma kernel at every batch (~7 minutes)
-#   bash tools/gpu_session.sh pair-next  on a branch with a changed tile-pair kernel (session 18 left wgmma-pair-producer and
-#                                     wgmma-pair-skip): the probe's check, the attention gpu tests (stops if one fails), the
-#                                     probe's full timing (pair vs wgmma, prefill 4K/32K and decode), the prefill cases of
-#                                     ab_main/ (main) and of this tree (~5 minutes)
 #   bash tools/gpu_session.sh partials-next  on branch partials-tma (session 19): check, attention gpu tests, decode kernel
 #                                     benchmark and decode steps of ab_main/ and the branch, split ablations (~5 minutes)
 #   bash tools/gpu_session.sh prefetch-next  on branch wgmma-row-prefetch (session 19): check, attention gpu tests, the
@@ -39,7 +31,8 @@
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
 # (next11 on indexer-side, next12 on next12, topk-split and topk-scale on topk-split-finish); session 10's `next`
-# and `route` and session 12's `final12` are in the history (`git show 49f7a6d:tools/gpu_session.sh`, `71faa93`).
+# and `route`, session 12's `final12`, session 17's `attn-next` and session 18-19's `pair-next` and `pair-both` (their
+# branches measured and dropped; `git show 44b9322:tools/gpu_session.sh`) are in the history (`git show 49f7a6d:tools/gpu_session.sh`, `71faa93`).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -236,29 +229,6 @@ case "${1:-tests}" in
     { ab_steps "${AB_VARIANTS:-fan nofan:SPARSESERVE_DISABLE_KERNELS=metadata_fan fan2 nofan2:SPARSESERVE_DISABLE_KERNELS=metadata_fan}"
       merge_runs s16_decode_runs.json
     } 2>&1 | filter > "$OUT/s16_steps.log"; grep -a "graph  0" "$OUT/s16_steps.log" ;;
-  pair-next)
-    timeout -k 5 150 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check.json" 2>&1 | filter | grep "pair\|wrote"
-    timeout -k 5 200 python -m pytest -q -x -m gpu tests/test_sparse_attention.py 2>&1 | filter | tail -3 || exit 1
-    timeout -k 5 200 python tools/wgmma_attn_probe.py --modes timing --out "$OUT/probe.json" 2>&1 | filter | grep -v "triton"
-    for tree in ab_main .; do
-      (cd $tree && timeout -k 5 150 python -m sparseserve.benchmarks.kernels --only attn-prefill --no-ref \
-        --out "$OUT/kernels_prefill_$( [ $tree = . ] && echo branch || echo main ).json" 2>&1 | grep "^attn" | cut -c1-160)
-    done ;;
-  pair-both)
-    # Session 19: both prepared tile-pair branches in one call, from ab_skip/ and ab_prod/ (each `git archive BRANCH
-    # sparseserve tests tools pyproject.toml | tar -x -C DIR`, carried): the probe's pair checks and the attention gpu
-    # tests for each, then the probe's quick timing (prefill 4K, decode) for each (~6 minutes on a fresh machine).
-    for tree in ab_skip ab_prod; do
-      echo "== $tree"
-      (cd $tree && timeout -k 5 100 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check_$tree.json" 2>&1 \
-        | filter | grep "pair" | cut -c1-120
-       timeout -k 5 150 python -m pytest -q -x -m gpu tests/test_sparse_attention.py 2>&1 | filter | tail -2)
-    done
-    for tree in ab_skip ab_prod; do
-      echo "== $tree timing"
-      (cd $tree && timeout -k 5 150 python tools/wgmma_attn_probe.py --modes timing --quick --out "$OUT/probe_$tree.json" 2>&1 \
-        | filter | grep -v "triton\|^check")
-    done ;;
   partials-next)
     # Session 19 left branch partials-tma (16-bit partials by TMA): the probe's check, the attention gpu tests
     # (stops if one fails), the decode kernel benchmark of ab_main/ (main) and of this tree, decode steps of both,
@@ -288,17 +258,6 @@ case "${1:-tests}" in
       --cases flash-hca-4096,flash-csa-4096 --out "$OUT/variants_prefill.json" 2>&1 | grep "^f"
     timeout -k 5 120 python -m sparseserve.benchmarks.kernels --only attn-decode --no-ref \
       --out "$OUT/kernels_decode_branch.json" 2>&1 | grep -c "^attn" ;;
-  attn-next)
-    timeout -k 5 60 python tools/gluon_ws_probe.py --run 2>&1 | grep -v "^$" | tail -5
-    timeout -k 5 120 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check.json" 2>&1 | filter | tail -25
-    timeout -k 5 200 python -m pytest -q -x -m gpu tests/test_sparse_attention.py 2>&1 | filter | tail -3 || exit 1
-    timeout -k 5 200 python tools/wgmma_attn_probe.py --modes timing --quick --out "$OUT/probe.json" 2>&1 | filter | grep -v "^check H"
-    for tree in ab_main .; do
-      (cd $tree && timeout -k 5 120 python -m sparseserve.benchmarks.kernels --only attn-prefill --no-ref \
-        --out "$OUT/kernels_prefill_$( [ $tree = . ] && echo branch || echo main ).json" 2>&1 | grep "^attn" | cut -c1-160)
-    done
-    ab_steps "ab_main branch wgmma_all:SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS=1" 2>&1 | filter | grep -A4 "batch   mode"
-    merge_runs decode_graphs_attn_next.json ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"

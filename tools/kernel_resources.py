@@ -167,9 +167,8 @@ def _gluon_attention_row(fn, constexprs: dict, num_warps: int, types: dict | Non
 def _out_desc_type(out_tma: bool) -> dict:
     """The out_desc argument's type: the TMA descriptor that `sparse_attention_wgmma.out_descriptor` builds
     (bf16, 64 x 64 boxes, 128-byte swizzle), or out itself (a placeholder the kernel does not read)."""
-    from triton.experimental.gluon import language as gl
-    box = repr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    return {"out_desc": f"tensordesc<bf16[64,64],{box}>" if out_tma else "*bf16"}
+    from sparseserve.kernels.sparse_attention_wgmma import tile_layout
+    return {"out_desc": f"tensordesc<bf16[64,64],{tile_layout()!r}>" if out_tma else "*bf16"}
 
 
 def wgmma_attention_rows() -> list[dict]:

@@ -291,11 +291,16 @@ def cp_async_aligned(t: torch.Tensor) -> bool:
             and all(stride % 16 == 0 for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1))
 
 
+def tile_layout():
+    """The shared-memory layout of q, the ring slots and the TMA output boxes: 128-byte swizzle, 16-bit."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
 def _layouts(block_n: int):
     gather = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # 16-byte cp.async per thread
     s = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, block_n // 2, 16])
     o = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, HEAD_DIM // 2, 16])
-    tile = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    tile = tile_layout()
     p = gl.NVMMASharedLayout(swizzle_byte_width=min(128, block_n * 2), element_bitwidth=16, rank=2)
     return gather, s, o, tile, p
 
@@ -318,8 +323,7 @@ def out_descriptor(out: torch.Tensor, num_splits: int, tma_store: bool):
     itself, as a placeholder the kernel does not read, and the stores from registers. (Built per launch on
     the host, a few microseconds; a captured graph keeps it, as it keeps out's address.)"""
     if tma_store and num_splits == 1 and out.is_contiguous():
-        box = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        return TensorDescriptor.from_tensor(out.view(-1, HEAD_DIM), [HEAD_BLOCK, 64], box), True
+        return TensorDescriptor.from_tensor(out.view(-1, HEAD_DIM), [HEAD_BLOCK, 64], tile_layout()), True
     return out, False
 
 

@@ -194,19 +194,23 @@ def test_wgmma_kernel_takes_only_rows_cp_async_can_read():
 
 
 def test_wgmma_output_store_by_tma_only_where_its_descriptor_fits():
-    """The TMA output store needs a one-split launch (partials are fp32, written by the merge's layout) and a
-    contiguous out (the descriptor views it as [tokens * heads, 512]); every other launch passes out itself
-    and stores from registers. The kernel declares the descriptor right after the shared launch arguments."""
+    """The TMA store writes what a unit stores: out with one split, the 16-bit partial outputs with splits,
+    each viewed as [rows, 512]; it needs that tensor contiguous and 16-bit (fp32 partials, which the other
+    kernels write, and strided views store from registers, with out passed as an unread placeholder). The
+    kernel declares the descriptor right after the shared launch arguments."""
     wgmma = pytest.importorskip("sparseserve.kernels.sparse_attention_wgmma")
     if not wgmma._HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     out = torch.zeros(3, 128, 512, dtype=torch.bfloat16)
-    desc, use_tma = wgmma.out_descriptor(out, 1, True)
+    parts = torch.zeros(3, 4, 128, 512, dtype=torch.bfloat16)
+    desc, use_tma = wgmma.out_descriptor(out, parts, 1, True)
     assert use_tma and list(desc.shape) == [3 * 128, 512] and list(desc.block_shape) == [64, 64]
-    assert wgmma.out_descriptor(out, 4, True) == (out, False)  # splits write fp32 partials
-    assert wgmma.out_descriptor(out, 1, False) == (out, False)
+    desc, use_tma = wgmma.out_descriptor(out, parts, 4, True)
+    assert use_tma and list(desc.shape) == [3 * 4 * 128, 512]
+    assert wgmma.out_descriptor(out, parts.float(), 4, True)[1] is False  # fp32 partials
+    assert wgmma.out_descriptor(out, parts, 1, False)[1] is False
     strided = torch.zeros(3, 128, 640, dtype=torch.bfloat16)[..., :512]
-    assert wgmma.out_descriptor(strided, 1, True) == (strided, False)
+    assert wgmma.out_descriptor(strided, parts, 1, True)[1] is False
     names = wgmma._sparse_mqa_wgmma_kernel.arg_names
     assert names[names.index("qk_scale") + 1] == "out_desc"
 
@@ -424,9 +428,12 @@ def test_merge_heads_knob_must_be_a_power_of_two():
 
 
 @cpu_interp
-def test_merge_skips_a_split_marked_empty_cpu():
-    """The wgmma kernel marks an empty row split with max -inf and sum 0 and leaves its acc unwritten
-    (garbage, here NaN): the merge must give it weight 0 without reading it."""
+@pytest.mark.parametrize("normalised", [False, True])
+def test_merge_skips_a_split_marked_empty_cpu(normalised):
+    """The wgmma kernel marks an empty row split with max -inf and sum 0 and leaves its output unwritten
+    (garbage, here NaN): the merge must give it weight 0 without reading it. A raw accumulator weighs
+    exp2(max - M); a normalised partial output (the wgmma kernel's) its share of the softmax denominator,
+    exp2(max - M) * sum."""
     from sparseserve.kernels.sparse_attention import _sparse_mqa_merge_kernel
 
     gen = torch.Generator().manual_seed(21)
@@ -437,10 +444,12 @@ def test_merge_skips_a_split_marked_empty_cpu():
     part_ml[0, 2, 0], part_ml[0, 2, 1] = float("-inf"), 0.0
     out = torch.empty(T, H, D)
     _sparse_mqa_merge_kernel[(T, H // 4)](part_acc, part_ml, out, out, out, H, D, out.stride(0), out.stride(1), -1.0,
-                                          NUM_SPLITS=S, BLOCK_H=4, BLOCK_D=D, ROPE_HALF=0, PDL=0)
+                                          NUM_SPLITS=S, BLOCK_H=4, BLOCK_D=D, ROPE_HALF=0,
+                                          PARTS_NORMALISED=normalised, PDL=0)
     m, l = part_ml[:, :, 0], part_ml[:, :, 1]
     w = torch.exp2(m - m.amax(dim=1, keepdim=True))  # [T, S, H]
     acc = torch.where(w.unsqueeze(-1) > 0, part_acc, 0.0)
-    expect = (acc * w.unsqueeze(-1)).sum(1) / (l * w).sum(1).unsqueeze(-1)
+    weight = w * l if normalised else w
+    expect = (acc * weight.unsqueeze(-1)).sum(1) / (l * w).sum(1).unsqueeze(-1)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)

@@ -153,7 +153,7 @@ def _gluon_attention_row(fn, constexprs: dict, num_warps: int, types: dict | Non
     shared memory against the sm_90 limit. `types`: argument types other than pointers, ints and qk_scale."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    pointers = {**POINTER_TYPES, "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", **(types or {})}
+    pointers = {**POINTER_TYPES, "part_ml_ptr": "*fp32", **(types or {})}
     signature = {n: "constexpr" if n in constexprs else "fp32" if n == "qk_scale" else pointers.get(n, "i32")
                  for n in fn.arg_names}
     aligned = [n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in ("num_heads", "num_units")
@@ -180,14 +180,16 @@ def wgmma_attention_rows() -> list[dict]:
     rows = []
     for block_n, splits in ((64, 1), (64, 4), (32, 1)):
         gather, s, o, tile, p = wgmma._layouts(block_n)
-        out_tma = (block_n, splits) == (64, 1)  # as launch_wgmma_attention picks for a contiguous out
+        out_tma = block_n == 64  # as launch_wgmma_attention picks for a contiguous out and 16-bit partials
         constexprs = dict(NUM_SPLITS=splits, BLOCK_N=block_n, OUT_TMA=out_tma, gather_layout=gather, s_layout=s,
                           o_layout=o, tile_smem=tile, p_smem_layout=p, PDL=1)
-        rows.append(_gluon_attention_row(wgmma._sparse_mqa_wgmma_kernel, constexprs, 8, _out_desc_type(out_tma),
+        # Split partials: 16-bit where the TMA stores them, else fp32 (as sparse_mqa_attention_triton allocates).
+        types = {**_out_desc_type(out_tma), "part_acc_ptr": "*bf16" if out_tma else "*fp32"}
+        rows.append(_gluon_attention_row(wgmma._sparse_mqa_wgmma_kernel, constexprs, 8, types,
                                          kernel="sparse_mqa_wgmma", block_n=block_n, splits=splits))
     for splits in (1, 4):
         constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=248, PDL=1)
-        rows.append(_gluon_attention_row(pair._sparse_mqa_pair_kernel, constexprs, 4,
+        rows.append(_gluon_attention_row(pair._sparse_mqa_pair_kernel, constexprs, 4, {"part_acc_ptr": "*fp32"},
                                          kernel="sparse_mqa_pair", block_n=64, splits=splits))
     return rows
 

@@ -232,9 +232,11 @@ def _sparse_mqa_merge_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, cos_ptr, sin_ptr,
     num_heads, head_dim, stride_ot, stride_oh, rope_sign,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, ROPE_HALF: tl.constexpr,
-    PDL: tl.constexpr,
+    PARTS_NORMALISED: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Combine the row splits of one token's heads. ROPE_HALF > 0: then rotate the trailing
+    """Combine the row splits of one token's heads. PARTS_NORMALISED: each split's output is normalised by
+    its own sum (the wgmma kernel's), so it weighs by its share of the denominator; else it is the raw
+    accumulator (the Triton and tile-pair kernels'). ROPE_HALF > 0: then rotate the trailing
     2 * ROPE_HALF channels of each head by rope_sign times the token's angles (cos/sin [T, ROPE_HALF]),
     on the output rounded to its dtype, as `rope.apply_rope` would after it: one launch fewer on
     the critical path (the output's inverse rope, ~4 us at batch 1)."""
@@ -256,11 +258,13 @@ def _sparse_mqa_merge_kernel(
         w = tl.exp2(m_s - m)  # split 0's max is >= the sink logit, so m is finite: no NaN
         l += l_s * w
         # A split of weight 0 adds nothing; the wgmma kernel marks an empty split so (max -inf) and
-        # does not write its acc, which is then never read.
+        # does not write its output, which is then never read.
         a = tl.load(
             part_acc_ptr + ((tok * NUM_SPLITS + s) * num_heads + offs_h[:, None]) * head_dim + offs_d[None, :],
             mask=mask & (w[:, None] > 0), other=0.0,
-        )
+        ).to(tl.float32)
+        if PARTS_NORMALISED:
+            w = w * l_s
         acc += a * w[:, None]
     l = tl.where(h_mask, l, 1.0)  # padded heads: avoid 0/0 (never stored)
     out = acc / l[:, None]
@@ -405,7 +409,12 @@ def sparse_mqa_attention_triton(
     splits = cfg.num_splits
     rows_per_split = triton.cdiv(triton.cdiv(max(num_rows, 1), splits), cfg.block_n) * cfg.block_n
     if splits > 1:
-        part_acc = torch.empty((num_tokens, splits, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        # The wgmma kernel stores its splits' normalised outputs by TMA in q's dtype (half the bytes, in whole
+        # sectors); the other kernels' stores from registers keep the fp32 acc (a 16-bit store from the
+        # wgmma layout writes half sectors: 10-16% slower, session 19).
+        parts_normalised = cfg.wgmma and not cfg.pair
+        part_dtype = q.dtype if parts_normalised and cfg.block_n == 64 else torch.float32
+        part_acc = torch.empty((num_tokens, splits, num_heads, head_dim), dtype=part_dtype, device=q.device)
         part_ml = torch.empty((num_tokens, splits, 2, num_heads), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
@@ -441,7 +450,8 @@ def sparse_mqa_attention_triton(
         _sparse_mqa_merge_kernel[(num_tokens, triton.cdiv(num_heads, merge_bh))](
             part_acc, part_ml, out, cos, sin, num_heads, head_dim, out.stride(0), out.stride(1), -1.0,
             NUM_SPLITS=splits, BLOCK_H=merge_bh, BLOCK_D=block_d,
-            ROPE_HALF=inverse_rope[0].shape[-1] if fuse_rope else 0, num_warps=4, **pdl_args(part_acc.device)
+            ROPE_HALF=inverse_rope[0].shape[-1] if fuse_rope else 0, PARTS_NORMALISED=parts_normalised,
+            num_warps=4, **pdl_args(part_acc.device)
         )
     if inverse_rope is not None and not fuse_rope:
         out = apply_rope(out, *inverse_rope, inverse=True)

@@ -118,9 +118,10 @@ if _HAVE_GLUON:
     @gluon.jit
     def _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, split, heads, num_heads,
                     stride_ot, stride_oh, band_empty, offs_oh, offs_od, offs_sh,
-                    NUM_SPLITS: gl.constexpr, WRITE_ML: gl.constexpr):
-        """A finished unit's result: the normalised output of its 64 heads (one split), or its partials as the
-        Triton kernel writes them: acc [T, S, H, 512], (max, sum) [T, S, 2, H], fp32. acc may hold only some
+                    NUM_SPLITS: gl.constexpr, WRITE_ML: gl.constexpr, NORMALISE: gl.constexpr):
+        """A finished unit's result: the normalised output of its 64 heads (one split), or its partials: the
+        split's output [T, S, H, 512] in part_acc's dtype (NORMALISE: divided by its own sum; else the raw
+        acc, as the Triton kernel writes it) and its (max, sum) [T, S, 2, H] in fp32. acc may hold only some
         of the columns (offs_od); WRITE_ML: this caller also writes the unit's (max, sum). tok (int64), split
         and heads (the block's first head) locate the unit."""
         if NUM_SPLITS == 1:
@@ -139,7 +140,9 @@ if _HAVE_GLUON:
                     gl.store(ml + num_heads, zero)
             else:
                 acc_rows = part_acc_ptr + (part * num_heads + heads + gl.expand_dims(offs_oh, 1)) * 512
-                gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc)
+                if NORMALISE:
+                    acc = acc / gl.expand_dims(gl.convert_layout(gl.where(l_i > 0, l_i, 1.0), offs_oh.type.layout), 1)
+                gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc.to(part_acc_ptr.dtype.element_ty))
                 if WRITE_ML:
                     gl.store(ml, m_i)
                     gl.store(ml + num_heads, l_i)
@@ -150,7 +153,7 @@ if _HAVE_GLUON:
         num_heads, num_units, units_per_token,
         stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
         qk_scale,  # scale * log2(e): logits are kept in base 2
-        out_desc,  # OUT_TMA: TMA descriptor of out as [tokens * heads, 512] in 64 x 64 boxes (else unused)
+        out_desc,  # OUT_TMA: TMA descriptor of out (one split) or of the partial outputs (splits) as [rows, 512]
         NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, OUT_TMA: gl.constexpr,
         gather_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
         tile_smem: gl.constexpr, p_smem_layout: gl.constexpr,
@@ -242,21 +245,32 @@ if _HAVE_GLUON:
                 split = cu % NUM_SPLITS
                 l_i = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + gl.sum(l_cols, 1)
                 if OUT_TMA:
-                    # The output leaves through the tile's ring slot, by TMA, while the next unit computes:
-                    # stored from the wgmma layout (4 bytes per thread, 16-byte row runs) it took half of a
-                    # short unit's time (session 19). Each warpgroup's PV is done with the slot, and it
-                    # writes only the 256 columns that its PV read.
-                    out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
-                    k_tile.store(out.to(dtype))
-                    fence_async_shared()  # generic-proxy writes, read by the TMA engine
-                    _cta_barrier()
-                    row0 = (tok * num_heads + hb * BLOCK_H).to(gl.int32)
-                    for c in gl.static_range(D // 64):
-                        _tma_store(out_desc, [row0, c * 64], k_tile.slice(c * 64, 64, dim=1))
-                    tma_pending = True
+                    # The output (or a split's normalised partial output) leaves through the tile's ring slot,
+                    # by TMA, while the next unit computes: stored from the wgmma layout (4 bytes per thread,
+                    # 16-byte row runs) it took half of a short unit's time (session 19). Each warpgroup's PV is
+                    # done with the slot, and it writes only the 256 columns that its PV read.
+                    if NUM_SPLITS == 1:
+                        row0 = (tok * num_heads + hb * BLOCK_H).to(gl.int32)
+                        skip = False
+                    else:
+                        part = tok * NUM_SPLITS + split
+                        row0 = (part * num_heads + hb * BLOCK_H).to(gl.int32)
+                        # An empty split (max -inf, sum 0) gets weight 0 in the merge, which never reads its output.
+                        skip = (c_end <= c_start) & (split > 0)
+                        ml = part_ml_ptr + part * 2 * num_heads + hb * BLOCK_H + offs_sh
+                        gl.store(ml, gl.where(skip, float("-inf"), m_i))
+                        gl.store(ml + num_heads, gl.where(skip, 0.0, l_i))
+                    if not skip:
+                        out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+                        k_tile.store(out.to(dtype))
+                        fence_async_shared()  # generic-proxy writes, read by the TMA engine
+                        _cta_barrier()
+                        for c in gl.static_range(D // 64):
+                            _tma_store(out_desc, [row0, c * 64], k_tile.slice(c * 64, 64, dim=1))
+                        tma_pending = True
                 else:
                     _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, split, hb * BLOCK_H, num_heads,
-                                stride_ot, stride_oh, c_end <= c_start, offs_oh, offs_od, offs_sh, NUM_SPLITS, True)
+                                stride_ot, stride_oh, c_end <= c_start, offs_oh, offs_od, offs_sh, NUM_SPLITS, True, True)
                 cu = nu
                 ct = 0
                 c_start, c_end = _unit_band(band_ptr, cu, num_units, units_per_token, NUM_SPLITS)
@@ -317,13 +331,15 @@ def unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_s
     return args, num_units
 
 
-def out_descriptor(out: torch.Tensor, num_splits: int, tma_store: bool):
-    """(out_desc, OUT_TMA) for this kernel: a TMA descriptor of out as [tokens * heads, 512] in 64 x 64 boxes
-    when units store their normalised output themselves (one split) and out is contiguous; otherwise out
-    itself, as a placeholder the kernel does not read, and the stores from registers. (Built per launch on
-    the host, a few microseconds; a captured graph keeps it, as it keeps out's address.)"""
-    if tma_store and num_splits == 1 and out.is_contiguous():
-        return TensorDescriptor.from_tensor(out.view(-1, HEAD_DIM), [HEAD_BLOCK, 64], tile_layout()), True
+def out_descriptor(out: torch.Tensor, part_acc: torch.Tensor, num_splits: int, tma_store: bool):
+    """(out_desc, OUT_TMA) for the wgmma kernel: a TMA descriptor, in 64 x 64 boxes, of what its units store
+    (out as [tokens * heads, 512] with one split; the 16-bit partial outputs as [tokens * splits * heads, 512]
+    with splits) when that is contiguous; otherwise out itself, as a placeholder the kernel does not read,
+    and the stores from registers. (Built per launch on the host, a few microseconds; a captured graph keeps
+    it, as it keeps the target's address.)"""
+    target = out if num_splits == 1 else part_acc
+    if tma_store and target.dtype in (torch.bfloat16, torch.float16) and target.is_contiguous():
+        return TensorDescriptor.from_tensor(target.view(-1, HEAD_DIM), [HEAD_BLOCK, 64], tile_layout()), True
     return out, False
 
 
@@ -333,10 +349,10 @@ def launch_wgmma_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml
     `wgmma_supported`, made the last dims contiguous and run the band pre-pass for rows cut into
     `num_splits` pieces; with splits, its merge kernel combines the partials. At most
     `max_programs` persistent programs (one per SM: each holds ~200 KB of shared memory).
-    tma_store: one-split units with 64-row tiles store their output by TMA (False: from registers)."""
+    tma_store: units with 64-row tiles store their output (or 16-bit partials) by TMA (False: from registers)."""
     args, num_units = unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale, num_splits)
     gather, s, o, tile, p = _layouts(block_n)
-    out_desc, out_tma = out_descriptor(out, num_splits, tma_store and block_n == 64)
+    out_desc, out_tma = out_descriptor(out, part_acc, num_splits, tma_store and block_n == 64)
     _sparse_mqa_wgmma_kernel[(min(num_units, max_programs),)](
         *args, out_desc, NUM_SPLITS=num_splits, BLOCK_N=block_n, OUT_TMA=out_tma,
         gather_layout=gather, s_layout=s, o_layout=o, tile_smem=tile, p_smem_layout=p,

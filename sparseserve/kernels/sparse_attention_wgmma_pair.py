@@ -178,7 +178,8 @@ if _HAVE_GLUON:
                 split = cu % NUM_SPLITS
                 l_fin = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + l_tot
                 _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_fin, tok, split, hb * BLOCK_H, num_heads,
-                            stride_ot, stride_oh, c_end <= c_start, offs_oh, offs_od, offs_sh, NUM_SPLITS, HALF == 0)
+                            stride_ot, stride_oh, c_end <= c_start, offs_oh, offs_od, offs_sh, NUM_SPLITS, HALF == 0,
+                            False)
                 cu = nu
                 cp = 0
                 c_start = nu_start

@@ -23,16 +23,15 @@
 #   bash tools/gpu_session.sh spec-side  speculative graph tests and verify steps with the side stream on (and off)
 #   bash tools/gpu_session.sh split   session 10's third call: attention row splits at small batches, short/long prompts
 #   bash tools/gpu_session.sh ab-suite decode A/B of a branch against ab_main/ (AB_VARIANTS), then the gpu tests
-#   bash tools/gpu_session.sh partials-next  on branch partials-tma (session 19): check, attention gpu tests, decode kernel
-#                                     benchmark and decode steps of ab_main/ and the branch, split ablations (~5 minutes)
-#   bash tools/gpu_session.sh prefetch-next  on branch wgmma-row-prefetch (session 19): check, attention gpu tests, the
-#                                     probe's A/B with and without the L2 row prefetch, decode kernel benchmark (~4 minutes)
+#   bash tools/gpu_session.sh wgmma-min  session 20: every gpu test, then the decode kernel benchmark with
+#                                     SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS=8, decode steps at 16 (the default) and 8 (~9 minutes)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
 # (next11 on indexer-side, next12 on next12, topk-split and topk-scale on topk-split-finish); session 10's `next`
-# and `route`, session 12's `final12`, session 17's `attn-next` and session 18-19's `pair-next` and `pair-both` (their
-# branches measured and dropped; `git show 44b9322:tools/gpu_session.sh`) are in the history (`git show 49f7a6d:tools/gpu_session.sh`, `71faa93`).
+# and `route`, session 12's `final12`, session 17's `attn-next`, session 18-19's `pair-next` and `pair-both` (their
+# branches measured and dropped; `git show 44b9322:tools/gpu_session.sh`) and session 19's `partials-next` (merged in
+# session 20) and `prefetch-next` (dropped; both in `git show 8461253:tools/gpu_session.sh`) are in the history (`git show 49f7a6d:tools/gpu_session.sh`, `71faa93`).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -229,35 +228,15 @@ case "${1:-tests}" in
     { ab_steps "${AB_VARIANTS:-fan nofan:SPARSESERVE_DISABLE_KERNELS=metadata_fan fan2 nofan2:SPARSESERVE_DISABLE_KERNELS=metadata_fan}"
       merge_runs s16_decode_runs.json
     } 2>&1 | filter > "$OUT/s16_steps.log"; grep -a "graph  0" "$OUT/s16_steps.log" ;;
-  partials-next)
-    # Session 19 left branch partials-tma (16-bit partials by TMA): the probe's check, the attention gpu tests
-    # (stops if one fails), the decode kernel benchmark of ab_main/ (main) and of this tree, decode steps of both,
-    # and the probe's split ablations on this tree (~5 minutes on a fresh machine).
-    timeout -k 5 150 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check.json" 2>&1 | filter \
-      | awk '{print $NF, $0}' | sort | tail -3
-    timeout -k 5 200 python -m pytest -q -x -m gpu tests/test_sparse_attention.py 2>&1 | filter | tail -2 || exit 1
-    for tree in ab_main .; do
-      (cd $tree && timeout -k 5 120 python -m sparseserve.benchmarks.kernels --only attn-decode --no-ref \
-        --out "$OUT/kernels_decode_$( [ $tree = . ] && echo branch || echo main ).json" > /dev/null 2>&1)
-    done
-    ab_steps "ab_main branch" 2>&1 | filter | grep -A4 "batch   mode"
-    merge_runs decode_graphs_partials.json
-    timeout -k 5 120 python tools/attn_variant_probe.py --cases b8-pro-csa-32768,b64-flash-csa-32768,b8-pro-hca-32768 \
-      --kernels engine --variants base,no_tma,no_merge --out "$OUT/variants_decode.json" 2>&1 | grep "^b" ;;
-  prefetch-next)
-    # Session 19 left branch wgmma-row-prefetch (L2 prefetch of the tile after next): the probe's check, the attention
-    # gpu tests (stops if one fails), the probe's A/B with and without the prefetch (decode cases at the engine's
-    # configs, prefill on the wgmma kernel), the decode kernel benchmark of this tree (~4 minutes on a fresh machine).
-    timeout -k 5 150 python tools/wgmma_attn_probe.py --modes check --out "$OUT/probe_check.json" 2>&1 | filter \
-      | awk '{print $NF, $0}' | sort | tail -3
-    timeout -k 5 200 python -m pytest -q -x -m gpu tests/test_sparse_attention.py 2>&1 | filter | tail -2 || exit 1
-    timeout -k 5 150 python tools/attn_variant_probe.py --kernels engine --variants base,no_row_prefetch \
-      --cases b64-flash-csa-32768,b64-flash-hca-32768,b256-flash-csa-32768,b256-flash-hca-131072,b64-pro-hca-4096,b8-pro-csa-32768 \
-      --out "$OUT/variants_decode.json" 2>&1 | grep "^b"
-    timeout -k 5 100 python tools/attn_variant_probe.py --kernels wgmma --variants base,no_row_prefetch \
-      --cases flash-hca-4096,flash-csa-4096 --out "$OUT/variants_prefill.json" 2>&1 | grep "^f"
-    timeout -k 5 120 python -m sparseserve.benchmarks.kernels --only attn-decode --no-ref \
-      --out "$OUT/kernels_decode_branch.json" 2>&1 | grep -c "^attn" ;;
+  wgmma-min)
+    # Session 20, after the 16-bit partials merged: every gpu test (validates main), then whether V4-Flash batch 8 (8
+    # (token, 64-head) programs) gains from the wgmma kernel now that its split partials cost half: the decode kernel
+    # benchmark at 8 (the default's is the last call's) and decode steps at 16 and 8.
+    timeout -k 5 450 python -m pytest -q -m gpu tests/ 2>&1 | filter | tail -4
+    SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS=8 timeout -k 5 120 python -m sparseserve.benchmarks.kernels \
+      --only attn-decode --no-ref --out "$OUT/kernels_decode_mp8.json" 2>&1 | grep -c "^attn"
+    ab_steps "mp16 mp8:SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS=8" 2>&1 | filter | grep -A4 "batch   mode"
+    merge_runs decode_graphs_min_programs.json ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"

@@ -232,7 +232,7 @@ case "${1:-tests}" in
     # Session 20, after the 16-bit partials merged: every gpu test (validates main), then whether V4-Flash batch 8 (8
     # (token, 64-head) programs) gains from the wgmma kernel now that its split partials cost half: the decode kernel
     # benchmark at 8 (the default's is the last call's) and decode steps at 16 and 8.
-    timeout -k 5 450 python -m pytest -q -m gpu tests/ 2>&1 | filter | tail -4
+    timeout -k 5 450 python -m pytest -q -m gpu tests/ 2>&1 | filter | grep -aE "FAILED|ERROR|passed|failed" | tail -20
     SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS=8 timeout -k 5 120 python -m sparseserve.benchmarks.kernels \
       --only attn-decode --no-ref --out "$OUT/kernels_decode_mp8.json" 2>&1 | grep -c "^attn"
     ab_steps "mp16 mp8:SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS=8" 2>&1 | filter | grep -A4 "batch   mode"

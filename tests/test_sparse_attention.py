@@ -154,7 +154,7 @@ def test_attention_config_is_static():
 
 
 def test_attention_config_wgmma_rule():
-    """Hopper, from 16 (token, 64-head) programs on: 64-head programs with the rows split while the
+    """Hopper, from 8 (token, 64-head) programs on: 64-head programs with the rows split while the
     programs fit one wave (>= 32 rows each); smaller batches and shapes the kernel does not take keep
     the Triton configs."""
     big = attention_config(4096, 64, 640, 512, 132, wgmma=True)
@@ -164,8 +164,9 @@ def test_attention_config_wgmma_rule():
     assert attention_config(16, 64, 640, 512, 132, wgmma=True).num_splits == 8  # 128 programs
     assert attention_config(8, 128, 160, 512, 132, wgmma=True).num_splits == 4  # >= 32 rows per split
     assert attention_config(16, 64, 384, 512, 132, wgmma=True).num_splits == 8
-    small = attention_config(8, 64, 640, 512, 132, wgmma=True)  # 8 programs: the Triton 16-head path
-    assert not small.wgmma and small == attention_config(8, 64, 640, 512, 132)
+    assert attention_config(8, 64, 640, 512, 132, wgmma=True).num_splits == 16  # 8 programs, 40 rows each
+    small = attention_config(4, 64, 640, 512, 132, wgmma=True)  # 4 programs: the Triton 16-head path
+    assert not small.wgmma and small == attention_config(4, 64, 640, 512, 132)
     assert not attention_config(64, 16, 640, 512, 132, wgmma=True).wgmma  # 16 heads
     assert not attention_config(64, 64, 640, 128, 132, wgmma=True).wgmma  # D = 128
     assert not attention_config(8, 64, 640, 512, 132).wgmma

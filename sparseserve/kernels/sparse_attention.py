@@ -356,10 +356,12 @@ SPLIT_MIN_ROWS = env_count("SPARSESERVE_ATTN_SPLIT_MIN_ROWS", 64)
 SPLIT_MAX = env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8)
 WGMMA_SPLIT_MIN_ROWS = env_count("SPARSESERVE_ATTN_WGMMA_SPLIT_MIN_ROWS", 32)
 WGMMA_SPLIT_MAX = env_count("SPARSESERVE_ATTN_WGMMA_SPLIT_MAX", 16)
-# Fewer (token, 64-head) programs than this keep the Triton 16-head path: at batch 1-8 the wgmma kernel was
-# at best 1-2 us faster on full row lists, and in decode steps with 256-token prompts (lists mostly holes,
-# most of 16 splits empty) 24 us slower per step at batch 8 (H200, session 17, docs/performance.md).
-WGMMA_MIN_PROGRAMS = env_count("SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS", 16)
+# Fewer (token, 64-head) programs than this keep the Triton 16-head path. Session 17 set 16: at batch 1-8 the
+# wgmma kernel was at best 1-2 us faster on full row lists, and 24 us slower per decode step at batch 8 with
+# 256-token prompts (lists mostly holes). Since its split partials leave as 16 bits by TMA (session 20), V4-Flash
+# batch 8 (8 programs) takes 13.5 vs 16.6 us at CSA and 16.3 vs 20.7 at HCA 128K, and those decode steps are
+# even (0.954 vs 0.947 ms back to back; H200, docs/performance.md).
+WGMMA_MIN_PROGRAMS = env_count("SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS", 8)
 # Row splits this long (V4-Pro CSA, and HCA from 128K: 1152 rows) of 128-head models take the tile-pair kernel.
 # H200, session 18, same run: Pro CSA prefill 32K 23202 vs 26491 us, 4K 2020 vs 2232, decode batch 64/256 4-6%
 # faster; batch 8 (8 splits of 144 rows) 5-10% slower, Flash CSA (640 rows) and HCA prefill no gain or slower.

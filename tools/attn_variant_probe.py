@@ -32,11 +32,23 @@ from sparseserve.kernels.sparse_attention import (AttnConfig, attention_config, 
 KERNELS = pathlib.Path(sa.__file__).parent
 WGMMA_SRC = (KERNELS / "sparse_attention_wgmma.py").read_text()
 
-# The unit epilogue's store from registers (NUM_SPLITS == 1) and the next unit's q load.
+# Ablated stores stay in the code, predicated off at run time (no unit has a negative token): a store removed
+# outright leaves the accumulator without a reader, and ptxas then drops most of the PV products that feed it
+# (3 of a tile's 4 HGMMA instructions, 255 -> 114-151 registers), which session 19's no_store and
+# no_part_store did, so they overstated what the store costs (`tools/kernel_resources.py --variants` checks this).
+_NEVER = "gl.expand_dims(offs_oh, 1) < (tok < 0).to(gl.int32) * 64"
 _STORE = "            gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(out_ptr.dtype.element_ty))\n"
+_STORE_OFF = f"            gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(out_ptr.dtype.element_ty), mask={_NEVER})\n"
 _Q_NEXT = "            if last & (nu < num_units):\n"
 _NO_TMA = dict(tma_store=False)
-_PART_STORE = "                gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc)\n"
+# A split's partial output: its TMA store (64-row tiles; the output still goes through the ring slot, and a
+# one-split launch keeps its store), or its store from registers.
+_TMA_STORE = "                            _tma_store(out_desc, [row0, c * 64], k_tile.slice(c * 64, 64, dim=1))\n"
+_PART_STORE = [
+    (_TMA_STORE, "                            if NUM_SPLITS == 1:\n    " + _TMA_STORE),
+    ("                gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc.to(part_acc_ptr.dtype.element_ty))\n",
+     f"                gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc.to(part_acc_ptr.dtype.element_ty), mask={_NEVER})\n"),
+]
 
 # Variants: name -> (edits of sparse_attention_wgmma.py, launcher keyword arguments, is an ablation whose
 # output is not checked). The launcher arguments apply to both Gluon kernels (wgmma and tile-pair).
@@ -44,13 +56,13 @@ VARIANTS: dict[str, tuple[list[tuple[str, str]], dict, bool]] = {
     "base": ([], {}, False),
     # Units store their output from registers (the wgmma layout: 4 bytes per thread) instead of by TMA.
     "no_tma": ([], _NO_TMA, False),
-    # Ablations of the register store (session 19, before the TMA store): no output store at all (the
-    # division and the conversion go with it); the next unit's q never loaded (stale q); both.
-    "no_store": ([(_STORE, "            pass\n")], _NO_TMA, True),
+    # Ablations of the register store (session 19, before the TMA store): the output store predicated off (its
+    # division and conversion stay); the next unit's q never loaded (stale q); both.
+    "no_store": ([(_STORE, _STORE_OFF)], _NO_TMA, True),
     "no_q": ([(_Q_NEXT, "            if last & (nu < 0):\n")], _NO_TMA, True),
-    "no_store_no_q": ([(_STORE, "            pass\n"), (_Q_NEXT, "            if last & (nu < 0):\n")], _NO_TMA, True),
-    # Split launches (decode): no fp32 partial store (the (max, sum) still written); no merge kernel.
-    "no_part_store": ([(_PART_STORE, "                pass\n")], {}, True),
+    "no_store_no_q": ([(_STORE, _STORE_OFF), (_Q_NEXT, "            if last & (nu < 0):\n")], _NO_TMA, True),
+    # Split launches (decode): no partial output store (the (max, sum) still written); no merge kernel.
+    "no_part_store": (_PART_STORE, {}, True),
     "no_merge": ([], {}, True),
 }
 # Session 19 also timed staging the output through the unit's last ring slot and storing it 16 bytes per

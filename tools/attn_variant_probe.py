@@ -1,11 +1,12 @@
-"""H200 probe: where a prefill unit's time goes in the Gluon attention kernels, by source variants.
+"""H200 probe: where a unit's time goes in the Gluon attention kernels, by source variants.
 
     PYTHONPATH=. python tools/attn_variant_probe.py [--cases flash-hca-4096,...] [--variants base,no_store,...]
                                                    [--out PATH]
 
 Each variant is the kernel module's source with named text edits, loaded as a sibling module of
 sparseserve.kernels and swapped in for the launcher that `sparse_mqa_attention_triton` calls; every
-variant runs on the same inputs in the same process (do_bench, L2 flushed). Ablations (no_store, no_q)
+variant runs on the same inputs in the same process (do_bench, L2 flushed; decode: graph replays over input sets
+larger than L2). `trace` also prints the clock cycles per tile in each phase of the loop. Ablations (no_store, no_q)
 compute wrong outputs on purpose: they only measure what the removed work costs; real candidates are
 checked against the fp32 reference (rel_err) before they are timed.
 Diagnostic; the kernel benchmark (`python -m sparseserve.benchmarks.kernels`) is the record.
@@ -50,6 +51,78 @@ _PART_STORE = [
      f"                gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc.to(part_acc_ptr.dtype.element_ty), mask={_NEVER})\n"),
 ]
 
+# The trace variant: warp 0 of each program reads %clock64 at six points of every tile (TRACE_TILES per program
+# at most) into a buffer the launcher keeps in TRACE["last"]: the loop top, the tile's rows landed (after the
+# wait and the barrier), QK^T done, the softmax's p shared (after the barrier), PV done, and the iteration's end
+# (after the unit's epilogue on its last tile); slots 6 and 7 hold the unit and the tile within it. The clock
+# reads are volatile asm, so the variant's own time shows what the tracing costs.
+TRACE_TILES = 512
+_MARK = "_trace_mark(trace_ptr, offs_sh, j, {k})\n"
+_TRACE = [
+    ("    @gluon.jit\n    def _sparse_mqa_wgmma_kernel(\n",
+     f"""    @gluon.jit
+    def _trace_value(trace_ptr, offs, j, k: gl.constexpr, value):
+        slot = (gl.program_id(0).to(gl.int64) * {TRACE_TILES} + j) * 8 + k + offs * 0
+        gl.store(trace_ptr + slot, value + offs * 0, mask=(offs == 0) & (j < {TRACE_TILES}))
+
+    @gluon.jit
+    def _trace_mark(trace_ptr, offs, j, k: gl.constexpr):
+        clock = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [offs], dtype=gl.int64, is_pure=False,
+                                          pack=1)
+        _trace_value(trace_ptr, offs, j, k, clock)
+
+    @gluon.jit
+    def _sparse_mqa_wgmma_kernel(
+"""),
+    ("        out_desc,  # OUT_TMA:", "        out_desc, trace_ptr,  # OUT_TMA:"),
+    ("            _cp.wait_group(0)\n            _cta_barrier()\n            fence_async_shared()  # cp.async wrote",
+     "            " + _MARK.format(k=0) + "            _cp.wait_group(0)\n            _cta_barrier()\n"
+     "            " + _MARK.format(k=1) + "            fence_async_shared()  # cp.async wrote"),
+    ("            s = warpgroup_mma_wait(num_outstanding=0, deps=[s])\n",
+     "            s = warpgroup_mma_wait(num_outstanding=0, deps=[s])\n            " + _MARK.format(k=2)),
+    ("            _cta_barrier()  # p is whole, and both warpgroups are done with q for this tile\n",
+     "            _cta_barrier()  # p is whole, and both warpgroups are done with q for this tile\n            "
+     + _MARK.format(k=3)),
+    ("            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])\n\n",
+     "            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])\n            " + _MARK.format(k=4)
+     + "            _trace_value(trace_ptr, offs_sh, j, 6, cu)\n"
+     + "            _trace_value(trace_ptr, offs_sh, j, 7, ct)\n\n"),
+    ("            j = j + 1\n", "            " + _MARK.format(k=5) + "            j = j + 1\n"),
+    ("        *args, out_desc, NUM_SPLITS=num_splits,", "        *args, out_desc, _trace_buffer(min(num_units, max_programs), q.device), NUM_SPLITS=num_splits,"),
+    ("\ndef wgmma_supported(", f"""
+TRACE = {{}}
+
+
+def _trace_buffer(programs, device):
+    # Kept across calls (a graph captures its address; no fill inside the timed launches); the probe resets it.
+    if TRACE.get("key") != (programs, str(device)):
+        TRACE["last"] = torch.full((programs, {TRACE_TILES}, 8), -1, dtype=torch.int64, device=device)
+        TRACE["key"] = (programs, str(device))
+    return TRACE["last"]
+
+
+def wgmma_supported("""),
+]
+_PHASES = ("rows landed", "QK^T", "softmax + p", "PV", "epilogue")
+
+
+def trace_summary(trace: torch.Tensor) -> dict:
+    """Mean clock cycles per tile in each phase (warp 0's view), over every traced tile of every program, the
+    loop's own overhead (end of one tile to the top of the next), and the mean cycles per program."""
+    t = trace.cpu()
+    valid = t[:, :, 0] >= 0
+    d = (t[:, :, 1:6] - t[:, :, 0:5]).double()[valid]  # [tiles, 5]
+    gap = (t[:, 1:, 0] - t[:, :-1, 5]).double()[valid[:, 1:]]
+    last_tile = torch.zeros_like(valid)
+    last_tile[:, :-1] = valid[:, :-1] & (t[:, 1:, 7] == 0)  # the next tile starts a unit
+    spans = [(t[p, valid[p], 5].max() - t[p, valid[p], 0].min()).item() for p in range(t.shape[0]) if valid[p].any()]
+    out = {name: round(d[:, i].mean().item(), 1) for i, name in enumerate(_PHASES)}
+    out["epilogue (units' last tiles)"] = round((t[:, :, 5] - t[:, :, 4]).double()[last_tile].mean().item(), 1)
+    out["loop gap"] = round(gap.mean().item(), 1) if gap.numel() else 0.0
+    out["tiles traced"] = int(valid.sum())
+    out["cycles per program"] = round(sum(spans) / max(len(spans), 1), 1)
+    return out
+
 # Variants: name -> (edits of sparse_attention_wgmma.py, launcher keyword arguments, is an ablation whose
 # output is not checked). The launcher arguments apply to both Gluon kernels (wgmma and tile-pair).
 VARIANTS: dict[str, tuple[list[tuple[str, str]], dict, bool]] = {
@@ -64,6 +137,8 @@ VARIANTS: dict[str, tuple[list[tuple[str, str]], dict, bool]] = {
     # Split launches (decode): no partial output store (the (max, sum) still written); no merge kernel.
     "no_part_store": (_PART_STORE, {}, True),
     "no_merge": ([], {}, True),
+    # Per-phase clock marks (above); the outputs are checked as the base kernel's.
+    "trace": (_TRACE, {}, False),
 }
 # Session 19 also timed staging the output through the unit's last ring slot and storing it 16 bytes per
 # thread (Flash HCA 4K 387 us against 476 from registers and 366 by TMA), and that store deferred to the
@@ -145,16 +220,26 @@ def main() -> None:
                         t = kb._bench_graph([(lambda a=a, c=cfg: sparse_mqa_attention_triton(*a, c)) for a in case["sets"]])
                     else:
                         t = kb._bench(lambda a=case["args"], c=cfg: sparse_mqa_attention_triton(*a, c))
+                    phases = None
+                    if name == "trace" and not cfg.pair:  # one more call, eager, on the timed inputs: its marks
+                        mods[name].TRACE["last"].fill_(-1)
+                        sparse_mqa_attention_triton(*(case["sets"][0] if decode else case["args"]), cfg)
+                        torch.cuda.synchronize()
+                        phases = trace_summary(mods[name].TRACE["last"])
                 finally:
                     sa.launch_wgmma_attention, sa.launch_pair_attention, sa._sparse_mqa_merge_kernel = originals
                 r = dict(case=spec, kernel=kernel, config=repr(cfg), variant=name, ablation=ablation, us=round(t, 2),
                          rel_err=err, bf16_frac=round(case["flops"] / (t * 1e-6) / kb.BF16_FLOPS, 3),
                          hbm_frac=round(case["bytes"] / (t * 1e-6) / kb.HBM_BPS, 3),
                          us_per_unit_per_sm=round(t * sms / units, 2))
+                if phases:
+                    r["trace_cycles_per_tile"] = phases
                 res.append(r)
                 print(f"{spec:20s} {kernel:8s} S{cfg.num_splits} {name:14s} {t:9.1f} us  {100 * r['bf16_frac']:4.0f}% bf16 "
                       f"{100 * r['hbm_frac']:4.0f}% HBM  {r['us_per_unit_per_sm']:6.2f} us/unit/SM  err {err:.2e}"
                       f"{' (ablation)' if ablation else ''}", flush=True)
+                if phases:
+                    print("    cycles per tile (warp 0): " + ", ".join(f"{k} {v}" for k, v in phases.items()), flush=True)
         del case, ref
         torch.cuda.empty_cache()
     if args.out:

@@ -25,6 +25,8 @@
 #   bash tools/gpu_session.sh ab-suite decode A/B of a branch against ab_main/ (AB_VARIANTS), then the gpu tests
 #   bash tools/gpu_session.sh wgmma-min  session 20: every gpu test, then the decode kernel benchmark with
 #                                     SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS=8, decode steps at 16 (the default) and 8 (~9 minutes)
+#   bash tools/gpu_session.sh trace-next  session 20's prepared probe run: per-phase clock cycles per tile (trace variant)
+#                                     and the corrected store ablations, decode at the engine's configs and prefill (~4 min)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -237,6 +239,15 @@ case "${1:-tests}" in
       --only attn-decode --no-ref --out "$OUT/kernels_decode_mp8.json" 2>&1 | grep -c "^attn"
     ab_steps "mp16 mp8:SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS=8" 2>&1 | filter | grep -A4 "batch   mode"
     merge_runs decode_graphs_min_programs.json ;;
+  trace-next)
+    # Session 20 (prepared offline, not yet run): where a tile's time goes, from clock marks in the wgmma kernel's loop
+    # (tools/attn_variant_probe.py's trace variant: rows landed, QK^T, softmax + p, PV, epilogue), and the store
+    # ablations re-run now that they keep PV (session 19's dropped it). Decode at the engine's configs, then prefill.
+    timeout -k 5 200 python tools/attn_variant_probe.py --kernels engine --variants base,trace,no_part_store,no_merge \
+      --cases b8-flash-csa-32768,b64-flash-csa-32768,b64-flash-hca-32768,b256-flash-csa-32768,b8-pro-csa-32768,b64-pro-hca-4096 \
+      --out "$OUT/trace_decode.json" 2>&1 | grep -a "^b\|cycles"
+    timeout -k 5 200 python tools/attn_variant_probe.py --kernels wgmma --variants base,trace,no_tma,no_store,no_q \
+      --cases flash-hca-4096,flash-csa-4096,flash-hca-32768 --out "$OUT/trace_prefill.json" 2>&1 | grep -a "^f\|cycles" ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"

@@ -236,7 +236,7 @@ def probe_variant_rows() -> list[dict]:
                 constexprs = dict(NUM_SPLITS=splits, BLOCK_N=64, OUT_TMA=out_tma, gather_layout=gather, s_layout=s,
                                   o_layout=o, tile_smem=tile, p_smem_layout=p, PDL=1)
                 constexprs.update({k: True for k in ("ROW_PREFETCH",) if k in fn.arg_names})  # a branch's option
-                types = {**_out_desc_type(out_tma), "part_acc_ptr": "*bf16" if out_tma else "*fp32"}
+                types = {**_out_desc_type(out_tma), "part_acc_ptr": "*bf16" if out_tma else "*fp32", "trace_ptr": "*i64"}
                 rows.append(_gluon_attention_row(fn, constexprs, 8, types, hgmma=True, variant=name, ablation=ablation,
                                                  out_tma=out_tma, splits=splits))
     return rows

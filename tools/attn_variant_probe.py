@@ -221,7 +221,7 @@ def main() -> None:
                     else:
                         t = kb._bench(lambda a=case["args"], c=cfg: sparse_mqa_attention_triton(*a, c))
                     phases = None
-                    if name == "trace" and not cfg.pair:  # one more call, eager, on the timed inputs: its marks
+                    if name == "trace" and cfg.wgmma and not cfg.pair:  # one more eager call on the timed inputs: its marks
                         mods[name].TRACE["last"].fill_(-1)
                         sparse_mqa_attention_triton(*(case["sets"][0] if decode else case["args"]), cfg)
                         torch.cuda.synchronize()

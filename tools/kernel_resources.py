@@ -142,27 +142,27 @@ def embed() -> dict:
     return {"kernel": "embed_streams", "shared": kernel.metadata.shared}
 
 
-def _usage(kernel) -> tuple[int, int]:
-    """(registers, spill stack bytes) of a compiled kernel, read by the bundled cuobjdump."""
+def _cuobjdump(kernel, flag: str) -> str:
+    """The bundled cuobjdump's output for a compiled kernel's cubin."""
     bindir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
-    dump = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
-                          capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
-    usage = re.search(r"REG:(\d+) STACK:(\d+)", dump)
+    try:
+        return subprocess.run([os.path.join(bindir, "cuobjdump"), flag, f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def _usage(kernel) -> tuple[int, int]:
+    """(registers, spill stack bytes) of a compiled kernel."""
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(kernel, "--dump-resource-usage"))
     return int(usage.group(1)), int(usage.group(2))
 
 
 def _hgmma_count(kernel) -> int:
-    """Warpgroup MMA instructions in a compiled kernel's SASS (the bundled cuobjdump)."""
-    bindir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                          check=True).stdout
-    os.unlink(f.name)
-    return len(re.findall(r"\bHGMMA\.", sass))
+    """Warpgroup MMA instructions in a compiled kernel's SASS."""
+    return len(re.findall(r"\bHGMMA\.", _cuobjdump(kernel, "-sass")))
 
 
 def _gluon_attention_row(fn, constexprs: dict, num_warps: int, types: dict | None = None, hgmma: bool = False,

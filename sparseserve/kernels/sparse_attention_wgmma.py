@@ -2,7 +2,7 @@
 
 Same contract as `sparse_attention.sparse_mqa_attention_ref` (the plain-PyTorch reference beside
 it, and the CPU path); only the shapes that take 64 heads per program come here (prefill, and
-decode from 16 token x 64-head programs on: `sparse_attention.attention_config`). The Triton kernel
+decode from WGMMA_MIN_PROGRAMS token x 64-head programs on: `sparse_attention.attention_config`). The Triton kernel
 in `sparse_attention.py` stays the path of every other shape, of the CPU interpreter and of GPUs
 other than Hopper.
 
@@ -19,15 +19,16 @@ Gluon states layouts and copies explicitly, so here:
   * both products are wgmma on shared-memory operands with warps [4, 2]: QK^T splits the tile's
     rows between the two warpgroups (no duplicate), PV splits the 512 value columns; the
     probabilities pass from one to the other through a small shared tile;
-  * a one-split unit's output leaves by TMA from its last tile's ring slot, waited for one tile
-    later: stored from the wgmma layout it took half of a short (HCA) unit's time (session 19).
+  * a unit's output (or a split's 16-bit normalised partial) leaves by TMA from its last tile's ring
+    slot, waited for one tile later: stored from the wgmma layout it cost 23% of a short (HCA) unit's
+    time (session 19).
 
 Roofline: as in `sparse_attention.py` (bytes = 2*L*D + 4*H*D per token, FLOPs = 4*H*L*D).
 
 Shapes it takes: D = 512 (V4), heads a multiple of 64, bf16 or fp16, rows that 16-byte cp.async can
 read (`cp_async_aligned`). The work is cut into units (token, 64-head block, split of the row list),
-at most one program per SM walks its share of them; splits write the same partials as the Triton
-kernel and its merge kernel combines them. Every choice comes from static shapes (graph-safe); each
+at most one program per SM walks its share of them; splits write their outputs normalised (the Triton
+kernel writes raw fp32 accumulators) and its merge kernel combines them (`PARTS_NORMALISED`). Every choice comes from static shapes (graph-safe); each
 unit's valid band [first, last + 1) comes from the band pre-pass of `sparse_attention.py`.
 """
 from __future__ import annotations

@@ -126,7 +126,7 @@ if _HAVE_GLUON:
         of the columns (offs_od); WRITE_ML: this caller also writes the unit's (max, sum). tok (int64), split
         and heads (the block's first head) locate the unit."""
         if NUM_SPLITS == 1:
-            out = acc / gl.expand_dims(gl.convert_layout(l_i, offs_oh.type.layout), 1)
+            out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, offs_oh.type.layout), 1)
             out_rows = out_ptr + tok * stride_ot + gl.expand_dims((heads + offs_oh).to(gl.int64) * stride_oh, 1)
             gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(out_ptr.dtype.element_ty))
         else:
@@ -142,7 +142,7 @@ if _HAVE_GLUON:
             else:
                 acc_rows = part_acc_ptr + (part * num_heads + heads + gl.expand_dims(offs_oh, 1)) * 512
                 if NORMALISE:
-                    acc = acc / gl.expand_dims(gl.convert_layout(gl.where(l_i > 0, l_i, 1.0), offs_oh.type.layout), 1)
+                    acc = acc * gl.expand_dims(gl.convert_layout(1.0 / gl.where(l_i > 0, l_i, 1.0), offs_oh.type.layout), 1)
                 gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc.to(part_acc_ptr.dtype.element_ty))
                 if WRITE_ML:
                     gl.store(ml, m_i)
@@ -262,7 +262,7 @@ if _HAVE_GLUON:
                         gl.store(ml, gl.where(skip, float("-inf"), m_i))
                         gl.store(ml + num_heads, gl.where(skip, 0.0, l_i))
                     if not skip:
-                        out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+                        out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout)), 1)
                         k_tile.store(out.to(dtype))
                         fence_async_shared()  # generic-proxy writes, read by the TMA engine
                         _cta_barrier()

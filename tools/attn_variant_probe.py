@@ -137,6 +137,13 @@ VARIANTS: dict[str, tuple[list[tuple[str, str]], dict, bool]] = {
     # Split launches (decode): no partial output store (the (max, sum) still written); no merge kernel.
     "no_part_store": (_PART_STORE, {}, True),
     "no_merge": ([], {}, True),
+    # The per-tile rescale of the accumulator by exp2(m_old - m_new) left out (the 128 multiplies per thread between
+    # the softmax and PV, while the tensor cores idle): what a rescale skipped when no row's max moved could gain at most.
+    "no_rescale": ([("            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)\n",
+                     "")], {}, True),
+    # The softmax's 4,096 exponentials per tile (MUFU: 16 per SM per clock, 256 clocks a tile) replaced by a subtraction.
+    "no_exp": ([("            p = gl.exp2(s - gl.expand_dims(m_new, 1))\n", "            p = s - gl.expand_dims(m_new, 1)\n")],
+               {}, True),
     # Per-phase clock marks (above); the outputs are checked as the base kernel's.
     "trace": (_TRACE, {}, False),
 }

@@ -27,6 +27,7 @@
 #                                     SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS=8, decode steps at 16 (the default) and 8 (~9 minutes)
 #   bash tools/gpu_session.sh trace-next  session 20's prepared probe run: per-phase clock cycles per tile (trace variant)
 #                                     and the corrected store ablations, decode at the engine's configs and prefill (~4 min)
+#   bash tools/gpu_session.sh rcp-ab  session 21: decode kernel A/B of ab_main/ and this tree, the probe's rescale and exp bounds
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -248,6 +249,19 @@ case "${1:-tests}" in
       --out "$OUT/trace_decode.json" 2>&1 | grep -a "^b\|cycles"
     timeout -k 5 200 python tools/attn_variant_probe.py --kernels wgmma --variants base,trace,no_tma,no_store,no_q \
       --cases flash-hca-4096,flash-csa-4096,flash-hca-32768 --out "$OUT/trace_prefill.json" 2>&1 | grep -a "^f\|cycles" ;;
+  rcp-ab)
+    # Session 21: the wgmma kernel's epilogue multiplies by 1/l (was a division: 4 instructions per element). Decode
+    # kernel benchmark of ab_main/ (main) and this tree alternating, twice each; then the probe's upper bounds for two
+    # per-tile costs (no_rescale, no_exp) on prefill and decode. About 3 minutes.
+    for run in main1 tree1 main2 tree2; do
+      dir=.; [ "${run#main}" = "$run" ] || dir=ab_main
+      (cd $dir && PYTHONPATH=. timeout -k 5 150 python -m sparseserve.benchmarks.kernels --only attn-decode --no-ref \
+        --out "$OUT/dec_$run.json" 2>&1 | grep -ac "^attn")
+    done
+    timeout -k 5 150 python tools/attn_variant_probe.py --kernels wgmma --variants base,no_rescale,no_exp \
+      --cases flash-hca-4096,flash-hca-32768,flash-csa-4096 --out "$OUT/probe_prefill.json" 2>&1 | grep -a "^f"
+    timeout -k 5 150 python tools/attn_variant_probe.py --kernels engine --variants base,no_rescale,no_exp \
+      --cases b64-flash-csa-32768,b256-flash-csa-32768,b8-pro-csa-32768 --out "$OUT/probe_decode.json" 2>&1 | grep -a "^b" ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"

@@ -210,7 +210,7 @@ def _sparse_mqa_fwd_kernel(
             m_i, l_i, acc = _attend_tile(q_own, q_oth, k_own, k_oth, r >= 0, m_i, l_i, acc, qk_scale, DV_SPLIT)
 
     if NUM_SPLITS == 1:
-        out = acc * (1.0 / l_i)[:, None]
+        out = acc / l_i[:, None]
         tl.store(
             out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_own[None, :],
             out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & own_mask[None, :],
@@ -267,7 +267,7 @@ def _sparse_mqa_merge_kernel(
             w = w * l_s
         acc += a * w[:, None]
     l = tl.where(h_mask, l, 1.0)  # padded heads: avoid 0/0 (never stored)
-    out = acc * (1.0 / l)[:, None]
+    out = acc / l[:, None]
     if ROPE_HALF > 0:
         y = out.to(out_ptr.dtype.element_ty).to(tl.float32)
         e, o = tl.split(tl.reshape(y, [BLOCK_H, BLOCK_D // 2, 2]))

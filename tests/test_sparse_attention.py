@@ -289,6 +289,30 @@ def test_attention_inverse_rope_matches_separate_rotation_cpu(T, H, D, L, half, 
     assert torch.allclose(ref, apply_rope_ref(base, cos, sin, inverse=True))
 
 
+@cpu_interp
+@pytest.mark.parametrize("half", [8, 16])
+def test_merge_in_column_chunks_matches_one_chunk_cpu(monkeypatch, half):
+    """The merge takes a head's columns in chunks (grid axis 2): every output element, the inverse-rotated
+    pairs included (8 pairs: the last chunk; 16: across the last two), comes out bit for bit as from one
+    program per head block, since each element sees the same operations in the same order."""
+    from sparseserve.kernels import sparse_attention as sa
+
+    gen = torch.Generator().manual_seed(500 + half)
+    T, H, D, L = 3, 16, 64, 70
+    q = torch.randn(T, H, D, generator=gen).bfloat16()
+    kv = torch.randn(3 * L + 7, D, generator=gen).bfloat16()
+    rows = _make_rows(T, L, 3 * L + 7, gen)
+    sinks = torch.randn(H, generator=gen) * 2
+    cos, sin = _rope_tables(T, half, gen)
+    cfg = AttnConfig(16, 16, 4, 2, 4)
+    outs = []
+    for cols in (64, 16):
+        monkeypatch.setattr(sa, "MERGE_COLS", cols)
+        outs.append(sparse_mqa_attention_triton(q, kv, rows, sinks, D**-0.5, cfg, inverse_rope=(cos, sin)))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.isfinite(outs[1].float()).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(_INTERPRET, reason="GPU tests need TRITON_INTERPRET=0")
 def test_attention_inverse_rope_real_shapes_gpu():
@@ -418,7 +442,7 @@ def test_split_knobs_reject_bad_values(monkeypatch):
             env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8)
 
 
-def test_merge_heads_knob_must_be_a_power_of_two():
+def test_merge_knobs_must_be_powers_of_two():
     import subprocess
     import sys
 
@@ -426,6 +450,10 @@ def test_merge_heads_knob_must_be_a_power_of_two():
     run = subprocess.run([sys.executable, "-c", "import sparseserve.kernels.sparse_attention"], env=env,
                          capture_output=True, text=True)
     assert run.returncode != 0 and "SPARSESERVE_ATTN_MERGE_HEADS must be a power of two, got 3" in run.stderr
+    env = {**os.environ, "SPARSESERVE_ATTN_MERGE_COLS": "8"}
+    run = subprocess.run([sys.executable, "-c", "import sparseserve.kernels.sparse_attention"], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "SPARSESERVE_ATTN_MERGE_COLS must be a power of two >= 16, got 8" in run.stderr
 
 
 @cpu_interp

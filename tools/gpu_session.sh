@@ -28,6 +28,7 @@
 #   bash tools/gpu_session.sh trace-next  session 20's prepared probe run: per-phase clock cycles per tile (trace variant)
 #                                     and the corrected store ablations, decode at the engine's configs and prefill (~4 min)
 #   bash tools/gpu_session.sh rcp-ab  session 21: decode kernel A/B of ab_main/ and this tree, the probe's rescale and exp bounds
+#   bash tools/gpu_session.sh merge-cols  session 21: decode kernel A/B of the merge in column chunks (128, 512, 256) and ab_main/
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -262,6 +263,15 @@ case "${1:-tests}" in
       --cases flash-hca-4096,flash-hca-32768,flash-csa-4096 --out "$OUT/probe_prefill.json" 2>&1 | grep -a "^f"
     timeout -k 5 150 python tools/attn_variant_probe.py --kernels engine --variants base,no_rescale,no_exp \
       --cases b64-flash-csa-32768,b256-flash-csa-32768,b8-pro-csa-32768 --out "$OUT/probe_decode.json" 2>&1 | grep -a "^b" ;;
+  merge-cols)
+    # Session 21: the split merge in column chunks (SPARSESERVE_ATTN_MERGE_COLS, default 128; 512 = one chunk, the old
+    # grid). Decode kernel benchmark: ab_main/ (main) and this tree at 128 twice each, alternating, then 512 and 256.
+    for run in main1 c128a main2 c128b c512 c256; do
+      dir=.; [ "${run#main}" = "$run" ] || dir=ab_main
+      cols=${run#c}; cols=${cols%[ab]}; [ "$dir" = . ] || cols=128
+      (cd $dir && SPARSESERVE_ATTN_MERGE_COLS=$cols PYTHONPATH=. timeout -k 5 150 python -m sparseserve.benchmarks.kernels \
+        --only attn-decode --no-ref --out "$OUT/dec_$run.json" 2>&1 | grep -ac "^attn")
+    done ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"

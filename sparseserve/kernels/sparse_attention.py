@@ -234,7 +234,9 @@ def _sparse_mqa_merge_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, ROPE_HALF: tl.constexpr,
     PARTS_NORMALISED: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Combine the row splits of one token's heads. PARTS_NORMALISED: each split's output is normalised by
+    """Combine the row splits of one token's heads, in BLOCK_D of its columns (grid axis 2: column chunks, so each
+    thread loads a few values per split and every split's load is in flight at once; the whole row per program,
+    16 values per thread and split, let ptxas serialise the loads by its register budget). PARTS_NORMALISED: each split's output is normalised by
     its own sum (the wgmma kernel's), so it weighs by its share of the denominator; else it is the raw
     accumulator (the Triton and tile-pair kernels'). ROPE_HALF > 0: then rotate the trailing
     2 * ROPE_HALF channels of each head by rope_sign times the token's angles (cos/sin [T, ROPE_HALF]),
@@ -243,7 +245,8 @@ def _sparse_mqa_merge_kernel(
     wait_for_prior_grid(PDL)
     tok = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
+    col0 = tl.program_id(2) * BLOCK_D
+    offs_d = col0 + tl.arange(0, BLOCK_D)
     h_mask = offs_h < num_heads
     mask = h_mask[:, None] & (offs_d[None, :] < head_dim)
     ml_base = part_ml_ptr + tok * NUM_SPLITS * 2 * num_heads
@@ -271,7 +274,7 @@ def _sparse_mqa_merge_kernel(
     if ROPE_HALF > 0:
         y = out.to(out_ptr.dtype.element_ty).to(tl.float32)
         e, o = tl.split(tl.reshape(y, [BLOCK_H, BLOCK_D // 2, 2]))
-        pair = tl.arange(0, BLOCK_D // 2) - (head_dim // 2 - ROPE_HALF)  # index among the rotated pairs
+        pair = col0 // 2 + tl.arange(0, BLOCK_D // 2) - (head_dim // 2 - ROPE_HALF)  # index among the rotated pairs
         rotated = (pair >= 0) & (pair < ROPE_HALF)
         c = tl.load(cos_ptr + tok * ROPE_HALF + pair, mask=rotated, other=1.0)[None, :]
         sn = (tl.load(sin_ptr + tok * ROPE_HALF + pair, mask=rotated, other=0.0) * rope_sign)[None, :]
@@ -373,6 +376,10 @@ WGMMA_PAIR_MIN_ROWS = env_count("SPARSESERVE_ATTN_WGMMA_PAIR_MIN_ROWS", 1024)
 MERGE_HEADS = env_count("SPARSESERVE_ATTN_MERGE_HEADS", 4)
 if MERGE_HEADS & (MERGE_HEADS - 1):
     raise ValueError(f"SPARSESERVE_ATTN_MERGE_HEADS must be a power of two, got {MERGE_HEADS}")
+# Columns per merge program (a power of two, at least 16).
+MERGE_COLS = env_count("SPARSESERVE_ATTN_MERGE_COLS", 128)
+if MERGE_COLS & (MERGE_COLS - 1) or MERGE_COLS < 16:
+    raise ValueError(f"SPARSESERVE_ATTN_MERGE_COLS must be a power of two >= 16, got {MERGE_COLS}")
 
 
 def sparse_mqa_attention_triton(
@@ -449,9 +456,10 @@ def sparse_mqa_attention_triton(
     if splits > 1:
         merge_bh = MERGE_HEADS
         cos, sin = (t.float().contiguous() for t in inverse_rope) if fuse_rope else (out, out)
-        _sparse_mqa_merge_kernel[(num_tokens, triton.cdiv(num_heads, merge_bh))](
+        merge_cols = min(MERGE_COLS, block_d)
+        _sparse_mqa_merge_kernel[(num_tokens, triton.cdiv(num_heads, merge_bh), triton.cdiv(head_dim, merge_cols))](
             part_acc, part_ml, out, cos, sin, num_heads, head_dim, out.stride(0), out.stride(1), -1.0,
-            NUM_SPLITS=splits, BLOCK_H=merge_bh, BLOCK_D=block_d,
+            NUM_SPLITS=splits, BLOCK_H=merge_bh, BLOCK_D=merge_cols,
             ROPE_HALF=inverse_rope[0].shape[-1] if fuse_rope else 0, PARTS_NORMALISED=parts_normalised,
             num_warps=4, **pdl_args(part_acc.device)
         )

@@ -376,8 +376,9 @@ WGMMA_PAIR_MIN_ROWS = env_count("SPARSESERVE_ATTN_WGMMA_PAIR_MIN_ROWS", 1024)
 MERGE_HEADS = env_count("SPARSESERVE_ATTN_MERGE_HEADS", 4)
 if MERGE_HEADS & (MERGE_HEADS - 1):
     raise ValueError(f"SPARSESERVE_ATTN_MERGE_HEADS must be a power of two, got {MERGE_HEADS}")
-# Columns per merge program (a power of two, at least 16).
-MERGE_COLS = env_count("SPARSESERVE_ATTN_MERGE_COLS", 128)
+# Columns per merge program (a power of two, at least 16). H200, session 21, decode kernel benchmark: 256 against the
+# whole row (512) per program: batch 8 (wgmma) 0.6-1.5 us faster, batch 1 (Triton) 0.3-0.5 us; 128 measured between.
+MERGE_COLS = env_count("SPARSESERVE_ATTN_MERGE_COLS", 256)
 if MERGE_COLS & (MERGE_COLS - 1) or MERGE_COLS < 16:
     raise ValueError(f"SPARSESERVE_ATTN_MERGE_COLS must be a power of two >= 16, got {MERGE_COLS}")
 

@@ -8,8 +8,12 @@ CUDA-graph harness (one call per input set, >= 400 MB of distinct rows per cycle
   no_merge  the same call with the merge kernel not launched (its output is wrong: timing only);
   unsplit   the forward kernel with one split (no partials, no merge);
   copy      a device copy of the case's bytes (`kernels.same_size_copy_us`);
+  no_scan   (calls with a band pre-pass) the pre-pass replaced by a kernel that writes each split's whole range
+            without reading the row ids (the benchmark's lists are full, so the bands and the output are the same);
   noop      a one-program Triton kernel with the PDL wait, once per call (the graph's per-node floor).
-So full - no_merge is the merge's share of the chain, and full - copy what the call loses to latency.
+So full - no_merge is the merge's share of the chain, full - no_scan the pre-pass's row-id reads, and full - copy
+what the call loses to latency. Folding the pre-pass into the kernel could save at most about
+(full - no_scan) + noop.
 """
 from __future__ import annotations
 
@@ -32,6 +36,17 @@ from sparseserve.kernels.pdl import pdl_args, wait_for_prior_grid
 def _noop_kernel(x_ptr, PDL: tl.constexpr):
     wait_for_prior_grid(PDL)
     tl.store(x_ptr, tl.load(x_ptr) + 1.0)
+
+
+@triton.jit
+def _full_band_kernel(rows_ptr, band_ptr, num_rows, rows_per_split, stride_rt,
+                      NUM_SPLITS: tl.constexpr, SCAN: tl.constexpr, PDL: tl.constexpr):
+    """Stands in for `_valid_band_kernel` (same arguments): each split's whole range, no row ids read."""
+    wait_for_prior_grid(PDL)
+    pid = tl.program_id(0)
+    start = (pid % NUM_SPLITS) * rows_per_split
+    tl.store(band_ptr + pid * 2, tl.minimum(start, num_rows))
+    tl.store(band_ptr + pid * 2 + 1, tl.minimum(start + rows_per_split, num_rows))
 
 
 class _NoLaunch:
@@ -66,13 +81,23 @@ def main() -> None:
             r["no_merge"] = kb._bench_graph(calls(cfg))
         finally:
             sa._sparse_mqa_merge_kernel = merge
+        if cfg.band_prepass:
+            scanned = sa.sparse_mqa_attention_triton(*cs["args"], cfg)
+            scan = sa._valid_band_kernel
+            sa._valid_band_kernel = _full_band_kernel
+            try:
+                r["no_scan_same_output"] = bool(torch.equal(scanned, sa.sparse_mqa_attention_triton(*cs["args"], cfg)))
+                r["no_scan"] = kb._bench_graph(calls(cfg))
+            finally:
+                sa._valid_band_kernel = scan
         r["unsplit"] = kb._bench_graph(calls(unsplit))
         r["copy"] = kb.same_size_copy_us(cs["bytes"])
         r["noop"] = kb._bench_graph([(lambda: _noop_kernel[(1,)](scratch, **pdl_args(scratch.device)))
                                      for _ in cs["sets"]])
         res.append(r)
         print(f"{model} {kind} {ctx // 1024}K b{batch} S{cfg.num_splits} {'wgmma' if cfg.wgmma else 'triton'}: "
-              + "  ".join(f"{k} {r[k]:.2f}" for k in ("full", "no_merge", "unsplit", "copy", "noop")) + " us",
+              + "  ".join(f"{k} {r[k]:.2f}" for k in ("full", "no_merge", "no_scan", "unsplit", "copy", "noop") if k in r)
+            + " us" + ("" if r.get("no_scan_same_output", True) else "  (no_scan changed the output)"),
               flush=True)
         del cs
         torch.cuda.empty_cache()

@@ -29,6 +29,7 @@
 #                                     and the corrected store ablations, decode at the engine's configs and prefill (~4 min)
 #   bash tools/gpu_session.sh rcp-ab  session 21: decode kernel A/B of ab_main/ and this tree, the probe's rescale and exp bounds
 #   bash tools/gpu_session.sh merge-cols  session 21: decode kernel A/B of the merge in column chunks (128, 512, 256) and ab_main/
+#   bash tools/gpu_session.sh latency  where a small-batch decode attention call's time goes (merge, pre-pass reads, copy)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -272,6 +273,10 @@ case "${1:-tests}" in
       (cd $dir && SPARSESERVE_ATTN_MERGE_COLS=$cols PYTHONPATH=. timeout -k 5 150 python -m sparseserve.benchmarks.kernels \
         --only attn-decode --no-ref --out "$OUT/dec_$run.json" 2>&1 | grep -ac "^attn")
     done ;;
+  latency)
+    # Where a small-batch decode attention call's time goes (tools/attn_latency_probe.py): the merge, the band
+    # pre-pass's row-id reads (no_scan, session 21), one split, a same-size copy, a no-op node. About a minute.
+    timeout -k 5 200 python tools/attn_latency_probe.py --out "$OUT/attn_latency.json" 2>&1 | grep -a " us\|wrote" ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"

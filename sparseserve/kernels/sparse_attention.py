@@ -234,11 +234,11 @@ def _sparse_mqa_merge_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, ROPE_HALF: tl.constexpr,
     PARTS_NORMALISED: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Combine the row splits of one token's heads, in BLOCK_D of its columns (grid axis 2: column chunks, so each
-    thread loads a few values per split and every split's load is in flight at once; the whole row per program,
-    16 values per thread and split, let ptxas serialise the loads by its register budget). PARTS_NORMALISED: each split's output is normalised by
-    its own sum (the wgmma kernel's), so it weighs by its share of the denominator; else it is the raw
-    accumulator (the Triton and tile-pair kernels'). ROPE_HALF > 0: then rotate the trailing
+    """Combine the row splits of one token's heads, BLOCK_D of their columns per program (grid axis 2), so each
+    thread loads a few values per split and every split's load can be in flight at once (with whole rows, 16
+    values per thread and split, ptxas issued the loads in rounds set by its register budget). PARTS_NORMALISED:
+    each split's output is normalised by its own sum (the wgmma kernel's), so it weighs by its share of the
+    denominator; else it is the raw accumulator (the Triton and tile-pair kernels'). ROPE_HALF > 0: then rotate the trailing
     2 * ROPE_HALF channels of each head by rope_sign times the token's angles (cos/sin [T, ROPE_HALF]),
     on the output rounded to its dtype, as `rope.apply_rope` would after it: one launch fewer on
     the critical path (the output's inverse rope, ~4 us at batch 1)."""
@@ -377,7 +377,7 @@ MERGE_HEADS = env_count("SPARSESERVE_ATTN_MERGE_HEADS", 4)
 if MERGE_HEADS & (MERGE_HEADS - 1):
     raise ValueError(f"SPARSESERVE_ATTN_MERGE_HEADS must be a power of two, got {MERGE_HEADS}")
 # Columns per merge program (a power of two, at least 16). H200, session 21, decode kernel benchmark: 256 against the
-# whole row (512) per program: batch 8 (wgmma) 0.6-1.5 us faster, batch 1 (Triton) 0.3-0.5 us; 128 measured between.
+# whole row (512) per program: batch 8 (wgmma) up to 1.5 us faster, batch 1 (Triton) 0.3-0.6 us; 128 measured between.
 MERGE_COLS = env_count("SPARSESERVE_ATTN_MERGE_COLS", 256)
 if MERGE_COLS & (MERGE_COLS - 1) or MERGE_COLS < 16:
     raise ValueError(f"SPARSESERVE_ATTN_MERGE_COLS must be a power of two >= 16, got {MERGE_COLS}")

@@ -27,8 +27,6 @@
 #                                     SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS=8, decode steps at 16 (the default) and 8 (~9 minutes)
 #   bash tools/gpu_session.sh trace-next  session 20's prepared probe run: per-phase clock cycles per tile (trace variant)
 #                                     and the corrected store ablations, decode at the engine's configs and prefill (~4 min)
-#   bash tools/gpu_session.sh rcp-ab  session 21: decode kernel A/B of ab_main/ and this tree, the probe's rescale and exp bounds
-#   bash tools/gpu_session.sh merge-cols  session 21: decode kernel A/B of the merge in column chunks (128, 512, 256) and ab_main/
 #   bash tools/gpu_session.sh latency  where a small-batch decode attention call's time goes (merge, pre-pass reads, copy)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
@@ -36,7 +34,8 @@
 # (next11 on indexer-side, next12 on next12, topk-split and topk-scale on topk-split-finish); session 10's `next`
 # and `route`, session 12's `final12`, session 17's `attn-next`, session 18-19's `pair-next` and `pair-both` (their
 # branches measured and dropped; `git show 44b9322:tools/gpu_session.sh`) and session 19's `partials-next` (merged in
-# session 20) and `prefetch-next` (dropped; both in `git show 8461253:tools/gpu_session.sh`) are in the history (`git show 49f7a6d:tools/gpu_session.sh`, `71faa93`).
+# session 20) and `prefetch-next` (dropped; both in `git show 8461253:tools/gpu_session.sh`) are in the history (`git show 49f7a6d:tools/gpu_session.sh`, `71faa93`), as are session 21's `rcp-ab` and
+# `merge-cols` (both merged; `git show 75acad3:tools/gpu_session.sh`).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -251,28 +250,6 @@ case "${1:-tests}" in
       --out "$OUT/trace_decode.json" 2>&1 | grep -a "^b\|cycles"
     timeout -k 5 200 python tools/attn_variant_probe.py --kernels wgmma --variants base,trace,no_tma,no_store,no_q \
       --cases flash-hca-4096,flash-csa-4096,flash-hca-32768 --out "$OUT/trace_prefill.json" 2>&1 | grep -a "^f\|cycles" ;;
-  rcp-ab)
-    # Session 21: the wgmma kernel's epilogue multiplies by 1/l (was a division: 4 instructions per element). Decode
-    # kernel benchmark of ab_main/ (main) and this tree alternating, twice each; then the probe's upper bounds for two
-    # per-tile costs (no_rescale, no_exp) on prefill and decode. About 3 minutes.
-    for run in main1 tree1 main2 tree2; do
-      dir=.; [ "${run#main}" = "$run" ] || dir=ab_main
-      (cd $dir && PYTHONPATH=. timeout -k 5 150 python -m sparseserve.benchmarks.kernels --only attn-decode --no-ref \
-        --out "$OUT/dec_$run.json" 2>&1 | grep -ac "^attn")
-    done
-    timeout -k 5 150 python tools/attn_variant_probe.py --kernels wgmma --variants base,no_rescale,no_exp \
-      --cases flash-hca-4096,flash-hca-32768,flash-csa-4096 --out "$OUT/probe_prefill.json" 2>&1 | grep -a "^f"
-    timeout -k 5 150 python tools/attn_variant_probe.py --kernels engine --variants base,no_rescale,no_exp \
-      --cases b64-flash-csa-32768,b256-flash-csa-32768,b8-pro-csa-32768 --out "$OUT/probe_decode.json" 2>&1 | grep -a "^b" ;;
-  merge-cols)
-    # Session 21: the split merge in column chunks (SPARSESERVE_ATTN_MERGE_COLS, default 128; 512 = one chunk, the old
-    # grid). Decode kernel benchmark: ab_main/ (main) and this tree at 128 twice each, alternating, then 512 and 256.
-    for run in main1 c128a main2 c128b c512 c256; do
-      dir=.; [ "${run#main}" = "$run" ] || dir=ab_main
-      cols=${run#c}; cols=${cols%[ab]}; [ "$dir" = . ] || cols=128
-      (cd $dir && SPARSESERVE_ATTN_MERGE_COLS=$cols PYTHONPATH=. timeout -k 5 150 python -m sparseserve.benchmarks.kernels \
-        --only attn-decode --no-ref --out "$OUT/dec_$run.json" 2>&1 | grep -ac "^attn")
-    done ;;
   latency)
     # Where a small-batch decode attention call's time goes (tools/attn_latency_probe.py): the merge, the band
     # pre-pass's row-id reads (no_scan, session 21), one split, a same-size copy, a no-op node. About a minute.
@@ -286,5 +263,5 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|gemv" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|gemv|s16|wgmma-min|trace-next|latency" >&2; exit 2 ;;
 esac

@@ -117,6 +117,21 @@ if _HAVE_GLUON:
         return gl.load(rows_ptr + tok * stride_rt + pos, mask=pos < end, other=-1)
 
     @gluon.jit
+    def _rows_scaled(acc, l, offs_rows):
+        """acc with row i multiplied by 1 / l[i] (offs_rows: a vector in acc's row layout; a layout argument does not
+        compile under 3.6). One reciprocal per row: a division per element compiles to 4 instructions
+        (div.full.f32's range checks), 250 per warp in a unit's epilogue."""
+        return acc * gl.expand_dims(gl.convert_layout(1.0 / l, offs_rows.type.layout), 1)
+
+    @gluon.jit
+    def _store_ml(part_ml_ptr, part, heads, num_heads, offs_sh, m_i, l_i, empty):
+        """A split's (max, sum) into part_ml [T, S, 2, H]; an empty split's is (-inf, 0), weight 0 in the merge,
+        which then never reads its output (so the unit does not write it)."""
+        ml = part_ml_ptr + part * 2 * num_heads + heads + offs_sh
+        gl.store(ml, gl.where(empty, float("-inf"), m_i))
+        gl.store(ml + num_heads, gl.where(empty, 0.0, l_i))
+
+    @gluon.jit
     def _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, split, heads, num_heads,
                     stride_ot, stride_oh, band_empty, offs_oh, offs_od, offs_sh,
                     NUM_SPLITS: gl.constexpr, WRITE_ML: gl.constexpr, NORMALISE: gl.constexpr):
@@ -126,27 +141,20 @@ if _HAVE_GLUON:
         of the columns (offs_od); WRITE_ML: this caller also writes the unit's (max, sum). tok (int64), split
         and heads (the block's first head) locate the unit."""
         if NUM_SPLITS == 1:
-            out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, offs_oh.type.layout), 1)
+            out = _rows_scaled(acc, l_i, offs_oh)
             out_rows = out_ptr + tok * stride_ot + gl.expand_dims((heads + offs_oh).to(gl.int64) * stride_oh, 1)
             gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(out_ptr.dtype.element_ty))
         else:
             part = tok * NUM_SPLITS + split
-            ml = part_ml_ptr + part * 2 * num_heads + heads + offs_sh
-            if band_empty & (split > 0):
-                # An empty split (short contexts leave most of them empty) adds nothing: a max of
-                # -inf gives it weight 0 and the merge skips its acc, so 128 KB are not written.
-                if WRITE_ML:
-                    zero = (offs_sh * 0).to(gl.float32)  # (in offs_sh's layout: both supported Tritons)
-                    gl.store(ml, zero - float("inf"))
-                    gl.store(ml + num_heads, zero)
-            else:
+            # An empty split (short contexts leave most of them empty) adds nothing: 128 KB are not written.
+            empty = band_empty & (split > 0)
+            if WRITE_ML:
+                _store_ml(part_ml_ptr, part, heads, num_heads, offs_sh, m_i, l_i, empty)
+            if not empty:
                 acc_rows = part_acc_ptr + (part * num_heads + heads + gl.expand_dims(offs_oh, 1)) * 512
                 if NORMALISE:
-                    acc = acc * gl.expand_dims(gl.convert_layout(1.0 / gl.where(l_i > 0, l_i, 1.0), offs_oh.type.layout), 1)
+                    acc = _rows_scaled(acc, gl.where(l_i > 0, l_i, 1.0), offs_oh)
                 gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc.to(part_acc_ptr.dtype.element_ty))
-                if WRITE_ML:
-                    gl.store(ml, m_i)
-                    gl.store(ml + num_heads, l_i)
 
     @gluon.jit
     def _sparse_mqa_wgmma_kernel(
@@ -256,13 +264,10 @@ if _HAVE_GLUON:
                     else:
                         part = tok * NUM_SPLITS + split
                         row0 = (part * num_heads + hb * BLOCK_H).to(gl.int32)
-                        # An empty split (max -inf, sum 0) gets weight 0 in the merge, which never reads its output.
                         skip = (c_end <= c_start) & (split > 0)
-                        ml = part_ml_ptr + part * 2 * num_heads + hb * BLOCK_H + offs_sh
-                        gl.store(ml, gl.where(skip, float("-inf"), m_i))
-                        gl.store(ml + num_heads, gl.where(skip, 0.0, l_i))
+                        _store_ml(part_ml_ptr, part, hb * BLOCK_H, num_heads, offs_sh, m_i, l_i, skip)
                     if not skip:
-                        out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout)), 1)
+                        out = _rows_scaled(acc, l_i, offs_oh)
                         k_tile.store(out.to(dtype))
                         fence_async_shared()  # generic-proxy writes, read by the TMA engine
                         _cta_barrier()

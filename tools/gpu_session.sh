@@ -28,6 +28,7 @@
 #   bash tools/gpu_session.sh trace-next  session 20's prepared probe run: per-phase clock cycles per tile (trace variant)
 #                                     and the corrected store ablations, decode at the engine's configs and prefill (~4 min)
 #   bash tools/gpu_session.sh latency  where a small-batch decode attention call's time goes (merge, pre-pass reads, copy)
+#   bash tools/gpu_session.sh use-acc-next  session 21's branch wgmma-use-acc: attention gpu tests, decode/prefill A/B against ab_main/
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -254,6 +255,21 @@ case "${1:-tests}" in
     # Where a small-batch decode attention call's time goes (tools/attn_latency_probe.py): the merge, the band
     # pre-pass's row-id reads (no_scan, session 21), one split, a same-size copy, a no-op node. About a minute.
     timeout -k 5 200 python tools/attn_latency_probe.py --out "$OUT/attn_latency.json" 2>&1 | grep -a " us\|wrote" ;;
+  use-acc-next)
+    # Session 21's branch wgmma-use-acc (a unit's first PV overwrites the accumulator instead of zeroing it): the
+    # attention gpu tests, then the decode kernel benchmark of ab_main/ (main) and this tree alternating twice, then
+    # prefill of both. About 5 minutes.
+    timeout -k 5 240 python -m pytest -q -m gpu tests/test_sparse_attention.py 2>&1 | grep -aE "FAILED|ERROR|passed|failed" | tail -5
+    for run in main1 tree1 main2 tree2; do
+      dir=.; [ "${run#main}" = "$run" ] || dir=ab_main
+      (cd $dir && PYTHONPATH=. timeout -k 5 150 python -m sparseserve.benchmarks.kernels --only attn-decode --no-ref \
+        --out "$OUT/dec_$run.json" 2>&1 | grep -ac "^attn")
+    done
+    for run in main1 tree1; do
+      dir=.; [ "${run#main}" = "$run" ] || dir=ab_main
+      (cd $dir && PYTHONPATH=. timeout -k 5 150 python -m sparseserve.benchmarks.kernels --only attn-prefill --no-ref \
+        --out "$OUT/pre_$run.json" 2>&1 | grep -a "^attn" | cut -c1-60)
+    done ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"

@@ -198,7 +198,7 @@ def test_wgmma_output_store_by_tma_only_where_its_descriptor_fits():
     """The TMA store writes what a unit stores: out with one split, the 16-bit partial outputs with splits,
     each viewed as [rows, 512]; it needs that tensor contiguous and 16-bit (fp32 partials, which the other
     kernels write, and strided views store from registers, with out passed as an unread placeholder). The
-    kernel declares the descriptor right after the shared launch arguments."""
+    kernel declares the row count and then the descriptor right after the shared launch arguments."""
     wgmma = pytest.importorskip("sparseserve.kernels.sparse_attention_wgmma")
     if not wgmma._HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
@@ -213,7 +213,21 @@ def test_wgmma_output_store_by_tma_only_where_its_descriptor_fits():
     strided = torch.zeros(3, 128, 640, dtype=torch.bfloat16)[..., :512]
     assert wgmma.out_descriptor(strided, parts, 1, True)[1] is False
     names = wgmma._sparse_mqa_wgmma_kernel.arg_names
-    assert names[names.index("qk_scale") + 1] == "out_desc"
+    assert names[names.index("qk_scale") + 1: names.index("qk_scale") + 3] == ["num_rows", "out_desc"]
+
+
+def test_band_prepass_skipped_only_for_one_tile_wgmma_splits():
+    """The wgmma kernel's one-tile splits read their own segments (the pre-pass and its graph node are saved);
+    longer splits, the tile-pair kernel and the Triton kernel keep the pre-pass where their config asks for it."""
+    from sparseserve.kernels.sparse_attention import needs_band_prepass
+
+    one_tile = AttnConfig(64, 64, 8, 2, 16, band_prepass=True, wgmma=True)
+    assert not needs_band_prepass(one_tile, 64)
+    assert needs_band_prepass(one_tile, 128)
+    assert not needs_band_prepass(AttnConfig(64, 32, 8, 2, 16, band_prepass=True, wgmma=True), 32)
+    assert needs_band_prepass(AttnConfig(64, 64, 8, 2, 16, band_prepass=True, wgmma=True, pair=True), 64)
+    assert needs_band_prepass(AttnConfig(64, 64, 8, 2, 4, band_prepass=True), 64)
+    assert not needs_band_prepass(AttnConfig(16, 64, 4, 2, 4), 64)
 
 
 def test_wgmma_config_off_hopper_is_a_clear_error():
@@ -384,7 +398,7 @@ def _hopper() -> bool:
 @pytest.mark.skipif(_INTERPRET or not _hopper(), reason="the wgmma kernel needs a Hopper GPU")
 def test_wgmma_kernel_boundaries_gpu():
     """Row lists whose valid band ends exactly on, one before and one after a tile edge; the first
-    and last pool rows; extreme sinks (one that dominates, one that vanishes); fp16 as well."""
+    and last pool rows; extreme sinks (two that dominate, one that vanishes); fp16 as well."""
     gen = torch.Generator().manual_seed(11)
     for dtype in (torch.bfloat16, torch.float16):
         for L in (63, 64, 65, 127, 128, 129, 640):
@@ -398,7 +412,9 @@ def test_wgmma_kernel_boundaries_gpu():
             rows[3, L - 1] = -1
             rows = rows.cuda()
             sinks = torch.randn(H, generator=gen) * 3
-            sinks[0], sinks[1] = 40.0, -40.0
+            # 200: the sink outweighs every logit of that head by far more than fp32's exponent range, so a split's
+            # row sum underflows to 0 (its partial must not be 0/0).
+            sinks[0], sinks[1], sinks[2] = 40.0, -40.0, 200.0
             sinks = sinks.cuda()
             ref = sparse_mqa_attention_ref(q.float(), kv.float(), rows, sinks, 512 ** -0.5)
             for cfg in WGMMA_CONFIGS:

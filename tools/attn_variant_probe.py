@@ -57,12 +57,13 @@ _PART_STORE = [
 # (after the unit's epilogue on its last tile); slots 6 and 7 hold the unit and the tile within it. The clock
 # reads are volatile asm, so the variant's own time shows what the tracing costs.
 TRACE_TILES = 512
+TRACE_SLOTS = 16  # per tile: marks 0-5, the unit and tile (6, 7), trace_epi's epilogue marks (8-11)
 _MARK = "_trace_mark(trace_ptr, offs_sh, j, {k})\n"
 _TRACE = [
     ("    @gluon.jit\n    def _sparse_mqa_wgmma_kernel(\n",
      f"""    @gluon.jit
     def _trace_value(trace_ptr, offs, j, k: gl.constexpr, value):
-        slot = (gl.program_id(0).to(gl.int64) * {TRACE_TILES} + j) * 8 + k + offs * 0
+        slot = (gl.program_id(0).to(gl.int64) * {TRACE_TILES} + j) * {TRACE_SLOTS} + k + offs * 0
         gl.store(trace_ptr + slot, value + offs * 0, mask=(offs == 0) & (j < {TRACE_TILES}))
 
     @gluon.jit
@@ -88,7 +89,8 @@ _TRACE = [
      + "            _trace_value(trace_ptr, offs_sh, j, 6, cu)\n"
      + "            _trace_value(trace_ptr, offs_sh, j, 7, ct)\n\n"),
     ("            j = j + 1\n", "            " + _MARK.format(k=5) + "            j = j + 1\n"),
-    ("        *args, out_desc, NUM_SPLITS=num_splits,", "        *args, out_desc, _trace_buffer(min(num_units, max_programs), q.device), NUM_SPLITS=num_splits,"),
+    ("        *args, rows.shape[1], out_desc, NUM_SPLITS=num_splits,",
+     "        *args, rows.shape[1], out_desc, _trace_buffer(min(num_units, max_programs), q.device), NUM_SPLITS=num_splits,"),
     ("\ndef wgmma_supported(", f"""
 TRACE = {{}}
 
@@ -96,7 +98,7 @@ TRACE = {{}}
 def _trace_buffer(programs, device):
     # Kept across calls (a graph captures its address; no fill inside the timed launches); the probe resets it.
     if TRACE.get("key") != (programs, str(device)):
-        TRACE["last"] = torch.full((programs, {TRACE_TILES}, 8), -1, dtype=torch.int64, device=device)
+        TRACE["last"] = torch.full((programs, {TRACE_TILES}, {TRACE_SLOTS}), -1, dtype=torch.int64, device=device)
         TRACE["key"] = (programs, str(device))
     return TRACE["last"]
 
@@ -104,6 +106,18 @@ def _trace_buffer(programs, device):
 def wgmma_supported("""),
 ]
 _PHASES = ("rows landed", "QK^T", "softmax + p", "PV", "epilogue")
+# trace_epi: four more marks in the epilogue of a unit's last tile (the TMA path), slots 8-11, between PV done (4)
+# and the iteration's end (5).
+_EPI_MARKS = [
+    ("                l_i = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + gl.sum(l_cols, 1)\n", 8),
+    ("                        k_tile.store(out.to(dtype))\n", 9),
+    ("                        fence_async_shared()  # generic-proxy writes, read by the TMA engine\n"
+     "                        _cta_barrier()\n", 10),
+    ("                        tma_pending = True\n", 11),
+]
+_TRACE_EPI = _TRACE + [(anchor, anchor + " " * (len(anchor) - len(anchor.lstrip())) + _MARK.format(k=k))
+                       for anchor, k in _EPI_MARKS]
+_EPI_PHASES = ("row sums", "scale + stage", "fence + barrier", "TMA issue", "next unit's setup")
 
 
 def trace_summary(trace: torch.Tensor) -> dict:
@@ -120,6 +134,11 @@ def trace_summary(trace: torch.Tensor) -> dict:
     out["epilogue (units' last tiles)"] = round((t[:, :, 5] - t[:, :, 4]).double()[last_tile].mean().item(), 1)
     out["loop gap"] = round(gap.mean().item(), 1) if gap.numel() else 0.0
     out["tiles traced"] = int(valid.sum())
+    epi = last_tile & (t[:, :, 8:12] >= 0).all(-1) if t.shape[2] >= 12 else torch.zeros_like(valid)
+    if epi.any():  # trace_epi: the last tiles' epilogue in five pieces (marks 4, 8-11, 5)
+        marks = torch.cat([t[:, :, 4:5], t[:, :, 8:12], t[:, :, 5:6]], dim=2)[epi].double()
+        for i, name in enumerate(_EPI_PHASES):
+            out["epilogue: " + name] = round((marks[:, i + 1] - marks[:, i]).mean().item(), 1)
     out["cycles per program"] = round(sum(spans) / max(len(spans), 1), 1)
     return out
 
@@ -146,6 +165,10 @@ VARIANTS: dict[str, tuple[list[tuple[str, str]], dict, bool]] = {
                {}, True),
     # Per-phase clock marks (above); the outputs are checked as the base kernel's.
     "trace": (_TRACE, {}, False),
+    # The same with the epilogue of a unit's last tile in pieces; and that without the next unit's q load (ablation:
+    # does the epilogue's proxy fence wait for it?).
+    "trace_epi": (_TRACE_EPI, {}, False),
+    "trace_epi_no_q": (_TRACE_EPI + [(_Q_NEXT, "            if last & (nu < 0):\n")], {}, True),
 }
 # Session 19 also timed staging the output through the unit's last ring slot and storing it 16 bytes per
 # thread (Flash HCA 4K 387 us against 476 from registers and 366 by TMA), and that store deferred to the
@@ -228,7 +251,7 @@ def main() -> None:
                     else:
                         t = kb._bench(lambda a=case["args"], c=cfg: sparse_mqa_attention_triton(*a, c))
                     phases = None
-                    if name == "trace" and cfg.wgmma and not cfg.pair:  # one more eager call on the timed inputs: its marks
+                    if name.startswith("trace") and cfg.wgmma and not cfg.pair:  # one more eager call on the timed inputs: its marks
                         mods[name].TRACE["last"].fill_(-1)
                         sparse_mqa_attention_triton(*(case["sets"][0] if decode else case["args"]), cfg)
                         torch.cuda.synchronize()

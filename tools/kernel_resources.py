@@ -199,15 +199,16 @@ def wgmma_attention_rows() -> list[dict]:
     from sparseserve.kernels import sparse_attention_wgmma_pair as pair
 
     rows = []
-    for block_n, splits in ((64, 1), (64, 4), (32, 1)):
+    # band False: one-tile splits, which read their segments without the band pre-pass (small decode batches).
+    for block_n, splits, band in ((64, 1, True), (64, 4, True), (64, 16, False), (32, 1, True)):
         gather, s, o, tile, p = wgmma._layouts(block_n)
         out_tma = block_n == 64  # as launch_wgmma_attention picks for a contiguous out and 16-bit partials
-        constexprs = dict(NUM_SPLITS=splits, BLOCK_N=block_n, OUT_TMA=out_tma, gather_layout=gather, s_layout=s,
-                          o_layout=o, tile_smem=tile, p_smem_layout=p, PDL=1)
+        constexprs = dict(NUM_SPLITS=splits, BLOCK_N=block_n, OUT_TMA=out_tma, BAND=band, gather_layout=gather,
+                          s_layout=s, o_layout=o, tile_smem=tile, p_smem_layout=p, PDL=1)
         # Split partials: 16-bit where the TMA stores them, else fp32 (as sparse_mqa_attention_triton allocates).
         types = {**_out_desc_type(out_tma), "part_acc_ptr": "*bf16" if out_tma else "*fp32"}
         rows.append(_gluon_attention_row(wgmma._sparse_mqa_wgmma_kernel, constexprs, 8, types,
-                                         kernel="sparse_mqa_wgmma", block_n=block_n, splits=splits))
+                                         kernel="sparse_mqa_wgmma", block_n=block_n, splits=splits, band=band))
     for splits in (1, 4):
         constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=248, PDL=1)
         rows.append(_gluon_attention_row(pair._sparse_mqa_pair_kernel, constexprs, 4, {"part_acc_ptr": "*fp32"},
@@ -233,8 +234,8 @@ def probe_variant_rows() -> list[dict]:
         gather, s, o, tile, p = mod._layouts(64)
         for out_tma in (True, False):
             for splits in (1, 8):
-                constexprs = dict(NUM_SPLITS=splits, BLOCK_N=64, OUT_TMA=out_tma, gather_layout=gather, s_layout=s,
-                                  o_layout=o, tile_smem=tile, p_smem_layout=p, PDL=1)
+                constexprs = dict(NUM_SPLITS=splits, BLOCK_N=64, OUT_TMA=out_tma, BAND=True, gather_layout=gather,
+                                  s_layout=s, o_layout=o, tile_smem=tile, p_smem_layout=p, PDL=1)
                 constexprs.update({k: True for k in ("ROW_PREFETCH",) if k in fn.arg_names})  # a branch's option
                 types = {**_out_desc_type(out_tma), "part_acc_ptr": "*bf16" if out_tma else "*fp32", "trace_ptr": "*i64"}
                 rows.append(_gluon_attention_row(fn, constexprs, 8, types, hgmma=True, variant=name, ablation=ablation,

@@ -383,6 +383,15 @@ if MERGE_COLS & (MERGE_COLS - 1) or MERGE_COLS < 16:
     raise ValueError(f"SPARSESERVE_ATTN_MERGE_COLS must be a power of two >= 16, got {MERGE_COLS}")
 
 
+def needs_band_prepass(cfg: AttnConfig, rows_per_split: int) -> bool:
+    """Whether the launch runs `_valid_band_kernel` first. The wgmma kernel's splits of one tile (small decode
+    batches: 16 splits of 640 rows, 8 of 384) need no band: the tile masks its holes anyway and an all-holes
+    split is known from its row ids, so the pre-pass and its graph node are saved."""
+    if cfg.wgmma and not cfg.pair and rows_per_split == cfg.block_n:
+        return False
+    return cfg.band_prepass
+
+
 def sparse_mqa_attention_triton(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -430,13 +439,13 @@ def sparse_mqa_attention_triton(
         part_acc = part_ml = out  # unused
     dv_split = cfg.dv_split if block_d >= 32 else 1
     scan = min(256, triton.next_power_of_2(max(rows_per_split, 16)))
-    if cfg.band_prepass:
+    if needs_band_prepass(cfg, rows_per_split):
         band = torch.empty(num_tokens * splits * 2, dtype=torch.int32, device=q.device)
         _valid_band_kernel[(num_tokens * splits,)](
             rows, band, num_rows, rows_per_split, rows.stride(0), NUM_SPLITS=splits, SCAN=scan, num_warps=4,
             **pdl_args(rows.device))
     else:
-        band = rows  # unused
+        band = None if cfg.wgmma else rows  # wgmma: one-tile splits read their segments; else unused
     if cfg.wgmma and cfg.pair:
         launch_pair_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, float(scale) * _LOG2E,
                               splits, cfg.max_programs or num_sms(q.device))

@@ -96,8 +96,21 @@ if _HAVE_GLUON:
                 gl.load(band_ptr + idx * 2 + 1, mask=live, other=0))
 
     @gluon.jit
-    def _next_tile(unit, tile, start, end, band_ptr, num_units, units_per_token, num_programs,
-                   NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr):
+    def _unit_span(band_ptr, unit, num_units, units_per_token, num_rows, NUM_SPLITS: gl.constexpr,
+                   BLOCK_N: gl.constexpr, BAND: gl.constexpr):
+        """[start, end) of the rows a unit walks: its valid band from the pre-pass (BAND), or else (every split is
+        one tile) its split's whole segment, holes and all; (0, 0) past the last unit."""
+        if BAND:
+            start, end = _unit_band(band_ptr, unit, num_units, units_per_token, NUM_SPLITS)
+        else:
+            live = unit < num_units
+            start = gl.where(live, gl.minimum((unit % NUM_SPLITS) * BLOCK_N, num_rows), 0)
+            end = gl.where(live, gl.minimum(start + BLOCK_N, num_rows), 0)
+        return start, end
+
+    @gluon.jit
+    def _next_tile(unit, tile, start, end, band_ptr, num_units, units_per_token, num_rows, num_programs,
+                   NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, BAND: gl.constexpr):
         """The tile after (unit, tile) in this program's stream: every unit has at least one tile
         (an empty unit's one tile is all holes, so it still writes its output), then the program's
         next unit (unit + num_programs) starts."""
@@ -106,7 +119,7 @@ if _HAVE_GLUON:
         else:
             unit = unit + num_programs
             tile = 0
-            start, end = _unit_band(band_ptr, unit, num_units, units_per_token, NUM_SPLITS)
+            start, end = _unit_span(band_ptr, unit, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N, BAND)
         return unit, tile, start, end
 
     @gluon.jit
@@ -115,6 +128,16 @@ if _HAVE_GLUON:
         tok = (unit // units_per_token).to(gl.int64)
         pos = start + tile * BLOCK_N + offs
         return gl.load(rows_ptr + tok * stride_rt + pos, mask=pos < end, other=-1)
+
+    @gluon.jit
+    def _all_holes(rows_ptr, stride_rt, unit, end, units_per_token, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Whether a one-tile unit (no band) has only holes. Every thread reads all BLOCK_N ids itself (broadcast
+        16-byte loads), so no warp waits for another: a CTA-wide reduction made ptxas spill under triton 3.6."""
+        whole: gl.constexpr = gl.BlockedLayout([BLOCK_N], [32], [8], [0])  # the kernel's 8 warps
+        pos = gl.multiple_of((unit % NUM_SPLITS) * BLOCK_N, BLOCK_N) + gl.arange(0, BLOCK_N, layout=whole)
+        tok = (unit // units_per_token).to(gl.int64)
+        ids = gl.load(rows_ptr + tok * stride_rt + pos, mask=pos < end, other=-1)
+        return gl.max(ids, 0) < 0
 
     @gluon.jit
     def _rows_scaled(acc, l, offs_rows):
@@ -162,8 +185,9 @@ if _HAVE_GLUON:
         num_heads, num_units, units_per_token,
         stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
         qk_scale,  # scale * log2(e): logits are kept in base 2
+        num_rows,  # row slots per token (read where not BAND)
         out_desc,  # OUT_TMA: TMA descriptor of out (one split) or of the partial outputs (splits) as [rows, 512]
-        NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, OUT_TMA: gl.constexpr,
+        NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, OUT_TMA: gl.constexpr, BAND: gl.constexpr,
         gather_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
         tile_smem: gl.constexpr, p_smem_layout: gl.constexpr,
         PDL: gl.constexpr,
@@ -192,12 +216,12 @@ if _HAVE_GLUON:
         # Two cursors over the stream: `c*` the tile being computed, `g*` the next tile to gather.
         cu = gl.program_id(0)
         ct = 0
-        c_start, c_end = _unit_band(band_ptr, cu, num_units, units_per_token, NUM_SPLITS)
+        c_start, c_end = _unit_span(band_ptr, cu, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N, BAND)
         _issue_q(q_smem, q_ptr, cu, units_per_token, stride_qt, stride_qh, offs_qh, offs_d, NUM_SPLITS)
         r = _tile_ids(rows_ptr, stride_rt, cu, ct, c_start, c_end, units_per_token, offs_g, BLOCK_N)
         _issue_gather(kv_smem, kv_ptr, stride_kv, r, offs_d, 0)
-        gu, gt, g_start, g_end = _next_tile(cu, ct, c_start, c_end, band_ptr, num_units, units_per_token,
-                                            num_programs, NUM_SPLITS, BLOCK_N)
+        gu, gt, g_start, g_end = _next_tile(cu, ct, c_start, c_end, band_ptr, num_units, units_per_token, num_rows,
+                                            num_programs, NUM_SPLITS, BLOCK_N, BAND)
         r_ahead = _tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
 
         # The running max starts at the sink logit and the sum at exp(sink - max) = 1, so the sink
@@ -227,7 +251,7 @@ if _HAVE_GLUON:
             # While the tensor cores run QK^T: gather the next tile, fetch the ids after it.
             _issue_gather(kv_smem, kv_ptr, stride_kv, r_ahead, offs_d, (j + 1) % 2)
             gu, gt, g_start, g_end = _next_tile(gu, gt, g_start, g_end, band_ptr, num_units, units_per_token,
-                                                num_programs, NUM_SPLITS, BLOCK_N)
+                                                num_rows, num_programs, NUM_SPLITS, BLOCK_N, BAND)
             r_ahead = _tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
             r_s = _tile_ids(rows_ptr, stride_rt, cu, ct, c_start, c_end, units_per_token, offs_s, BLOCK_N)
             s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
@@ -254,6 +278,10 @@ if _HAVE_GLUON:
             if last:
                 tok = (cu // units_per_token).to(gl.int64)
                 split = cu % NUM_SPLITS
+                if BAND:
+                    band_empty = c_end <= c_start
+                else:  # the unit's one tile has only holes
+                    band_empty = _all_holes(rows_ptr, stride_rt, cu, c_end, units_per_token, NUM_SPLITS, BLOCK_N)
                 l_i = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + gl.sum(l_cols, 1)
                 if OUT_TMA:
                     # The output (or a split's normalised partial output) leaves through the tile's ring slot,
@@ -266,10 +294,12 @@ if _HAVE_GLUON:
                     else:
                         part = tok * NUM_SPLITS + split
                         row0 = (part * num_heads + hb * BLOCK_H).to(gl.int32)
-                        skip = (c_end <= c_start) & (split > 0)
+                        skip = band_empty & (split > 0)
                         _store_ml(part_ml_ptr, part, hb * BLOCK_H, num_heads, offs_sh, m_i, l_i, skip)
                     if not skip:
-                        out = _rows_scaled(acc, l_i, offs_oh)
+                        # A split's row sum is 0 where the sink outweighs all its logits by > 2^126 (exp2 underflows):
+                        # its weight in the merge is then 0, and its output 0, not 0/0 = NaN.
+                        out = _rows_scaled(acc, gl.where(l_i > 0, l_i, 1.0), offs_oh)
                         k_tile.store(out.to(dtype))
                         fence_async_shared()  # generic-proxy writes, read by the TMA engine
                         _cta_barrier()
@@ -278,10 +308,10 @@ if _HAVE_GLUON:
                         tma_pending = True
                 else:
                     _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, split, hb * BLOCK_H, num_heads,
-                                stride_ot, stride_oh, c_end <= c_start, offs_oh, offs_od, offs_sh, NUM_SPLITS, True, True)
+                                stride_ot, stride_oh, band_empty, offs_oh, offs_od, offs_sh, NUM_SPLITS, True, True)
                 cu = nu
                 ct = 0
-                c_start, c_end = _unit_band(band_ptr, cu, num_units, units_per_token, NUM_SPLITS)
+                c_start, c_end = _unit_span(band_ptr, cu, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N, BAND)
                 hb = (cu % units_per_token) // NUM_SPLITS
                 m_sink = gl.load(sinks_ptr + hb * BLOCK_H + offs_sh).to(gl.float32) * 1.4426950408889634
                 m_i = m_sink
@@ -354,14 +384,17 @@ def launch_wgmma_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml
                            block_n: int, num_splits: int, max_programs: int, tma_store: bool = True) -> None:
     """Launch the kernel. The caller (`sparse_attention.sparse_mqa_attention_triton`) has checked
     `wgmma_supported`, made the last dims contiguous and run the band pre-pass for rows cut into
-    `num_splits` pieces; with splits, its merge kernel combines the partials. At most
-    `max_programs` persistent programs (one per SM: each holds ~200 KB of shared memory).
+    `num_splits` pieces, or passes band None where every split is one tile (`needs_band_prepass`); with
+    splits, its merge kernel combines the partials. At most `max_programs` persistent programs (one per SM:
+    each holds ~200 KB of shared memory).
     tma_store: units with 64-row tiles store their output (or 16-bit partials) by TMA (False: from registers)."""
-    args, num_units = unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale, num_splits)
+    has_band = band is not None
+    args, num_units = unit_launch_args(q, kv_pool, rows, band if has_band else rows, sinks, out, part_acc, part_ml,
+                                       qk_scale, num_splits)
     gather, s, o, tile, p = _layouts(block_n)
     out_desc, out_tma = out_descriptor(out, part_acc, num_splits, tma_store and block_n == 64)
     _sparse_mqa_wgmma_kernel[(min(num_units, max_programs),)](
-        *args, out_desc, NUM_SPLITS=num_splits, BLOCK_N=block_n, OUT_TMA=out_tma,
+        *args, rows.shape[1], out_desc, NUM_SPLITS=num_splits, BLOCK_N=block_n, OUT_TMA=out_tma, BAND=has_band,
         gather_layout=gather, s_layout=s, o_layout=o, tile_smem=tile, p_smem_layout=p,
         num_warps=8, **pdl_args(q.device),
     )

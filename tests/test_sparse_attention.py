@@ -219,9 +219,10 @@ def test_wgmma_output_store_by_tma_only_where_its_descriptor_fits():
 def test_band_prepass_skipped_only_for_one_tile_wgmma_splits():
     """The wgmma kernel's one-tile splits read their own segments (the pre-pass and its graph node are saved);
     longer splits, the tile-pair kernel and the Triton kernel keep the pre-pass where their config asks for it."""
-    from sparseserve.kernels.sparse_attention import needs_band_prepass
+    from sparseserve.kernels.sparse_attention import needs_band_prepass, split_length
 
     one_tile = AttnConfig(64, 64, 8, 2, 16, band_prepass=True, wgmma=True)
+    assert split_length(640, one_tile) == 64 and split_length(1152, one_tile) == 128  # V4-Flash CSA, HCA 128K
     assert not needs_band_prepass(one_tile, 64)
     assert needs_band_prepass(one_tile, 128)
     assert not needs_band_prepass(AttnConfig(64, 32, 8, 2, 16, band_prepass=True, wgmma=True), 32)

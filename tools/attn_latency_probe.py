@@ -8,8 +8,9 @@ CUDA-graph harness (one call per input set, >= 400 MB of distinct rows per cycle
   no_merge  the same call with the merge kernel not launched (its output is wrong: timing only);
   unsplit   the forward kernel with one split (no partials, no merge);
   copy      a device copy of the case's bytes (`kernels.same_size_copy_us`);
-  no_scan   (calls with a band pre-pass) the pre-pass replaced by a kernel that writes each split's whole range
-            without reading the row ids (the benchmark's lists are full, so the bands and the output are the same);
+  no_scan   (calls with a band pre-pass: since session 22 not the wgmma kernel's one-tile splits) the pre-pass
+            replaced by a kernel that writes each split's whole range without reading the row ids (the
+            benchmark's lists are full, so the bands and the output are the same);
   noop      a one-program Triton kernel with the PDL wait, once per call (the graph's per-node floor).
 So full - no_merge is the merge's share of the chain, full - no_scan the pre-pass's row-id reads, and full - copy
 what the call loses to latency. Folding the pre-pass into the kernel could save at most about
@@ -81,7 +82,7 @@ def main() -> None:
             r["no_merge"] = kb._bench_graph(calls(cfg))
         finally:
             sa._sparse_mqa_merge_kernel = merge
-        if cfg.band_prepass:
+        if sa.needs_band_prepass(cfg, sa.split_length(cs["args"][2].shape[1], cfg)):
             scanned = sa.sparse_mqa_attention_triton(*cs["args"], cfg)
             scan = sa._valid_band_kernel
             sa._valid_band_kernel = _full_band_kernel

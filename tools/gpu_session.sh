@@ -28,8 +28,6 @@
 #   bash tools/gpu_session.sh trace-next  session 20's prepared probe run: per-phase clock cycles per tile (trace variant)
 #                                     and the corrected store ablations, decode at the engine's configs and prefill (~4 min)
 #   bash tools/gpu_session.sh latency  where a small-batch decode attention call's time goes (merge, pre-pass reads, copy)
-#   bash tools/gpu_session.sh s22-band  session 22: attention gpu tests (and the sink test on ab_main/), decode A/B of
-#                                     one-tile splits without the band pre-pass, the epilogue trace, decode steps (~6 min)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -37,7 +35,8 @@
 # and `route`, session 12's `final12`, session 17's `attn-next`, session 18-19's `pair-next` and `pair-both` (their
 # branches measured and dropped; `git show 44b9322:tools/gpu_session.sh`) and session 19's `partials-next` (merged in
 # session 20) and `prefetch-next` (dropped; both in `git show 8461253:tools/gpu_session.sh`) are in the history (`git show 49f7a6d:tools/gpu_session.sh`, `71faa93`), as are session 21's `rcp-ab` and
-# `merge-cols` (both merged; `git show 75acad3:tools/gpu_session.sh`).
+# `merge-cols` (both merged; `git show 75acad3:tools/gpu_session.sh`) and session 22's `use-acc-next` and `s22-band`
+# (both merged; `git show 4b2da26:tools/gpu_session.sh`; `tma-one` is on its branch, wgmma-tma-one).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -256,25 +255,6 @@ case "${1:-tests}" in
     # Where a small-batch decode attention call's time goes (tools/attn_latency_probe.py): the merge, the band
     # pre-pass's row-id reads (no_scan, session 21), one split, a same-size copy, a no-op node. About a minute.
     timeout -k 5 200 python tools/attn_latency_probe.py --out "$OUT/attn_latency.json" 2>&1 | grep -a " us\|wrote" ;;
-  s22-band)
-    # Session 22: the wgmma kernel's one-tile splits read their own segments (no band pre-pass) and a split's row sum of 0
-    # no longer makes a NaN partial. The attention gpu tests here, and the boundary test (its sink of 200) on ab_main/
-    # (main before: expected to fail there); the decode kernel benchmark of ab_main/ and this tree alternating twice;
-    # the epilogue's pieces (trace_epi, and without the next unit's q); decode steps of both. About 6 minutes.
-    timeout -k 5 240 python -m pytest -q -m gpu tests/test_sparse_attention.py 2>&1 | grep -aE "FAILED|ERROR|passed|failed" | tail -5
-    (cd ab_main && PYTHONPATH=. timeout -k 5 150 python -m pytest -q -p no:cacheprovider ../tests/test_sparse_attention.py \
-      -k boundaries 2>&1 | grep -aE "assert|passed|failed" | tail -3)
-    for run in main1 tree1 main2 tree2; do
-      dir=.; [ "${run#main}" = "$run" ] || dir=ab_main
-      (cd $dir && PYTHONPATH=. timeout -k 5 150 python -m sparseserve.benchmarks.kernels --only attn-decode --no-ref \
-        --out "$OUT/dec_$run.json" 2>&1 | grep -ac "^attn")
-    done
-    timeout -k 5 200 python tools/attn_variant_probe.py --cases flash-hca-4096,flash-hca-32768 --kernels wgmma \
-      --variants base,trace_epi,trace_epi_no_q --out "$OUT/epi_pre.json" 2>&1 | grep -a " us \|cycles"
-    timeout -k 5 120 python tools/attn_variant_probe.py --cases b64-flash-csa-32768,b8-flash-csa-32768 --kernels engine \
-      --variants base,trace_epi --out "$OUT/epi_dec.json" 2>&1 | grep -a " us \|cycles"
-    ab_steps "ab_main tree" 2>&1 | grep -aE "^ +[0-9]+ +graph" | head -20
-    merge_runs decode_steps.json ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"

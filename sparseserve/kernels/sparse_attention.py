@@ -383,6 +383,11 @@ if MERGE_COLS & (MERGE_COLS - 1) or MERGE_COLS < 16:
     raise ValueError(f"SPARSESERVE_ATTN_MERGE_COLS must be a power of two >= 16, got {MERGE_COLS}")
 
 
+def split_length(num_rows: int, cfg: AttnConfig) -> int:
+    """Row slots per split: the list cut into cfg.num_splits pieces, each a whole number of tiles."""
+    return triton.cdiv(triton.cdiv(max(num_rows, 1), cfg.num_splits), cfg.block_n) * cfg.block_n
+
+
 def needs_band_prepass(cfg: AttnConfig, rows_per_split: int) -> bool:
     """Whether the launch runs `_valid_band_kernel` first. The wgmma kernel's splits of one tile (small decode
     batches: 16 splits of 640 rows, 8 of 384) need no band: the tile masks its holes anyway and an all-holes
@@ -426,7 +431,7 @@ def sparse_mqa_attention_triton(
     block_d = max(16, triton.next_power_of_2(head_dim))
     head_blocks = triton.cdiv(num_heads, cfg.block_h)
     splits = cfg.num_splits
-    rows_per_split = triton.cdiv(triton.cdiv(max(num_rows, 1), splits), cfg.block_n) * cfg.block_n
+    rows_per_split = split_length(num_rows, cfg)
     if splits > 1:
         # The wgmma kernel stores its splits' normalised outputs by TMA in q's dtype (half the bytes, in whole
         # sectors); the other kernels' stores from registers keep the fp32 acc (a 16-bit store from the

@@ -28,8 +28,10 @@ Roofline: as in `sparse_attention.py` (bytes = 2*L*D + 4*H*D per token, FLOPs = 
 Shapes it takes: D = 512 (V4), heads a multiple of 64, bf16 or fp16, rows that 16-byte cp.async can
 read (`cp_async_aligned`). The work is cut into units (token, 64-head block, split of the row list),
 at most one program per SM walks its share of them; splits write their outputs normalised (the Triton
-kernel writes raw fp32 accumulators) and its merge kernel combines them (`PARTS_NORMALISED`). Every choice comes from static shapes (graph-safe); each
-unit's valid band [first, last + 1) comes from the band pre-pass of `sparse_attention.py`.
+kernel writes raw fp32 accumulators) and its merge kernel combines them (`PARTS_NORMALISED`). Every choice
+comes from static shapes (graph-safe); each unit's valid band [first, last + 1) comes from the band pre-pass of
+`sparse_attention.py`, except where every split is one tile (small decode batches: BAND false), whose units
+walk their split's whole segment and tell an all-holes split from its row ids.
 """
 from __future__ import annotations
 

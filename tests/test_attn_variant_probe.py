@@ -28,3 +28,19 @@ def test_trace_summary_reads_phases_per_tile():
     # Last tiles of a unit that the trace can see (the next tile starts a unit): program 0's tile 1 only.
     assert out["epilogue (units' last tiles)"] == 50
     assert out["cycles per program"] == ((105 + 3 + 150 + 3 + 150) + 150) / 2
+
+
+def test_trace_summary_reads_epilogue_and_gather_marks():
+    """trace_epi's marks (slots 8-11) split a unit's last-tile epilogue into five pieces; trace_gather's (12, 13) give
+    the gather's issue-to-landed time on every tile that has them. One program, two one-tile units."""
+    trace = torch.full((1, probe.TRACE_TILES, probe.TRACE_SLOTS), -1, dtype=torch.int64)
+    for j in range(2):
+        t = 1000 * j
+        trace[0, j, :6] = torch.tensor([t, t + 10, t + 30, t + 60, t + 100, t + 100 + 150])
+        trace[0, j, 6:8] = torch.tensor([j, 0])
+        trace[0, j, 8:12] = torch.tensor([t + 110, t + 130, t + 160, t + 200])  # pieces 10, 20, 30, 40, then 50
+        trace[0, j, 12:14] = torch.tensor([t + 12, t + 12 + 7 * (j + 1)])  # 7 and 14 cycles
+    out = probe.trace_summary(trace)
+    assert out["epilogue (units' last tiles)"] == 150
+    assert [out["epilogue: " + name] for name in probe._EPI_PHASES] == [10, 20, 30, 40, 50]
+    assert out["gather: issue -> landed"] == 10.5

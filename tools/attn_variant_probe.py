@@ -57,7 +57,7 @@ _PART_STORE = [
 # (after the unit's epilogue on its last tile); slots 6 and 7 hold the unit and the tile within it. The clock
 # reads are volatile asm, so the variant's own time shows what the tracing costs.
 TRACE_TILES = 512
-TRACE_SLOTS = 16  # per tile: marks 0-5, the unit and tile (6, 7), trace_epi's epilogue marks (8-11)
+TRACE_SLOTS = 16  # per tile: marks 0-5, unit and tile (6, 7), trace_epi (8-11), trace_gather (12, 13)
 _MARK = "_trace_mark(trace_ptr, offs_sh, j, {k})\n"
 _TRACE = [
     ("    @gluon.jit\n    def _sparse_mqa_wgmma_kernel(\n",
@@ -118,6 +118,11 @@ _EPI_MARKS = [
 _TRACE_EPI = _TRACE + [(anchor, anchor + " " * (len(anchor) - len(anchor.lstrip())) + _MARK.format(k=k))
                        for anchor, k in _EPI_MARKS]
 _EPI_PHASES = ("row sums", "scale + stage", "fence + barrier", "TMA issue", "next unit's setup")
+# trace_gather: how long a tile's gather takes to land while QK^T runs. The loop waits for it right after issuing
+# it (marks 12 and 13) instead of a tile later, so the rest of the tile is delayed: only the marks count.
+_GATHER = "            _issue_gather(kv_smem, kv_ptr, stride_kv, r_ahead, offs_d, (j + 1) % 2)\n"
+_TRACE_GATHER = _TRACE + [(_GATHER, "            " + _MARK.format(k=12) + _GATHER + "            _cp.wait_group(0)\n"
+                           "            " + _MARK.format(k=13))]
 
 
 def trace_summary(trace: torch.Tensor) -> dict:
@@ -134,6 +139,9 @@ def trace_summary(trace: torch.Tensor) -> dict:
     out["epilogue (units' last tiles)"] = round((t[:, :, 5] - t[:, :, 4]).double()[last_tile].mean().item(), 1)
     out["loop gap"] = round(gap.mean().item(), 1) if gap.numel() else 0.0
     out["tiles traced"] = int(valid.sum())
+    gather = (t[:, :, 12:14] >= 0).all(-1) if t.shape[2] >= 14 else torch.zeros_like(valid)
+    if gather.any():  # trace_gather
+        out["gather: issue -> landed"] = round((t[:, :, 13] - t[:, :, 12]).double()[gather].mean().item(), 1)
     epi = last_tile & (t[:, :, 8:12] >= 0).all(-1) if t.shape[2] >= 12 else torch.zeros_like(valid)
     if epi.any():  # trace_epi: the last tiles' epilogue in five pieces (marks 4, 8-11, 5)
         marks = torch.cat([t[:, :, 4:5], t[:, :, 8:12], t[:, :, 5:6]], dim=2)[epi].double()
@@ -169,6 +177,7 @@ VARIANTS: dict[str, tuple[list[tuple[str, str]], dict, bool]] = {
     # does the epilogue's proxy fence wait for it?).
     "trace_epi": (_TRACE_EPI, {}, False),
     "trace_epi_no_q": (_TRACE_EPI + [(_Q_NEXT, "            if last & (nu < 0):\n")], {}, True),
+    "trace_gather": (_TRACE_GATHER, {}, False),
 }
 # Session 19 also timed staging the output through the unit's last ring slot and storing it 16 bytes per
 # thread (Flash HCA 4K 387 us against 476 from registers and 366 by TMA), and that store deferred to the

@@ -28,6 +28,7 @@
 #   bash tools/gpu_session.sh trace-next  session 20's prepared probe run: per-phase clock cycles per tile (trace variant)
 #                                     and the corrected store ablations, decode at the engine's configs and prefill (~4 min)
 #   bash tools/gpu_session.sh latency  where a small-batch decode attention call's time goes (merge, pre-pass reads, copy)
+#   bash tools/gpu_session.sh gather   how long a tile's gather takes to land under QK^T (trace_gather; ~2 min)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -255,6 +256,13 @@ case "${1:-tests}" in
     # Where a small-batch decode attention call's time goes (tools/attn_latency_probe.py): the merge, the band
     # pre-pass's row-id reads (no_scan, session 21), one split, a same-size copy, a no-op node. About a minute.
     timeout -k 5 200 python tools/attn_latency_probe.py --out "$OUT/attn_latency.json" 2>&1 | grep -a " us\|wrote" ;;
+  gather)
+    # Session 22: the gather's issue -> landed time (trace_gather) beside the per-phase trace, prefill (rows from L2)
+    # and decode (rows from HBM). About 2 minutes.
+    timeout -k 5 100 python tools/attn_variant_probe.py --cases flash-hca-4096 --kernels wgmma \
+      --variants trace,trace_gather --out "$OUT/gather_pre.json" 2>&1 | grep -a " us \|cycles"
+    timeout -k 5 100 python tools/attn_variant_probe.py --cases b64-flash-csa-32768,b256-flash-csa-32768 --kernels engine \
+      --variants trace,trace_gather --out "$OUT/gather_dec.json" 2>&1 | grep -a " us \|cycles" ;;
   check)
     { timeout -k 5 ${T_TESTS:-110} python -m pytest -q -m gpu tests/test_cuda_graphs_gpu.py \
         -k "auto or speculative or speculation or mtp_1"

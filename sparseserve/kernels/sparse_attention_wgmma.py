@@ -132,9 +132,11 @@ if _HAVE_GLUON:
         return gl.load(rows_ptr + tok * stride_rt + pos, mask=pos < end, other=-1)
 
     @gluon.jit
-    def _all_holes(rows_ptr, stride_rt, unit, end, units_per_token, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Whether a one-tile unit (no band) has only holes. Every thread reads all BLOCK_N ids itself (broadcast
-        16-byte loads), so no warp waits for another: a CTA-wide reduction made ptxas spill under triton 3.6."""
+    def _all_holes(rows_ptr, stride_rt, unit, end, units_per_token, NUM_SPLITS: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+        """Whether a one-tile unit (no band) has only holes. Every thread reads all BLOCK_N ids itself (BLOCK_N
+        scalar loads, the same address across a warp), so no warp waits for another: a CTA-wide reduction of the
+        tile's ids made ptxas spill under triton 3.6."""
         whole: gl.constexpr = gl.BlockedLayout([BLOCK_N], [32], [8], [0])  # the kernel's 8 warps
         pos = gl.multiple_of((unit % NUM_SPLITS) * BLOCK_N, BLOCK_N) + gl.arange(0, BLOCK_N, layout=whole)
         tok = (unit // units_per_token).to(gl.int64)
@@ -272,8 +274,8 @@ if _HAVE_GLUON:
             if last & (nu < num_units):
                 _issue_q(q_smem, q_ptr, nu, units_per_token, stride_qt, stride_qh, offs_qh, offs_d, NUM_SPLITS)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            # A unit's first tile overwrites acc (use_acc false) instead of adding to a zeroed one: zeroing 128 registers
-            # per thread took ~128 instructions per warp of every unit's epilogue.
+            # A unit's first tile overwrites acc (use_acc false) instead of adding to a zeroed one: zeroing 128
+            # registers per thread took ~128 instructions per warp of every unit's epilogue.
             acc = warpgroup_mma(p_smem, k_tile, acc, use_acc=ct > 0, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 
@@ -313,7 +315,8 @@ if _HAVE_GLUON:
                                 stride_ot, stride_oh, band_empty, offs_oh, offs_od, offs_sh, NUM_SPLITS, True, True)
                 cu = nu
                 ct = 0
-                c_start, c_end = _unit_span(band_ptr, cu, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N, BAND)
+                c_start, c_end = _unit_span(band_ptr, cu, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N,
+                                            BAND)
                 hb = (cu % units_per_token) // NUM_SPLITS
                 m_sink = gl.load(sinks_ptr + hb * BLOCK_H + offs_sh).to(gl.float32) * 1.4426950408889634
                 m_i = m_sink

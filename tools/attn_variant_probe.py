@@ -41,6 +41,7 @@ _NEVER = "gl.expand_dims(offs_oh, 1) < (tok < 0).to(gl.int32) * 64"
 _STORE = "            gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(out_ptr.dtype.element_ty))\n"
 _STORE_OFF = f"            gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(out_ptr.dtype.element_ty), mask={_NEVER})\n"
 _Q_NEXT = "            if last & (nu < num_units):\n"
+_NO_Q = (_Q_NEXT, "            if last & (nu < 0):\n")  # the next unit's q never loaded (stale q)
 _NO_TMA = dict(tma_store=False)
 # A split's partial output: its TMA store (64-row tiles; the output still goes through the ring slot, and a
 # one-split launch keeps its store), or its store from registers.
@@ -159,8 +160,8 @@ VARIANTS: dict[str, tuple[list[tuple[str, str]], dict, bool]] = {
     # Ablations of the register store (session 19, before the TMA store): the output store predicated off (its
     # division and conversion stay); the next unit's q never loaded (stale q); both.
     "no_store": ([(_STORE, _STORE_OFF)], _NO_TMA, True),
-    "no_q": ([(_Q_NEXT, "            if last & (nu < 0):\n")], _NO_TMA, True),
-    "no_store_no_q": ([(_STORE, _STORE_OFF), (_Q_NEXT, "            if last & (nu < 0):\n")], _NO_TMA, True),
+    "no_q": ([_NO_Q], _NO_TMA, True),
+    "no_store_no_q": ([(_STORE, _STORE_OFF), _NO_Q], _NO_TMA, True),
     # Split launches (decode): no partial output store (the (max, sum) still written); no merge kernel.
     "no_part_store": (_PART_STORE, {}, True),
     "no_merge": ([], {}, True),
@@ -176,7 +177,7 @@ VARIANTS: dict[str, tuple[list[tuple[str, str]], dict, bool]] = {
     # The same with the epilogue of a unit's last tile in pieces; and that without the next unit's q load (ablation:
     # does the epilogue's proxy fence wait for it?).
     "trace_epi": (_TRACE_EPI, {}, False),
-    "trace_epi_no_q": (_TRACE_EPI + [(_Q_NEXT, "            if last & (nu < 0):\n")], {}, True),
+    "trace_epi_no_q": (_TRACE_EPI + [_NO_Q], {}, True),
     "trace_gather": (_TRACE_GATHER, {}, False),
 }
 # Session 19 also timed staging the output through the unit's last ring slot and storing it 16 bytes per

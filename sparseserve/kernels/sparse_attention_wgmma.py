@@ -132,15 +132,13 @@ if _HAVE_GLUON:
         return gl.load(rows_ptr + tok * stride_rt + pos, mask=pos < end, other=-1)
 
     @gluon.jit
-    def _all_holes(rows_ptr, stride_rt, unit, end, units_per_token, NUM_SPLITS: gl.constexpr,
-                   BLOCK_N: gl.constexpr):
+    def _all_holes(rows_ptr, stride_rt, unit, start, end, units_per_token, BLOCK_N: gl.constexpr):
         """Whether a one-tile unit (no band) has only holes. Every thread reads all BLOCK_N ids itself (BLOCK_N
         scalar loads, the same address across a warp), so no warp waits for another: a CTA-wide reduction of the
         tile's ids made ptxas spill under triton 3.6."""
         whole: gl.constexpr = gl.BlockedLayout([BLOCK_N], [32], [8], [0])  # the kernel's 8 warps
-        pos = gl.multiple_of((unit % NUM_SPLITS) * BLOCK_N, BLOCK_N) + gl.arange(0, BLOCK_N, layout=whole)
-        tok = (unit // units_per_token).to(gl.int64)
-        ids = gl.load(rows_ptr + tok * stride_rt + pos, mask=pos < end, other=-1)
+        ids = _tile_ids(rows_ptr, stride_rt, unit, 0, start, end, units_per_token,
+                        gl.arange(0, BLOCK_N, layout=whole), BLOCK_N)
         return gl.max(ids, 0) < 0
 
     @gluon.jit
@@ -285,7 +283,7 @@ if _HAVE_GLUON:
                 if BAND:
                     band_empty = c_end <= c_start
                 else:  # the unit's one tile has only holes
-                    band_empty = _all_holes(rows_ptr, stride_rt, cu, c_end, units_per_token, NUM_SPLITS, BLOCK_N)
+                    band_empty = _all_holes(rows_ptr, stride_rt, cu, c_start, c_end, units_per_token, BLOCK_N)
                 l_i = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + gl.sum(l_cols, 1)
                 if OUT_TMA:
                     # The output (or a split's normalised partial output) leaves through the tile's ring slot,

@@ -32,6 +32,7 @@ from .rope import apply_rope
 from .pdl import pdl_args, wait_for_prior_grid
 from .sparse_attention_wgmma import launch_wgmma_attention, wgmma_supported
 from .sparse_attention_wgmma_pair import launch_pair_attention
+from .sparse_attention_wgmma_roles import launch_roles_attention
 
 
 def sparse_mqa_attention_ref(
@@ -298,6 +299,7 @@ class AttnConfig:
     wgmma: bool = False  # the Hopper Gluon kernel (sparse_attention_wgmma.py): 64 heads, D = 512, 8 warps, 2 stages
     max_programs: int = 0  # wgmma: at most this many persistent programs (0: one per SM)
     pair: bool = False  # wgmma: the tile-pair kernel (sparse_attention_wgmma_pair.py; 64-row tiles)
+    roles: bool = False  # wgmma: the role-split kernel (sparse_attention_wgmma_roles.py; 64-row tiles)
 
 
 def attention_config(
@@ -392,7 +394,7 @@ def needs_band_prepass(cfg: AttnConfig, rows_per_split: int) -> bool:
     """Whether the launch runs `_valid_band_kernel` first. The wgmma kernel's splits of one tile (small decode
     batches: 16 splits of 640 rows, 8 of 384) need no band: the tile masks its holes anyway and an all-holes
     split is known from its row ids, so the pre-pass and its graph node are saved."""
-    if cfg.wgmma and not cfg.pair and rows_per_split == cfg.block_n:
+    if cfg.wgmma and not (cfg.pair or cfg.roles) and rows_per_split == cfg.block_n:
         return False
     return cfg.band_prepass
 
@@ -425,7 +427,7 @@ def sparse_mqa_attention_triton(
     on_hopper = wgmma_supported(q, kv_pool)
     cfg = config or attention_config(num_tokens, num_heads, num_rows, head_dim, num_sms(q.device), wgmma=on_hopper)
     if cfg.wgmma and not (on_hopper and cfg.block_h == 64 and cfg.band_prepass
-                          and cfg.num_stages == 2 and cfg.block_n in ((64,) if cfg.pair else (32, 64))):
+                          and cfg.num_stages == 2 and cfg.block_n in ((64,) if cfg.pair or cfg.roles else (32, 64))):
         raise ValueError(f"{cfg} asks for the wgmma kernel, which takes Hopper, 64-head blocks, D = 512, 2 stages of "
                          f"32 or 64 rows and a band pre-pass; got q {tuple(q.shape)} {q.dtype} on {q.device}")
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -451,7 +453,10 @@ def sparse_mqa_attention_triton(
             **pdl_args(rows.device))
     else:
         band = None if cfg.wgmma else rows  # wgmma: one-tile splits read their segments; else unused
-    if cfg.wgmma and cfg.pair:
+    if cfg.wgmma and cfg.roles:
+        launch_roles_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, float(scale) * _LOG2E,
+                               splits, cfg.max_programs or num_sms(q.device))
+    elif cfg.wgmma and cfg.pair:
         launch_pair_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, float(scale) * _LOG2E,
                               splits, cfg.max_programs or num_sms(q.device))
     elif cfg.wgmma:

@@ -170,14 +170,23 @@ def test_attention_config_wgmma_rule():
     assert not attention_config(64, 16, 640, 512, 132, wgmma=True).wgmma  # 16 heads
     assert not attention_config(64, 64, 640, 128, 132, wgmma=True).wgmma  # D = 128
     assert not attention_config(8, 64, 640, 512, 132).wgmma
-    # The tile-pair kernel: 128-head models with long lists only.
-    assert attention_config(4096, 128, 1152, 512, 132, wgmma=True).pair
-    assert attention_config(64, 128, 1152, 512, 132, wgmma=True).pair
-    assert not attention_config(8, 128, 1152, 512, 132, wgmma=True).pair  # 8 splits of 144 rows
-    assert not attention_config(4096, 128, 384, 512, 132, wgmma=True).pair  # HCA 32K
-    assert not attention_config(4096, 64, 640, 512, 132, wgmma=True).pair  # Flash CSA prefill: TMA-store wgmma
-    assert not attention_config(256, 64, 640, 512, 132, wgmma=True).pair  # Flash CSA decode
-    assert not attention_config(256, 64, 1152, 512, 132, wgmma=True).pair  # 64 heads, decode
+    # The role-split kernel: every unsplit wgmma config (prefill, big decode batches), unless roles is off.
+    for tokens, heads, rows in ((4096, 64, 640), (4096, 128, 1152), (64, 128, 1152), (256, 64, 160), (4096, 128, 384)):
+        cfg = attention_config(tokens, heads, rows, 512, 132, wgmma=True)
+        assert cfg.roles and not cfg.pair and cfg.num_splits == 1 and cfg.band_prepass and cfg.block_n == 64
+        assert not attention_config(tokens, heads, rows, 512, 132, wgmma=True, roles=False).roles
+    assert not attention_config(64, 64, 640, 512, 132, wgmma=True).roles  # 2 splits: the wgmma kernel
+    assert not attention_config(8, 128, 1152, 512, 132, wgmma=True).roles
+    assert not attention_config(4096, 64, 640, 512, 132).roles  # no wgmma
+    # Without it, the tile-pair kernel: 128-head models with long lists only.
+    off = dict(wgmma=True, roles=False)
+    assert attention_config(4096, 128, 1152, 512, 132, **off).pair
+    assert attention_config(64, 128, 1152, 512, 132, **off).pair
+    assert not attention_config(8, 128, 1152, 512, 132, **off).pair  # 8 splits of 144 rows
+    assert not attention_config(4096, 128, 384, 512, 132, **off).pair  # HCA 32K
+    assert not attention_config(4096, 64, 640, 512, 132, **off).pair  # Flash CSA prefill: TMA-store wgmma
+    assert not attention_config(256, 64, 640, 512, 132, **off).pair  # Flash CSA decode
+    assert not attention_config(256, 64, 1152, 512, 132, **off).pair  # 64 heads, decode
     assert not attention_config(4096, 128, 1152, 512, 132).pair
 
 
@@ -227,6 +236,7 @@ def test_band_prepass_skipped_only_for_one_tile_wgmma_splits():
     assert needs_band_prepass(one_tile, 128)
     assert not needs_band_prepass(AttnConfig(64, 32, 8, 2, 16, band_prepass=True, wgmma=True), 32)
     assert needs_band_prepass(AttnConfig(64, 64, 8, 2, 16, band_prepass=True, wgmma=True, pair=True), 64)
+    assert needs_band_prepass(AttnConfig(64, 64, 8, 2, 16, band_prepass=True, wgmma=True, roles=True), 64)
     assert needs_band_prepass(AttnConfig(64, 64, 8, 2, 4, band_prepass=True), 64)
     assert not needs_band_prepass(AttnConfig(16, 64, 4, 2, 4), 64)
 
@@ -388,7 +398,12 @@ WGMMA_CONFIGS = (AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True),
                  AttnConfig(64, 32, 8, 2, 16, band_prepass=True, wgmma=True),
                  AttnConfig(64, 64, 8, 2, 2, band_prepass=True, wgmma=True, max_programs=1 << 20),
                  AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True, pair=True),
-                 AttnConfig(64, 64, 8, 2, 4, band_prepass=True, wgmma=True, max_programs=5, pair=True))
+                 AttnConfig(64, 64, 8, 2, 4, band_prepass=True, wgmma=True, max_programs=5, pair=True),
+                 # The role-split kernel (sparse_attention_wgmma_roles.py): one program walking every unit, a few,
+                 # one per SM; row splits.
+                 AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True, roles=True),
+                 AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True, max_programs=1, roles=True),
+                 AttnConfig(64, 64, 8, 2, 4, band_prepass=True, wgmma=True, max_programs=7, roles=True))
 
 
 def _hopper() -> bool:

@@ -29,6 +29,8 @@
 #                                     and the corrected store ablations, decode at the engine's configs and prefill (~4 min)
 #   bash tools/gpu_session.sh latency  where a small-batch decode attention call's time goes (merge, pre-pass reads, copy)
 #   bash tools/gpu_session.sh gather   how long a tile's gather takes to land under QK^T (trace_gather; ~2 min)
+#   bash tools/gpu_session.sh roles    the attention kernel benchmark (role-split kernel against the kernel it replaces),
+#                                     then every gpu test (~9 minutes)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -272,5 +274,12 @@ case "${1:-tests}" in
         --engine-flag=--max-model-len=2048 --budget-s 95 --out-dir "$OUT"
       timeout -k 5 ${T_DEMO:-90} python tools/eval_demo.py --device cuda --out "$OUT/demo_eval.json"
     } 2>&1 | filter > "$OUT/check.log"; tail -60 "$OUT/check.log" ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|gemv|s16|wgmma-min|trace-next|latency" >&2; exit 2 ;;
+  roles)
+    # Session 23: the role-split attention kernel as the engine's default for unsplit wgmma configs. The kernel
+    # benchmark (it times the replaced wgmma / tile-pair kernel in the same process), then every gpu test.
+    timeout -k 5 150 python -m sparseserve.benchmarks.kernels --only attn-decode,attn-prefill --no-ref \
+      --out "$OUT/kernels_attn_roles.json" > "$OUT/kernels_attn_roles.log" 2>&1; grep -ac "^attn" "$OUT/kernels_attn_roles.log"
+    timeout -k 5 420 python -m pytest -q -m gpu tests/ 2>&1 | filter > "$OUT/gpu_tests_roles.log"
+    grep -aE "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_roles.log" | tail -20 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|gemv|s16|wgmma-min|trace-next|latency|gather|roles" >&2; exit 2 ;;
 esac

@@ -197,6 +197,7 @@ def wgmma_attention_rows() -> list[dict]:
     the tile-pair kernel, kernels/sparse_attention_wgmma_pair.py, direct and split)."""
     from sparseserve.kernels import sparse_attention_wgmma as wgmma
     from sparseserve.kernels import sparse_attention_wgmma_pair as pair
+    from sparseserve.kernels import sparse_attention_wgmma_roles as roles
 
     rows = []
     # band False: one-tile splits, which read their segments without the band pre-pass (small decode batches).
@@ -213,6 +214,11 @@ def wgmma_attention_rows() -> list[dict]:
         constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=248, PDL=1)
         rows.append(_gluon_attention_row(pair._sparse_mqa_pair_kernel, constexprs, 4, {"part_acc_ptr": "*fp32"},
                                          kernel="sparse_mqa_pair", block_n=64, splits=splits))
+    for splits in (1, 4):  # the role-split kernel as launch_roles_attention builds it (TMA store, no trace)
+        constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=roles.WORKER_REGS, OUT_TMA=True, TRACE=False, ABLATE=0, PDL=1)
+        types = {**_out_desc_type(True), "part_acc_ptr": "*bf16", "trace_ptr": "*bf16"}
+        rows.append(_gluon_attention_row(roles._sparse_mqa_roles_kernel, constexprs, 4, types,
+                                         kernel="sparse_mqa_roles", block_n=64, splits=splits))
     return rows
 
 

@@ -83,7 +83,14 @@ def check(gen) -> list[dict]:
     return res
 
 
-def timing(gen) -> list[dict]:
+def _with_regs(regs: int):
+    """The dispatch's launcher with the output warpgroups' register count set (a probe knob)."""
+    import sparseserve.kernels.sparse_attention as sa
+    from sparseserve.kernels import sparse_attention_wgmma_roles as rk
+    sa.launch_roles_attention = lambda *a, **k: rk.launch_roles_attention(*a, **k, worker_regs=regs)
+
+
+def timing(gen, regs=(168,), prefill_only=False) -> list[dict]:
     res = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for model, kind, tokens in (("flash", "hca", 4096), ("flash", "csa", 4096), ("pro", "hca", 4096),
@@ -91,7 +98,9 @@ def timing(gen) -> list[dict]:
         case = kb.attn_prefill_case(model, kind, tokens, gen)
         q, kv, rows, sinks, scale = case["args"]
         base = attention_config(q.shape[0], q.shape[1], rows.shape[1], 512, sms, wgmma=True)
-        for name, cfg in (("engine", base), ("roles", roles())):
+        for name, cfg in [("engine", base)] + [(f"roles-w{w}", roles()) for w in regs]:
+            if name != "engine":
+                _with_regs(int(name.split("-w")[1]))
             t = kb._bench(lambda c=cfg, a=case["args"]: sparse_mqa_attention_triton(*a, c))
             r = dict(phase="prefill", model=model, kind=kind, tokens=tokens, kernel=name, cfg=repr(cfg), us=round(t, 1),
                      bf16_frac=round(case["flops"] / (t * 1e-6) / kb.BF16_FLOPS, 3))
@@ -99,6 +108,9 @@ def timing(gen) -> list[dict]:
             print(f"prefill {model} {kind} {tokens} {name}: {t:.1f} us ({100 * r['bf16_frac']:.1f}% bf16)", flush=True)
         del case
         torch.cuda.empty_cache()
+    if prefill_only:
+        return res
+    _with_regs(regs[0])
     for model, kind, batch, ctx in (("flash", "csa", 256, 32768), ("flash", "csa", 64, 32768),
                                     ("flash", "hca", 256, 32768), ("flash", "hca", 64, 32768),
                                     ("flash", "hca", 256, 131072), ("pro", "hca", 64, 32768)):
@@ -167,13 +179,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="roles_probe.json")
     ap.add_argument("--modes", default="check")
+    ap.add_argument("--regs", default="168", help="timing: output warpgroups' register counts to time")
+    ap.add_argument("--prefill-only", action="store_true")
     args = ap.parse_args()
     import triton
     gen = torch.Generator(device="cuda").manual_seed(0)
     report = dict(card=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=" ".join(sys.argv))
     for mode in args.modes.split(","):
-        report[mode] = {"check": check, "timing": timing, "trace": trace}[mode](gen)
+        report[mode] = {"check": check, "timing": lambda g: timing(g, tuple(int(r) for r in args.regs.split(",")), args.prefill_only), "trace": trace}[mode](gen)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print("wrote", args.out)

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.testing
 
+from sparseserve.kernels.dispatch import enabled_on
 from sparseserve.kernels.indexer import IndexerConfig, indexer_config, indexer_scores_ref, indexer_scores_triton
 from sparseserve.kernels.sparse_attention import (
     AttnConfig,
@@ -361,7 +362,8 @@ def run(args) -> dict:
     def attn(phase, meta, case):
         q, kv, rows, sinks, scale = case["args"]
         on_hopper = wgmma_supported(q, kv)
-        cfg = attention_config(q.shape[0], q.shape[1], rows.shape[1], D, num_sms, wgmma=on_hopper)
+        cfg = attention_config(q.shape[0], q.shape[1], rows.shape[1], D, num_sms, wgmma=on_hopper,
+                               roles=on_hopper and enabled_on("attention_roles", q.device))
         launch = lambda a, c=cfg: sparse_mqa_attention_triton(*a, c)  # noqa: E731
         ref_fn = lambda: sparse_mqa_attention_ref(*case["args"])  # noqa: E731
         meta["rel_err_vs_bf16_ref"] = _check_close(launch(case["args"]), ref_fn(), 2e-2, repr(meta))
@@ -376,6 +378,11 @@ def run(args) -> dict:
                 one = dataclasses.replace(cfg, pair=False)
                 meta["wgmma_config"] = repr(one)
                 meta["wgmma_time_us"] = round(timed(case, lambda a, c=one: sparse_mqa_attention_triton(*a, c)), 2)
+            if cfg.roles:  # and the kernel it replaces (the wgmma or tile-pair kernel)
+                prev = attention_config(q.shape[0], q.shape[1], rows.shape[1], D, num_sms, wgmma=True, roles=False)
+                _check_close(sparse_mqa_attention_triton(*case["args"], prev), ref_fn(), 2e-2, repr(meta) + repr(prev))
+                meta["replaced_config"] = repr(prev)
+                meta["replaced_time_us"] = round(timed(case, lambda a, c=prev: sparse_mqa_attention_triton(*a, c)), 2)
         else:
             # Both policies of the small-batch path (pipelined cp.async vs register prefetch) on
             # every case, so the default can be set per regime from one run.

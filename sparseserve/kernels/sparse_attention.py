@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import env_count, num_sms, use_triton
+from .dispatch import enabled_on, env_count, num_sms, use_triton
 from .rope import apply_rope
 from .pdl import pdl_args, wait_for_prior_grid
 from .sparse_attention_wgmma import launch_wgmma_attention, wgmma_supported
@@ -304,15 +304,16 @@ class AttnConfig:
 
 def attention_config(
     num_tokens: int, num_heads: int, num_rows: int, head_dim: int, num_sms: int, prefetch: bool | None = None,
-    wgmma: bool = False,
+    wgmma: bool = False, roles: bool | None = None,
 ) -> AttnConfig:
     """Pick block sizes and row splits from static shapes only (graph-safe).
 
     wgmma (the Hopper Gluon kernel can serve the call: `sparse_attention_wgmma.wgmma_supported`), from
     WGMMA_MIN_PROGRAMS (token, 64-head) programs on: 64 heads per program, 64-row tiles in a 2-slot ring,
     and the rows split in a power of two (<= WGMMA_SPLIT_MAX, >= WGMMA_SPLIT_MIN_ROWS rows each) while
-    the programs still fit one wave. Long units take the tile-pair kernel: >= WGMMA_PAIR_MIN_ROWS rows per
-    split of 128-head models.
+    the programs still fit one wave. Unsplit rows (a grid of one or more waves: prefill, big decode batches)
+    take the role-split kernel (`sparse_attention_wgmma_roles.py`) where `roles` (None: wgmma); else long units
+    take the tile-pair kernel: >= WGMMA_PAIR_MIN_ROWS rows per split of 128-head models.
 
     Chosen from a config sweep on the H200 (docs/performance.md, benchmarks/results/kernels.json):
     - many (token, 64-head) programs (big decode batches, prefill): 64 heads per program, so a KV
@@ -332,6 +333,8 @@ def attention_config(
         while (splits * 2 <= WGMMA_SPLIT_MAX and wide * splits * 2 <= num_sms
                and num_rows >= splits * 2 * WGMMA_SPLIT_MIN_ROWS):
             splits *= 2
+        if (wgmma if roles is None else roles) and splits == 1:
+            return AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True, roles=True)
         # Long units of 128-head models (V4-Pro) take the tile-pair kernel (sparse_attention_wgmma_pair.py).
         pair = num_heads % 128 == 0 and num_rows // splits >= WGMMA_PAIR_MIN_ROWS
         return AttnConfig(64, 64, 8, 2, splits, band_prepass=True, wgmma=True, pair=pair)
@@ -425,7 +428,8 @@ def sparse_mqa_attention_triton(
         rows = rows.contiguous()
     sinks = sinks.contiguous()
     on_hopper = wgmma_supported(q, kv_pool)
-    cfg = config or attention_config(num_tokens, num_heads, num_rows, head_dim, num_sms(q.device), wgmma=on_hopper)
+    cfg = config or attention_config(num_tokens, num_heads, num_rows, head_dim, num_sms(q.device), wgmma=on_hopper,
+                                     roles=on_hopper and enabled_on("attention_roles", q.device))
     if cfg.wgmma and not (on_hopper and cfg.block_h == 64 and cfg.band_prepass
                           and cfg.num_stages == 2 and cfg.block_n in ((64,) if cfg.pair or cfg.roles else (32, 64))):
         raise ValueError(f"{cfg} asks for the wgmma kernel, which takes Hopper, 64-head blocks, D = 512, 2 stages of "
@@ -438,7 +442,7 @@ def sparse_mqa_attention_triton(
         # The wgmma kernel stores its splits' normalised outputs by TMA in q's dtype (half the bytes, in whole
         # sectors); the other kernels' stores from registers keep the fp32 acc (a 16-bit store from the
         # wgmma layout writes half sectors: 10-16% slower, session 19).
-        parts_normalised = cfg.wgmma and not cfg.pair
+        parts_normalised = cfg.wgmma and not cfg.pair  # (the role-split kernel's too)
         part_dtype = q.dtype if parts_normalised and cfg.block_n == 64 else torch.float32
         part_acc = torch.empty((num_tokens, splits, num_heads, head_dim), dtype=part_dtype, device=q.device)
         part_ml = torch.empty((num_tokens, splits, 2, num_heads), dtype=torch.float32, device=q.device)

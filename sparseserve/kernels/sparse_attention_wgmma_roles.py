@@ -324,8 +324,11 @@ if _HAVE_GLUON:
         ], [4, 4], [WORKER_REGS, WORKER_REGS])
 
 
+WORKER_REGS = 168  # registers of each output warpgroup (setmaxnreg); the score warpgroup gets the rest, also 168
+
+
 def launch_roles_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale: float,
-                           num_splits: int, max_programs: int, worker_regs: int = 168, trace=None,
+                           num_splits: int, max_programs: int, worker_regs: int = WORKER_REGS, trace=None,
                            ablate: int = 0) -> None:
     """As `sparse_attention_wgmma.launch_wgmma_attention` (64-row tiles, a band pre-pass), for this kernel
     (4 + 4 + 4 warps). Splits write 16-bit normalised partials, as the wgmma kernel's. trace: an int64 tensor

@@ -142,7 +142,7 @@ def trace(gen) -> list[dict]:
     for phase, model, kind, n, ablate in cases:
         case = (kb.attn_prefill_case(model, kind, n, gen) if phase == "prefill"
                 else kb.attn_decode_case(model, kind, n, 32768, gen))
-        buf = torch.full((sms, 512, 16), -1, dtype=torch.int64, device="cuda")
+        buf = torch.full((sms, rk.TRACE_TILES, rk.TRACE_SLOTS), -1, dtype=torch.int64, device="cuda")
         import sparseserve.kernels.sparse_attention as sa
         sa.launch_roles_attention = lambda *a, **k: orig(*a, **k, trace=buf, ablate=ablate)
         try:

@@ -1,8 +1,9 @@
 """Hopper (sm_90) kernel for the 64-head path of gathered-row MQA with a sink, written in Gluon.
 
 Same contract as `sparse_attention.sparse_mqa_attention_ref` (the plain-PyTorch reference beside
-it, and the CPU path); only the shapes that take 64 heads per program come here (prefill, and
-decode from WGMMA_MIN_PROGRAMS token x 64-head programs on: `sparse_attention.attention_config`). The Triton kernel
+it, and the CPU path); only the shapes that take 64 heads per program come here (decode from WGMMA_MIN_PROGRAMS
+token x 64-head programs on, split or of V4-Flash; prefill only where the role-split kernel,
+`sparse_attention_wgmma_roles.py`, is off: `sparse_attention.attention_config`). The Triton kernel
 in `sparse_attention.py` stays the path of every other shape, of the CPU interpreter and of GPUs
 other than Hopper.
 

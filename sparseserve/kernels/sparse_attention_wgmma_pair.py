@@ -18,7 +18,8 @@ Every barrier is an mbarrier of count 1 (one elected arrival per partition) and 
 pair (or unit): its phase parity is the pair (unit) counter's.
 
 When it is used (`sparse_attention.attention_config`): long units, i.e. >= 1024 rows per split of
-128-head models (V4-Pro CSA, decode from batch 64 and prefill). H200, session 18, kernel benchmark
+128-head models (V4-Pro CSA, decode from batch 64 and prefill), where the role-split kernel
+(`sparse_attention_wgmma_roles.py`, session 23: 1.04-1.18x faster on those shapes) is turned off. H200, session 18, kernel benchmark
 against `sparse_attention_wgmma.py` in the same run: prefill Pro CSA 32K 23,615 vs 26,563 us (50% of
 bf16), 4K 2,019 vs 2,246; Pro decode batch 64 / 256 4-7% faster. Session 19 gave the wgmma kernel a
 TMA output store, which made it the faster on V4-Flash CSA prefill (4K 816 vs 875 us), and measured

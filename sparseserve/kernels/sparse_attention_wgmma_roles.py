@@ -2,24 +2,33 @@
 two accumulate the output.
 
 Same contract, units, bands, partials and merge as `sparse_attention_wgmma.py`. There both warpgroups work
-on every tile in lockstep: QK^T (m64n32 per warpgroup, each reading all of q: 192 KB of shared memory per
-tile), then the softmax on both while the tensor cores idle, then PV; a tile takes 5,300-5,800 cycles
-against 2,048 of tensor work (session 21's trace). Here the three warpgroups of a program pipeline the tile
+on every tile in lockstep: QK^T (m64n32 per warpgroup, each reading all of q), then the softmax on both while
+the tensor cores idle, then PV, then the next tile. Here the three warpgroups of a program pipeline the tile
 stream (FlashAttention-3's producer/consumer split, with the score side as the producer):
-  * the score warpgroup (the default partition) runs each tile's whole QK^T (m64n64: q and the tile, 128 KB
-    of shared memory), masks, keeps the running max and the row sums, and hands the tile's bf16
-    probabilities p and the rescale factor alpha to the others through a double-buffered shared tile; then
-    it starts the next tile's QK^T while they multiply;
+  * the score warpgroup (the default partition) runs each tile's whole QK^T (m64n64 over q's two column halves),
+    masks, keeps the running max and the row sums, and hands the tile's 16-bit probabilities p and the rescale
+    factor alpha to the others through a double-buffered shared tile; then it starts the next tile while they
+    multiply. It loads q for the next unit once its last QK^T of a unit is done, and writes a split's (max, sum);
   * two output warpgroups (worker partitions) each own 256 of the 512 value columns: acc = acc * alpha +
-    p v[:, own]. Each regathers its own column half of a ring slot (two 64-row slots) as soon as its PV on
-    that slot is done, by cp.async whose completion arrives on the slot's barrier, and stores its columns
-    of the unit's output (or split's normalised partial) from registers at the unit's end;
-  * the score warpgroup loads q for the next unit once its last QK^T of a unit is done.
+    p v[:, own]. Each regathers its own column half of a ring slot (two 64-row slots) as soon as its PV on that
+    slot is done, by cp.async whose completion arrives on the slot's barrier (its column half is read by no one
+    else then: the score warpgroup's QK^T on it finished before p existed). At a unit's end it writes its
+    columns of the output (or of the split's normalised partial) into its half of the slot and stores them by
+    TMA, and regathers the slot once the TMA engine has read it.
 Barriers (mbarriers): kv_ready[slot] (256 cp.async arrivals, one per output-warpgroup thread), p_ready[buf]
 (1), p_free[buf] (2), l_ready (1) and l_free (2); a barrier's phase parity is its use count.
 
-Resources: 4 + 4 + 4 warps, one program per SM (208 KB of shared memory: q 64 KB, two 64 KB slots, two 8 KB p
-tiles). Shapes: those of `sparse_attention_wgmma.py` with 64-row tiles and a band pre-pass.
+Resources: 4 + 4 + 4 warps, one program per SM, 214 KB of shared memory (q 64 KB, two 64 KB slots, two 8 KB p
+tiles), 168 registers per warpgroup (setmaxnreg; `tools/kernel_resources.py --wgmma`: 16-32 B of scalars spilled
+by the score warpgroup). Shapes: those of `sparse_attention_wgmma.py` with 64-row tiles and a band pre-pass.
+
+Measured (H200, session 23, docs/performance.md): a steady tile takes ~5,000 cycles (QK^T 2,600, softmax 1,100,
+waiting for its rows 600, the hand-over 300), the same as the lockstep kernel's tile, but a unit's epilogue
+and q load now run beside the other warpgroups' work, and V4-Pro's 128 heads no longer need the tile-pair
+kernel: prefill 1.04-1.20x the kernels it replaces, V4-Pro decode at batch 64-256 1.05-1.18x. Tried and dropped
+(same probe, `tools/roles_probe.py`): the output stored from registers (a unit's epilogue 9,700-13,000 cycles),
+the next tile's QK^T issued before this tile's softmax (QK^T then waits behind PV: slower), and q held in
+registers as the A operand (ptxas spills it).
 """
 from __future__ import annotations
 
@@ -36,12 +45,10 @@ if _HAVE_GLUON:
         _async_gather, _cp, _cta_barrier, _issue_q, _next_tile, _rows_scaled, _store_ml, _store_unit, _tile_ids,
         _tma_store, _unit_band, wait_for_prior_grid)
 
-    TRACE_TILES = 512  # tiles traced per program (TRACE), 16 int64 slots each
-    TRACE_SLOTS = 16
-
     @gluon.jit
     def _trace_mark(trace_ptr, offs, j, k: gl.constexpr, TRACE: gl.constexpr, value=None):
-        """TRACE: one thread of the partition writes %clock64 (or `value`) into slot k of tile j of this program."""
+        """TRACE: one thread of the partition writes %clock64 (or `value`) into slot k of tile j of this program
+        (a [programs, TRACE_TILES = 512, TRACE_SLOTS = 16] int64 buffer; tiles past 512 are not traced)."""
         if TRACE:
             if value is None:
                 v = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [offs], dtype=gl.int64, is_pure=False,
@@ -325,14 +332,17 @@ if _HAVE_GLUON:
 
 
 WORKER_REGS = 168  # registers of each output warpgroup (setmaxnreg); the score warpgroup gets the rest, also 168
+TRACE_TILES, TRACE_SLOTS = 512, 16  # the trace buffer's shape per program (as _trace_mark writes it)
 
 
 def launch_roles_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale: float,
                            num_splits: int, max_programs: int, worker_regs: int = WORKER_REGS, trace=None,
                            ablate: int = 0) -> None:
     """As `sparse_attention_wgmma.launch_wgmma_attention` (64-row tiles, a band pre-pass), for this kernel
-    (4 + 4 + 4 warps). Splits write 16-bit normalised partials, as the wgmma kernel's. trace: an int64 tensor
-    [programs, TRACE_TILES, TRACE_SLOTS] for clock marks (tools/roles_probe.py), or None."""
+    (4 + 4 + 4 warps). Splits write 16-bit normalised partials, as the wgmma kernel's. Diagnostics for
+    tools/roles_probe.py: trace, an int64 tensor [programs, TRACE_TILES, TRACE_SLOTS] for clock marks (score
+    warpgroup: marks 0-4, unit 9, tile 10; output warpgroup 0: marks 5-8, 11, 12), or None; ablate=1 masks every
+    regather (no row traffic; outputs wrong on purpose)."""
     args, num_units = unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale, num_splits)
     out_desc, out_tma = out_descriptor(out, part_acc, num_splits, True)
     _sparse_mqa_roles_kernel[(min(num_units, max_programs),)](

@@ -91,6 +91,13 @@ if _HAVE_GLUON:
         _cp.commit_group()
 
     @gluon.jit
+    def _unit_sink(sinks_ptr, unit, units_per_token, offs_h, NUM_SPLITS: gl.constexpr):
+        """The unit's 64-head block and its heads' sink logits in base 2 (offs_h: 0..63 in the wanted layout): the
+        running max a unit starts from."""
+        hb = (unit % units_per_token) // NUM_SPLITS
+        return hb, gl.load(sinks_ptr + hb * 64 + offs_h).to(gl.float32) * 1.4426950408889634
+
+    @gluon.jit
     def _unit_band(band_ptr, unit, num_units, units_per_token, NUM_SPLITS: gl.constexpr):
         """[start, end) of the unit's valid rows (the band pre-pass); (0, 0) past the last unit."""
         idx = (unit // units_per_token) * NUM_SPLITS + unit % NUM_SPLITS
@@ -229,8 +236,7 @@ if _HAVE_GLUON:
 
         # The running max starts at the sink logit and the sum at exp(sink - max) = 1, so the sink
         # is in the denominator from the start; only split 0 counts it (the merge adds the rest).
-        hb = (cu % units_per_token) // NUM_SPLITS
-        m_sink = gl.load(sinks_ptr + hb * BLOCK_H + offs_sh).to(gl.float32) * 1.4426950408889634
+        hb, m_sink = _unit_sink(sinks_ptr, cu, units_per_token, offs_sh, NUM_SPLITS)
         m_i = m_sink
         acc = gl.zeros([BLOCK_H, D], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
@@ -316,8 +322,7 @@ if _HAVE_GLUON:
                 ct = 0
                 c_start, c_end = _unit_span(band_ptr, cu, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N,
                                             BAND)
-                hb = (cu % units_per_token) // NUM_SPLITS
-                m_sink = gl.load(sinks_ptr + hb * BLOCK_H + offs_sh).to(gl.float32) * 1.4426950408889634
+                hb, m_sink = _unit_sink(sinks_ptr, cu, units_per_token, offs_sh, NUM_SPLITS)
                 m_i = m_sink
                 l_cols = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
             else:

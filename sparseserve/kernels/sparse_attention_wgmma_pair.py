@@ -43,7 +43,7 @@ if _HAVE_GLUON:
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
     from .sparse_attention_wgmma import (
-        _async_gather, _cp, _cta_barrier, _issue_q, _store_unit, _unit_band, wait_for_prior_grid)
+        _async_gather, _cp, _cta_barrier, _issue_q, _store_unit, _unit_band, _unit_sink, wait_for_prior_grid)
 
     @gluon.jit
     def _pair_tile_ids(rows_ptr, stride_rt, unit, pair, start, end, units_per_token, offs, HALF: gl.constexpr):
@@ -105,8 +105,7 @@ if _HAVE_GLUON:
         _gather_half(g_second, kv_ptr, stride_kv, r, offs_other)
         _gather_half(g_first, kv_ptr, stride_kv, r, offs_mine)
 
-        hb = (cu % units_per_token) // NUM_SPLITS
-        m_sink = gl.load(sinks_ptr + hb * BLOCK_H + offs_sh).to(gl.float32) * 1.4426950408889634
+        hb, m_sink = _unit_sink(sinks_ptr, cu, units_per_token, offs_sh, NUM_SPLITS)
         m_i = m_sink
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=vec_layout)
         acc = gl.zeros([BLOCK_H, DH], gl.float32, layout=o_layout)
@@ -185,8 +184,7 @@ if _HAVE_GLUON:
                 cp = 0
                 c_start = nu_start
                 c_end = nu_end
-                hb = (cu % units_per_token) // NUM_SPLITS
-                m_sink = gl.load(sinks_ptr + hb * BLOCK_H + offs_sh).to(gl.float32) * 1.4426950408889634
+                hb, m_sink = _unit_sink(sinks_ptr, cu, units_per_token, offs_sh, NUM_SPLITS)
                 m_i = m_sink
                 l_i = gl.zeros([BLOCK_H], gl.float32, layout=vec_layout)
                 acc = gl.zeros([BLOCK_H, DH], gl.float32, layout=o_layout)

@@ -43,7 +43,7 @@ if _HAVE_GLUON:
 
     from .sparse_attention_wgmma import (
         _async_gather, _cp, _cta_barrier, _issue_q, _next_tile, _rows_scaled, _store_ml, _store_unit, _tile_ids,
-        _tma_store, _unit_band, wait_for_prior_grid)
+        _tma_store, _unit_band, _unit_sink, wait_for_prior_grid)
 
     @gluon.jit
     def _trace_mark(trace_ptr, offs, j, k: gl.constexpr, TRACE: gl.constexpr, value=None):
@@ -84,8 +84,7 @@ if _HAVE_GLUON:
         c_start, c_end = _unit_band(band_ptr, cu, num_units, units_per_token, NUM_SPLITS)
         _issue_q(q_lo, q_ptr, cu, units_per_token, stride_qt, stride_qh, offs_qh, offs_lo, NUM_SPLITS)
         _issue_q(q_hi, q_ptr, cu, units_per_token, stride_qt, stride_qh, offs_qh, offs_lo + 256, NUM_SPLITS)
-        hb = (cu % units_per_token) // NUM_SPLITS
-        m_sink = gl.load(sinks_ptr + hb * BLOCK_H + offs_sh).to(gl.float32) * 1.4426950408889634
+        hb, m_sink = _unit_sink(sinks_ptr, cu, units_per_token, offs_sh, NUM_SPLITS)
         m_i = m_sink
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=vec_layout)
         s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
@@ -154,8 +153,7 @@ if _HAVE_GLUON:
                 ct = 0
                 c_start = nt_start
                 c_end = nt_end
-                hb = (cu % units_per_token) // NUM_SPLITS
-                m_sink = gl.load(sinks_ptr + hb * BLOCK_H + offs_sh).to(gl.float32) * 1.4426950408889634
+                hb, m_sink = _unit_sink(sinks_ptr, cu, units_per_token, offs_sh, NUM_SPLITS)
                 m_i = m_sink
                 l_i = gl.zeros([BLOCK_H], gl.float32, layout=vec_layout)
                 uc = uc + 1

@@ -1,42 +1,88 @@
-"""TritonBuilds: records the kernels Triton builds inside a region, chains and restores the hook."""
+"""TritonBuilds: counts the kernels Triton builds inside a region, without Triton's post-compile hook."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from sparseserve.benchmarks.jit_watch import TritonBuilds
+from sparseserve.benchmarks.jit_watch import TritonBuilds, built_count, engine_kernels
 from sparseserve.benchmarks.throughput import jit_warning_lines
 
-knobs = pytest.importorskip("triton").knobs
+triton = pytest.importorskip("triton")
 
 
-def fire(name: str) -> None:
-    """What Triton's JIT does after it builds a kernel (keyword arguments as in triton 3.6 and 3.9)."""
-    hook = knobs.runtime.jit_post_compile_hook
-    if hook is not None:
-        hook(key=None, repr=name, fn=SimpleNamespace(name=name), compile={}, is_manual_warmup=False,
-             already_compiled=False)
+def fake_kernel(name: str) -> SimpleNamespace:
+    """A kernel as TritonBuilds sees it: per device, a tuple whose first item is the compiled-kernel cache
+    (as `JITFunction.device_caches` holds it in triton 3.6 and 3.9)."""
+    return SimpleNamespace(__name__=name, device_caches={0: ({}, {}, None, None, None)})
 
 
-def test_records_builds_inside_only_and_restores_the_hook():
-    seen = []
-    knobs.runtime.jit_post_compile_hook = lambda **kwargs: seen.append(kwargs["fn"].name)
-    try:
-        fire("before")
-        with TritonBuilds() as builds:
-            fire("_attn")
-            fire("_topk")
-            fire("_attn")
-        fire("after")
-        assert builds.kernels == ["_attn", "_topk", "_attn"]
-        assert builds.count == 3 and builds.summary() == ["_attn x2", "_topk x1"]
-        assert seen == ["before", "_attn", "_topk", "_attn", "after"]  # the installed hook kept seeing every build
-    finally:
-        knobs.runtime.jit_post_compile_hook = None
-    with TritonBuilds() as empty:
+def build(kernel, device: int = 0) -> None:
+    kernel.device_caches.setdefault(device, ({}, {}, None, None, None))[0][object()] = "compiled"
+
+
+def test_counts_builds_inside_only():
+    attn, topk = fake_kernel("_attn"), fake_kernel("_topk")
+    build(attn)  # before: not counted
+    with TritonBuilds(lambda: [attn, topk]) as builds:
+        build(attn)
+        build(topk)
+        build(attn, device=1)  # another device's cache counts too
+    build(topk)  # after: not counted
+    assert sorted(builds.kernels) == ["_attn", "_attn", "_topk"]
+    assert builds.count == 3 and builds.summary() == ["_attn x2", "_topk x1"]
+    assert built_count(attn) == 3 and built_count(topk) == 2
+    with TritonBuilds(lambda: [attn, topk]) as empty:
         pass
-    assert empty.count == 0 and knobs.runtime.jit_post_compile_hook is None
+    assert empty.count == 0
+
+
+def test_installs_no_post_compile_hook():
+    """Under triton 3.6 any jit_post_compile_hook makes Gluon kernels with layout constexprs fail to build
+    (Triton serialises their constexprs to JSON for it): the watch must not install one."""
+    assert triton.knobs.runtime.jit_post_compile_hook is None
+    with TritonBuilds():
+        assert triton.knobs.runtime.jit_post_compile_hook is None
+    assert triton.knobs.runtime.jit_post_compile_hook is None
+
+
+def test_watches_the_engine_kernels():
+    """Every compiled kernel object of the loaded engine modules, once (under TRITON_INTERPRET=1 the Triton
+    kernels are interpreted functions with no cache, and only the Gluon ones are JIT functions)."""
+    from triton.runtime.jit import JITFunction
+
+    from sparseserve.kernels import sparse_attention, sparse_attention_wgmma_roles
+
+    kernels = engine_kernels()
+    ids = {id(k) for k in kernels}
+    assert len(kernels) == len(ids) and all(isinstance(k, JITFunction) for k in kernels)
+    for module in (sparse_attention, sparse_attention_wgmma_roles):
+        for value in vars(module).values():
+            if isinstance(value, JITFunction):
+                assert id(value) in ids, value
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon attention kernels need a Hopper GPU")
+def test_a_gluon_kernel_builds_inside_the_watch_gpu():
+    """Session 23: inside the old hook-based watch the wgmma attention kernel failed to build (TypeError: a
+    BlockedLayout is not JSON serializable), so `bench throughput` crashed on the H200."""
+    from sparseserve.kernels.sparse_attention import AttnConfig, sparse_mqa_attention_ref, sparse_mqa_attention_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(37, 64, 512, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(777, 512, device="cuda", generator=gen).bfloat16()
+    rows = torch.randint(0, 777, (37, 93), device="cuda", generator=gen, dtype=torch.int32)
+    sinks = torch.randn(64, device="cuda", generator=gen)
+    cfg = AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True, max_programs=3)  # a fresh specialisation
+    with TritonBuilds() as builds:
+        out = sparse_mqa_attention_triton(q, kv, rows, sinks, 512 ** -0.5, cfg)
+        torch.cuda.synchronize()
+    ref = sparse_mqa_attention_ref(q, kv, rows, sinks, 512 ** -0.5)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    assert builds.count >= 0 and all(isinstance(name, str) for name in builds.kernels)
 
 
 def test_throughput_report_warns_only_when_the_timed_run_built_kernels():

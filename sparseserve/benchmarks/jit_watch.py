@@ -9,41 +9,63 @@ specialisations and the figure is not a steady-state one.
 
     with TritonBuilds() as builds:
         run()
-    builds.kernels  # names of the kernels built inside, in order
+    builds.kernels  # names of the kernels built inside (one entry per build)
+
+It counts each kernel's compiled specialisations (every device's cache) on entry and on exit. It does
+not install Triton's ``jit_post_compile_hook``: under triton 3.6 any such hook makes every Gluon kernel
+with layout arguments (the Hopper attention kernels) fail to build, since Triton serialises the
+kernel's constexprs to JSON for the hook and a layout does not serialise (session 23: the seed
+workload's throughput run crashed so on the H200).
 """
 from __future__ import annotations
 
+import sys
+from typing import Callable, Iterable
+
+
+def engine_kernels() -> list:
+    """Every Triton and Gluon kernel defined at the top level of a loaded `sparseserve` module."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # no Triton (CPU-only install): nothing can be built
+        return []
+    found: dict[int, object] = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "sparseserve" or name.startswith("sparseserve.")):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, JITFunction):
+                found[id(value)] = value
+    return list(found.values())
+
+
+def built_count(kernel) -> int:
+    """Specialisations `kernel` holds compiled, over its devices (Triton keeps (cache, ...) per device)."""
+    return sum(len(entry[0]) for entry in list(getattr(kernel, "device_caches", {}).values()))
+
+
+def _kernel_name(kernel) -> str:
+    return str(getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", kernel))
+
 
 class TritonBuilds:
-    """Records the Triton kernels built while the context is active (chains any installed hook)."""
+    """Records the Triton kernels built while the context is active. `kernels`: which kernels to watch
+    (default: those of the loaded `sparseserve` modules, collected on entry)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: Callable[[], Iterable] = engine_kernels) -> None:
+        self._find = kernels
+        self._before: list[tuple[object, int]] = []
         self.kernels: list[str] = []
-        self._knobs = None
-        self._previous = None
 
     def __enter__(self) -> "TritonBuilds":
-        try:
-            from triton import knobs
-        except ImportError:  # no Triton (CPU-only install): nothing can be built
-            return self
-        self._knobs = knobs
-        self._previous = knobs.runtime.jit_post_compile_hook
-
-        def hook(*args, **kwargs):
-            function = kwargs.get("fn")
-            self.kernels.append(str(getattr(function, "name", function)))
-            if self._previous is not None:
-                return self._previous(*args, **kwargs)
-            return None
-
-        knobs.runtime.jit_post_compile_hook = hook
+        self.kernels = []
+        self._before = [(kernel, built_count(kernel)) for kernel in self._find()]
         return self
 
     def __exit__(self, *exc) -> bool:
-        if self._knobs is not None:
-            self._knobs.runtime.jit_post_compile_hook = self._previous
-            self._knobs = None
+        for kernel, before in self._before:
+            self.kernels += [_kernel_name(kernel)] * max(0, built_count(kernel) - before)
+        self._before = []
         return False
 
     @property

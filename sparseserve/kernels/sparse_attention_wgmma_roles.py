@@ -27,7 +27,7 @@ waiting for its rows 600, the hand-over 300), the same as the lockstep kernel's 
 and q load now run beside the other warpgroups' work, and V4-Pro's 128 heads no longer need the tile-pair
 kernel: prefill 1.04-1.20x the kernels it replaces, V4-Pro decode at batch 64-256 1.05-1.18x. Tried and dropped
 (same probe, `tools/roles_probe.py`): the output stored from registers (a unit's epilogue 9,700-13,000 cycles),
-the next tile's QK^T issued before this tile's softmax (QK^T then waits behind PV: slower), and q held in
+the next tile's QK^T issued before this tile's softmax (slower: its QK^T then took 3,640-5,390 cycles), and q held in
 registers as the A operand (ptxas spills it).
 """
 from __future__ import annotations

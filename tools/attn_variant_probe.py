@@ -110,7 +110,7 @@ _PHASES = ("rows landed", "QK^T", "softmax + p", "PV", "epilogue")
 # trace_epi: four more marks in the epilogue of a unit's last tile (the TMA path), slots 8-11, between PV done (4)
 # and the iteration's end (5).
 _EPI_MARKS = [
-    ("                l_i = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + gl.sum(l_cols, 1)\n", 8),
+    ("                l_i = _unit_row_sum(gl.sum(l_cols, 1), m_i, m_sink, split)\n", 8),
     ("                        k_tile.store(out.to(dtype))\n", 9),
     ("                        fence_async_shared()  # generic-proxy writes, read by the TMA engine\n"
      "                        _cta_barrier()\n", 10),

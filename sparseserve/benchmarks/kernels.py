@@ -29,15 +29,14 @@ import torch
 import triton
 import triton.testing
 
-from sparseserve.kernels.dispatch import enabled_on
 from sparseserve.kernels.indexer import IndexerConfig, indexer_config, indexer_scores_ref, indexer_scores_triton
 from sparseserve.kernels.sparse_attention import (
     AttnConfig,
     attention_config,
+    engine_attention_config,
     sparse_mqa_attention_ref,
     sparse_mqa_attention_triton,
 )
-from sparseserve.kernels.sparse_attention_wgmma import wgmma_supported
 
 HBM_BPS = 4.23e12  # measured device-to-device copy on the H200 (DESIGN.md §5)
 BF16_FLOPS = 790e12  # measured bf16 GEMM on random data
@@ -361,9 +360,7 @@ def run(args) -> dict:
 
     def attn(phase, meta, case):
         q, kv, rows, sinks, scale = case["args"]
-        on_hopper = wgmma_supported(q, kv)
-        cfg = attention_config(q.shape[0], q.shape[1], rows.shape[1], D, num_sms, wgmma=on_hopper,
-                               roles=on_hopper and enabled_on("attention_roles", q.device))
+        cfg = engine_attention_config(q, kv, rows.shape[1])
         launch = lambda a, c=cfg: sparse_mqa_attention_triton(*a, c)  # noqa: E731
         ref_fn = lambda: sparse_mqa_attention_ref(*case["args"])  # noqa: E731
         meta["rel_err_vs_bf16_ref"] = _check_close(launch(case["args"]), ref_fn(), 2e-2, repr(meta))

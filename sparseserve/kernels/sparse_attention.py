@@ -398,6 +398,15 @@ if MERGE_COLS & (MERGE_COLS - 1) or MERGE_COLS < 16:
     raise ValueError(f"SPARSESERVE_ATTN_MERGE_COLS must be a power of two >= 16, got {MERGE_COLS}")
 
 
+def engine_attention_config(q: torch.Tensor, kv_pool: torch.Tensor, num_rows: int) -> AttnConfig:
+    """The config the engine takes for these tensors: `attention_config` with the Gluon kernels where they can
+    serve the call and are not turned off (SPARSESERVE_DISABLE_KERNELS=attention_wgmma / attention_roles)."""
+    on_hopper = wgmma_supported(q, kv_pool)
+    num_tokens, num_heads, head_dim = q.shape
+    return attention_config(num_tokens, num_heads, num_rows, head_dim, num_sms(q.device), wgmma=on_hopper,
+                            roles=on_hopper and enabled_on("attention_roles", q.device))
+
+
 def split_length(num_rows: int, cfg: AttnConfig) -> int:
     """Row slots per split: the list cut into cfg.num_splits pieces, each a whole number of tiles."""
     return triton.cdiv(triton.cdiv(max(num_rows, 1), cfg.num_splits), cfg.block_n) * cfg.block_n
@@ -437,11 +446,11 @@ def sparse_mqa_attention_triton(
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     sinks = sinks.contiguous()
-    on_hopper = wgmma_supported(q, kv_pool)
-    cfg = config or attention_config(num_tokens, num_heads, num_rows, head_dim, num_sms(q.device), wgmma=on_hopper,
-                                     roles=on_hopper and enabled_on("attention_roles", q.device))
-    if cfg.wgmma and not (on_hopper and cfg.block_h == 64 and cfg.band_prepass
-                          and cfg.num_stages == 2 and cfg.block_n in ((64,) if cfg.pair or cfg.roles else (32, 64))):
+    cfg = config or engine_attention_config(q, kv_pool, num_rows)
+    # (The engine's own configs are valid by construction; a caller's is checked.)
+    if config is not None and cfg.wgmma and not (
+            wgmma_supported(q, kv_pool) and cfg.block_h == 64 and cfg.band_prepass and cfg.num_stages == 2
+            and cfg.block_n in ((64,) if cfg.pair or cfg.roles else (32, 64))):
         raise ValueError(f"{cfg} asks for the wgmma kernel, which takes Hopper, 64-head blocks, D = 512, 2 stages of "
                          f"32 or 64 rows and a band pre-pass; got q {tuple(q.shape)} {q.dtype} on {q.device}")
     block_d = max(16, triton.next_power_of_2(head_dim))

@@ -98,6 +98,12 @@ if _HAVE_GLUON:
         return hb, gl.load(sinks_ptr + hb * 64 + offs_h).to(gl.float32) * 1.4426950408889634
 
     @gluon.jit
+    def _unit_row_sum(row_sums, m_i, m_sink, split):
+        """A unit's softmax denominator: its rows' exponentials summed, plus the sink's (exp2(sink - max)) in split 0
+        only (the merge adds the splits)."""
+        return (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + row_sums
+
+    @gluon.jit
     def _unit_band(band_ptr, unit, num_units, units_per_token, NUM_SPLITS: gl.constexpr):
         """[start, end) of the unit's valid rows (the band pre-pass); (0, 0) past the last unit."""
         idx = (unit // units_per_token) * NUM_SPLITS + unit % NUM_SPLITS
@@ -291,7 +297,7 @@ if _HAVE_GLUON:
                     band_empty = c_end <= c_start
                 else:  # the unit's one tile has only holes
                     band_empty = _all_holes(rows_ptr, stride_rt, cu, c_start, c_end, units_per_token, BLOCK_N)
-                l_i = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + gl.sum(l_cols, 1)
+                l_i = _unit_row_sum(gl.sum(l_cols, 1), m_i, m_sink, split)
                 if OUT_TMA:
                     # The output (or a split's normalised partial output) leaves through the tile's ring slot,
                     # by TMA, while the next unit computes: stored from the wgmma layout (4 bytes per thread,

@@ -43,7 +43,8 @@ if _HAVE_GLUON:
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
     from .sparse_attention_wgmma import (
-        _async_gather, _cp, _cta_barrier, _issue_q, _store_unit, _unit_band, _unit_sink, wait_for_prior_grid)
+        _async_gather, _cp, _cta_barrier, _issue_q, _store_unit, _unit_band, _unit_row_sum, _unit_sink,
+        wait_for_prior_grid)
 
     @gluon.jit
     def _pair_tile_ids(rows_ptr, stride_rt, unit, pair, start, end, units_per_token, offs, HALF: gl.constexpr):
@@ -176,7 +177,7 @@ if _HAVE_GLUON:
                 l_tot = l_i + lx_other.load(vec_layout)
                 tok = (cu // units_per_token).to(gl.int64)
                 split = cu % NUM_SPLITS
-                l_fin = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + l_tot
+                l_fin = _unit_row_sum(l_tot, m_i, m_sink, split)
                 _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_fin, tok, split, hb * BLOCK_H, num_heads,
                             stride_ot, stride_oh, c_end <= c_start, offs_oh, offs_od, offs_sh, NUM_SPLITS, HALF == 0,
                             False)

@@ -43,7 +43,7 @@ if _HAVE_GLUON:
 
     from .sparse_attention_wgmma import (
         _async_gather, _cp, _cta_barrier, _issue_q, _next_tile, _rows_scaled, _store_ml, _store_unit, _tile_ids,
-        _tma_store, _unit_band, _unit_sink, wait_for_prior_grid)
+        _tma_store, _unit_band, _unit_row_sum, _unit_sink, wait_for_prior_grid)
 
     @gluon.jit
     def _trace_mark(trace_ptr, offs, j, k: gl.constexpr, TRACE: gl.constexpr, value=None):
@@ -140,7 +140,7 @@ if _HAVE_GLUON:
 
             if last:
                 split = cu % NUM_SPLITS
-                l_fin = (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + l_i
+                l_fin = _unit_row_sum(l_i, m_i, m_sink, split)
                 if NUM_SPLITS > 1:
                     tok = (cu // units_per_token).to(gl.int64)
                     _store_ml(part_ml_ptr, tok * NUM_SPLITS + split, hb * BLOCK_H, num_heads, offs_sh, m_i, l_fin,

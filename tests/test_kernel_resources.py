@@ -35,11 +35,12 @@ def test_wgmma_attention_compiles_for_sm90_without_spills():
     here, on the CPU) and fit one block's shared memory. The wgmma kernel spills nothing; the tile-pair
     kernel spills only a few of its shared-memory descriptors (136-184 B under triton 3.6 and 3.9, reloaded
     from L1 before each product; measured faster on its shapes), never its accumulators (those would be KBs).
-    The role-split kernel's score warpgroup spills a few scalars (16 B under 3.9, 24-32 B under 3.6) at 168
-    registers per warpgroup. The wgmma kernel's one-tile splits without a band pre-pass are a row of their own."""
+    The role-split kernel's score warpgroup spills a few scalars (0-24 B with q loaded by TMA, 16-72 B with q by
+    cp.async, under 3.6 and 3.9) at 168 registers per warpgroup. The wgmma kernel's one-tile splits without a band
+    pre-pass are a row of their own."""
     rows = _compile_report("--wgmma")
-    assert len(rows) == 8 and any(row.get("band") is False for row in rows)
-    limits = {"sparse_mqa_pair": 320, "sparse_mqa_roles": 64}
+    assert len(rows) == 10 and any(row.get("band") is False for row in rows)
+    limits = {"sparse_mqa_pair": 320, "sparse_mqa_roles": 80}
     for row in rows:
         spill_limit = limits.get(row["kernel"], 0)
         assert row["fits"] and row["spill_stack"] <= spill_limit and row["registers"] <= 255, row

@@ -283,5 +283,15 @@ case "${1:-tests}" in
     timeout -k 5 300 python -m pytest -q -m gpu tests/test_sparse_attention.py tests/test_model_gpu.py \
       tests/test_jit_watch.py 2>&1 | filter > "$OUT/gpu_tests_roles.log"
     grep -aE "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_roles.log" | tail -20 ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|gemv|s16|wgmma-min|trace-next|latency|gather|roles" >&2; exit 2 ;;
+  s24)
+    # Session 24: the role-split kernel with q loaded by TMA and the chunked regather behind a unit's output store:
+    # the probe's checks (incl. a strided q: the cp.async path), then its timing against session 23's kernel and
+    # each change alone (same process) and the per-tile trace, then the attention and build-watch gpu tests.
+    timeout -k 5 150 python tools/roles_probe.py --modes check --out "$OUT/roles_probe_check.json" 2>&1 \
+      | grep -a "check\|Error\|error" | tail -40
+    timeout -k 5 240 python tools/roles_probe.py --modes timing,trace --variants old,qtma,chunks \
+      --out "$OUT/roles_probe_timing.json" 2>&1 | grep -a "prefill\|decode\|phase\|Error" | tail -80
+    timeout -k 5 190 python -m pytest -q -m gpu tests/test_sparse_attention.py tests/test_jit_watch.py 2>&1 \
+      | filter > "$OUT/gpu_tests_s24.log"; grep -aE "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_s24.log" | tail -20 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|gemv|s16|wgmma-min|trace-next|latency|gather|roles|s24" >&2; exit 2 ;;
 esac

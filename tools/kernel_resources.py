@@ -214,11 +214,20 @@ def wgmma_attention_rows() -> list[dict]:
         constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=248, PDL=1)
         rows.append(_gluon_attention_row(pair._sparse_mqa_pair_kernel, constexprs, 4, {"part_acc_ptr": "*fp32"},
                                          kernel="sparse_mqa_pair", block_n=64, splits=splits))
-    for splits in (1, 4):  # the role-split kernel as launch_roles_attention builds it (TMA store, no trace)
-        constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=roles.WORKER_REGS, OUT_TMA=True, TRACE=False, ABLATE=0, PDL=1)
-        types = {**_out_desc_type(True), "part_acc_ptr": "*bf16", "trace_ptr": "*bf16"}
-        rows.append(_gluon_attention_row(roles._sparse_mqa_roles_kernel, constexprs, 4, types,
-                                         kernel="sparse_mqa_roles", block_n=64, splits=splits))
+    # The role-split kernel as launch_roles_attention builds it (TMA store, no trace): q by TMA and the chunked
+    # regather (a contiguous q), and q by cp.async with one regather (ROLES_VARIANTS=all: also the other two).
+    variants = [(True, True), (False, False)]
+    if os.environ.get("ROLES_VARIANTS") == "all":
+        variants += [(True, False), (False, True)]
+    for splits in (1, 4):
+        for q_tma, epi_chunks in variants:
+            constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=roles.WORKER_REGS, OUT_TMA=True, Q_TMA=q_tma,
+                              EPI_CHUNKS=epi_chunks, TRACE=False, ABLATE=0, PDL=1)
+            q_desc = _out_desc_type(q_tma)["out_desc"]
+            types = {**_out_desc_type(True), "q_desc": q_desc, "part_acc_ptr": "*bf16", "trace_ptr": "*bf16"}
+            rows.append(_gluon_attention_row(roles._sparse_mqa_roles_kernel, constexprs, 4, types,
+                                             kernel="sparse_mqa_roles", block_n=64, splits=splits, q_tma=q_tma,
+                                             epi_chunks=epi_chunks))
     return rows
 
 

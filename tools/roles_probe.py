@@ -56,6 +56,12 @@ def check(gen) -> list[dict]:
                             rel_err=e, empty_token_zero=zero, nan=nan))
             print(f"check H{heads} T{tokens} L{L} S{cfg.num_splits} P{cfg.max_programs}: err {e:.2e} empty->0 {zero} "
                   f"nan {nan}", flush=True)
+        # q as a strided view (every other head of a wider tensor): the kernel loads it by cp.async, not TMA
+        q_view = torch.stack([q, torch.randn_like(q)], 2).flatten(1, 2)[:, ::2]
+        out = sparse_mqa_attention_triton(q_view, kv, rows, sinks, 512 ** -0.5, roles(2, 5))
+        e = rel_err(out, ref)
+        res.append(dict(heads=heads, tokens=tokens, L=L, q_strided=True, rel_err=e, nan=bool(out.isnan().any())))
+        print(f"check H{heads} T{tokens} L{L} strided q: err {e:.2e}", flush=True)
     for model, kind in (("flash", "csa"), ("flash", "hca"), ("pro", "hca")):
         case = kb.attn_prefill_case(model, kind, 1024, gen)
         ref = sparse_mqa_attention_ref(*case["args"])
@@ -83,24 +89,34 @@ def check(gen) -> list[dict]:
     return res
 
 
-def _with_regs(regs: int):
-    """The dispatch's launcher with the output warpgroups' register count set (a probe knob)."""
+# Launcher variants to time beside the engine's (keyword arguments of launch_roles_attention; "regs" sets
+# worker_regs): "old" is session 23's kernel (q by cp.async, one regather after the output's TMA reads).
+VARIANTS = {"old": dict(q_tma=False, epi_chunks=False), "qtma": dict(q_tma=True, epi_chunks=False),
+            "chunks": dict(q_tma=False, epi_chunks=True)}
+
+
+def _with_launch(**kw):
+    """The dispatch's launcher with these keyword arguments (probe knobs); none: the default launcher."""
     import sparseserve.kernels.sparse_attention as sa
     from sparseserve.kernels import sparse_attention_wgmma_roles as rk
-    sa.launch_roles_attention = lambda *a, **k: rk.launch_roles_attention(*a, **k, worker_regs=regs)
+    sa.launch_roles_attention = lambda *a, **k: rk.launch_roles_attention(*a, **k, **kw)
 
 
-def timing(gen, regs=(168,), prefill_only=False) -> list[dict]:
+def timing(gen, variants=("old",), prefill_only=False) -> list[dict]:
     """The timed cases (below), with the dispatch's launcher restored afterwards."""
     import sparseserve.kernels.sparse_attention as sa
     original = sa.launch_roles_attention
     try:
-        return _timing(gen, regs, prefill_only)
+        return _timing(gen, variants, prefill_only)
     finally:
         sa.launch_roles_attention = original
 
 
-def _timing(gen, regs, prefill_only) -> list[dict]:
+def _variant_kw(name: str) -> dict:
+    return dict(worker_regs=int(name[4:])) if name.startswith("regs") else VARIANTS[name]
+
+
+def _timing(gen, variants, prefill_only) -> list[dict]:
     res = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for model, kind, tokens in (("flash", "hca", 4096), ("flash", "csa", 4096), ("pro", "hca", 4096),
@@ -108,9 +124,11 @@ def _timing(gen, regs, prefill_only) -> list[dict]:
         case = kb.attn_prefill_case(model, kind, tokens, gen)
         q, kv, rows, sinks, scale = case["args"]
         base = attention_config(q.shape[0], q.shape[1], rows.shape[1], 512, sms, wgmma=True)
-        for name, cfg in [("engine", base)] + [(f"roles-w{w}", roles()) for w in regs]:
-            if name != "engine":
-                _with_regs(int(name.split("-w")[1]))
+        for name, cfg in [("engine", base)] + [(v, roles()) for v in variants] + [("engine2", base)]:
+            if name.startswith("engine"):
+                _with_launch()
+            else:
+                _with_launch(**_variant_kw(name))
             t = kb._bench(lambda c=cfg, a=case["args"]: sparse_mqa_attention_triton(*a, c))
             r = dict(phase="prefill", model=model, kind=kind, tokens=tokens, kernel=name, cfg=repr(cfg), us=round(t, 1),
                      bf16_frac=round(case["flops"] / (t * 1e-6) / kb.BF16_FLOPS, 3))
@@ -120,14 +138,19 @@ def _timing(gen, regs, prefill_only) -> list[dict]:
         torch.cuda.empty_cache()
     if prefill_only:
         return res
-    _with_regs(regs[0])
     for model, kind, batch, ctx in (("flash", "csa", 256, 32768), ("flash", "csa", 64, 32768),
                                     ("flash", "hca", 256, 32768), ("flash", "hca", 64, 32768),
-                                    ("flash", "hca", 256, 131072), ("pro", "hca", 64, 32768)):
+                                    ("flash", "hca", 256, 131072), ("pro", "hca", 64, 32768),
+                                    ("pro", "csa", 256, 32768)):
         case = kb.attn_decode_case(model, kind, batch, ctx, gen)
         q, kv, rows, sinks, scale = case["args"]
         base = attention_config(q.shape[0], q.shape[1], rows.shape[1], 512, sms, wgmma=True)
-        for name, cfg in (("engine", base), ("roles", roles()), ("roles-S2", roles(2))):
+        runs = [("engine", base, None), ("roles", roles(), None)] + [(f"roles-{v}", roles(), v) for v in variants]
+        for name, cfg, variant in runs:
+            if variant is None:
+                _with_launch()
+            else:
+                _with_launch(**_variant_kw(variant))
             t = kb._bench_graph([(lambda a=a, c=cfg: sparse_mqa_attention_triton(*a, c)) for a in case["sets"]])
             r = dict(phase="decode", model=model, kind=kind, batch=batch, ctx=ctx, kernel=name, cfg=repr(cfg),
                      us=round(t, 2), hbm_frac=round(case["bytes"] / (t * 1e-6) / kb.HBM_BPS, 3))
@@ -189,7 +212,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="roles_probe.json")
     ap.add_argument("--modes", default="check")
-    ap.add_argument("--regs", default="168", help="timing: output warpgroups' register counts to time")
+    ap.add_argument("--variants", default="old",
+                    help="timing: launcher variants beside the engine's (names of VARIANTS, or regsN: N registers per "
+                         "output warpgroup)")
     ap.add_argument("--prefill-only", action="store_true")
     args = ap.parse_args()
     import triton
@@ -197,7 +222,7 @@ def main() -> None:
     report = dict(card=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=" ".join(sys.argv))
     for mode in args.modes.split(","):
-        report[mode] = {"check": check, "timing": lambda g: timing(g, tuple(int(r) for r in args.regs.split(",")), args.prefill_only), "trace": trace}[mode](gen)
+        report[mode] = {"check": check, "timing": lambda g: timing(g, tuple(args.variants.split(",")), args.prefill_only), "trace": trace}[mode](gen)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print("wrote", args.out)

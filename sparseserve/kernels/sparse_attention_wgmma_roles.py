@@ -33,7 +33,7 @@ registers as the A operand (ptxas spills it).
 from __future__ import annotations
 
 from .pdl import pdl_args
-from .sparse_attention_wgmma import _HAVE_GLUON, out_descriptor, unit_launch_args
+from .sparse_attention_wgmma import _HAVE_GLUON, out_descriptor, tile_layout, unit_launch_args
 
 if _HAVE_GLUON:
     from triton.experimental import gluon
@@ -41,9 +41,14 @@ if _HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     from .sparse_attention_wgmma import (
         _async_gather, _cp, _cta_barrier, _issue_q, _next_tile, _rows_scaled, _store_ml, _store_unit, _tile_ids,
         _tma_store, _unit_band, _unit_row_sum, _unit_sink, wait_for_prior_grid)
+
+    # Renamed between the supported versions (3.6 -> 3.9); both take (desc, coord, barrier, smem).
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
     @gluon.jit
     def _trace_mark(trace_ptr, offs, j, k: gl.constexpr, TRACE: gl.constexpr, value=None):
@@ -59,12 +64,28 @@ if _HAVE_GLUON:
             gl.store(trace_ptr + slot, v, mask=(offs == 0) & (j < 512))
 
     @gluon.jit
+    def _load_q(q_desc, q_lo, q_hi, q_ready, q_ptr, unit, num_heads, units_per_token, stride_qt, stride_qh, offs_qh,
+                offs_lo, NUM_SPLITS: gl.constexpr, Q_TMA: gl.constexpr):
+        """The unit's 64 query heads into q_lo / q_hi: by TMA (eight 64 x 64 boxes, one issuing thread, landing on
+        q_ready) where q is contiguous, else by cp.async from every thread (one commit group)."""
+        if Q_TMA:
+            tok = unit // units_per_token
+            row0 = tok * num_heads + ((unit % units_per_token) // NUM_SPLITS) * 64
+            mbarrier.expect(q_ready, 64 * 512 * 2)
+            for c in gl.static_range(4):
+                _tma_load(q_desc, [row0, c * 64], q_ready, q_lo.slice(c * 64, 64, dim=1))
+                _tma_load(q_desc, [row0, 256 + c * 64], q_ready, q_hi.slice(c * 64, 64, dim=1))
+        else:
+            _issue_q(q_lo, q_ptr, unit, units_per_token, stride_qt, stride_qh, offs_qh, offs_lo, NUM_SPLITS)
+            _issue_q(q_hi, q_ptr, unit, units_per_token, stride_qt, stride_qh, offs_qh, offs_lo + 256, NUM_SPLITS)
+
+    @gluon.jit
     def _score_partition(
         q_ptr, rows_ptr, band_ptr, sinks_ptr, part_ml_ptr, num_heads, num_units, units_per_token,
-        stride_qt, stride_qh, stride_rt, qk_scale,
+        stride_qt, stride_qh, stride_rt, qk_scale, q_desc,
         q_lo, q_hi, kv_lo, kv_hi, p_smem, alpha_smem, l_smem,
-        kv_ready, p_ready, p_free, l_ready, l_free, trace_ptr,
-        NUM_SPLITS: gl.constexpr, TRACE: gl.constexpr,
+        kv_ready, p_ready, p_free, l_ready, l_free, q_ready, trace_ptr,
+        NUM_SPLITS: gl.constexpr, TRACE: gl.constexpr, Q_TMA: gl.constexpr,
     ):
         BLOCK_H: gl.constexpr = 64
         BLOCK_N: gl.constexpr = 64
@@ -82,8 +103,8 @@ if _HAVE_GLUON:
         cu = gl.program_id(0)
         ct = 0
         c_start, c_end = _unit_band(band_ptr, cu, num_units, units_per_token, NUM_SPLITS)
-        _issue_q(q_lo, q_ptr, cu, units_per_token, stride_qt, stride_qh, offs_qh, offs_lo, NUM_SPLITS)
-        _issue_q(q_hi, q_ptr, cu, units_per_token, stride_qt, stride_qh, offs_qh, offs_lo + 256, NUM_SPLITS)
+        _load_q(q_desc, q_lo, q_hi, q_ready, q_ptr, cu, num_heads, units_per_token, stride_qt, stride_qh, offs_qh,
+                offs_lo, NUM_SPLITS, Q_TMA)
         hb, m_sink = _unit_sink(sinks_ptr, cu, units_per_token, offs_sh, NUM_SPLITS)
         m_i = m_sink
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=vec_layout)
@@ -95,9 +116,12 @@ if _HAVE_GLUON:
         while cu < num_units:
             b = j % 2
             _trace_mark(trace_ptr, offs_sh, j, 0, TRACE)
-            if ct == 0:  # the unit's q (this partition's only cp.async) has landed
-                _cp.wait_group(0)
-                _cta_barrier()
+            if ct == 0:  # the unit's q has landed
+                if Q_TMA:
+                    mbarrier.wait(q_ready, uc & 1)
+                else:  # (this partition's only cp.async)
+                    _cp.wait_group(0)
+                    _cta_barrier()
             mbarrier.wait(kv_ready.index(b), (j // 2) & 1)
             _trace_mark(trace_ptr, offs_sh, j, 1, TRACE)
             fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads the async one
@@ -113,12 +137,13 @@ if _HAVE_GLUON:
             nt_start = gl.where(last, nt_start, c_start)
             nt_end = gl.where(last, nt_end, c_end)
             r_next = _tile_ids(rows_ptr, stride_rt, nt_u, nt_t, nt_start, nt_end, units_per_token, offs_s, BLOCK_N)
+            hb_next, m_sink_next = _unit_sink(sinks_ptr, nu, units_per_token, offs_sh, NUM_SPLITS)  # (cached reads)
             s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
             _trace_mark(trace_ptr, offs_sh, j, 2, TRACE)
             if last & (nu < num_units):  # q is free: load the next unit's, under this softmax
                 _cta_barrier()  # every warp's QK^T is done with q
-                _issue_q(q_lo, q_ptr, nu, units_per_token, stride_qt, stride_qh, offs_qh, offs_lo, NUM_SPLITS)
-                _issue_q(q_hi, q_ptr, nu, units_per_token, stride_qt, stride_qh, offs_qh, offs_lo + 256, NUM_SPLITS)
+                _load_q(q_desc, q_lo, q_hi, q_ready, q_ptr, nu, num_heads, units_per_token, stride_qt, stride_qh,
+                        offs_qh, offs_lo, NUM_SPLITS, Q_TMA)
 
             s = gl.where(gl.expand_dims(r_s >= 0, 0), s * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -153,7 +178,8 @@ if _HAVE_GLUON:
                 ct = 0
                 c_start = nt_start
                 c_end = nt_end
-                hb, m_sink = _unit_sink(sinks_ptr, cu, units_per_token, offs_sh, NUM_SPLITS)
+                hb = hb_next
+                m_sink = m_sink_next
                 m_i = m_sink
                 l_i = gl.zeros([BLOCK_H], gl.float32, layout=vec_layout)
                 uc = uc + 1
@@ -173,25 +199,42 @@ if _HAVE_GLUON:
         _cp.commit_group()  # also a group, so that the program's last wait_group covers it
 
     @gluon.jit
+    def _gather_cols_after_store(slot, kv_ptr, stride_kv, r, offs_d, ready):
+        """The regather of a slot half that a unit's output is leaving by TMA (four 64-column boxes, issued in order):
+        each 64-column chunk is copied as soon as the TMA engine has read that chunk's box, so the copies overlap
+        the later boxes' reads. r: the rows, offs_d: 64 column offsets, both in a [64, 64] gather layout."""
+        row_ptr = kv_ptr + gl.expand_dims(r.to(gl.int64) * stride_kv, 1)
+        for c in gl.static_range(4):
+            tma.store_wait(3 - c)
+            _cta_barrier()  # the issuing thread has seen box c read
+            _async_gather(slot.slice(c * 64, 64, dim=1), row_ptr + gl.expand_dims(offs_d + c * 64, 0),
+                          mask=gl.expand_dims(r >= 0, 1))
+        _cp.mbarrier_arrive(ready, increment_count=False)
+        _cp.commit_group()
+
+    @gluon.jit
     def _output_partition(
         kv_ptr, rows_ptr, band_ptr, out_ptr, part_acc_ptr, part_ml_ptr, num_heads, num_units, units_per_token,
         stride_kv, stride_rt, stride_ot, stride_oh, out_desc,
         kv_mine, p_smem, alpha_smem, l_smem,
         kv_ready, p_ready, p_free, l_ready, l_free, trace_ptr,
         NUM_SPLITS: gl.constexpr, HALF: gl.constexpr, OUT_TMA: gl.constexpr, TRACE: gl.constexpr,
-        ABLATE: gl.constexpr,
+        ABLATE: gl.constexpr, EPI_CHUNKS: gl.constexpr,
     ):
         BLOCK_H: gl.constexpr = 64
         BLOCK_N: gl.constexpr = 64
         DH: gl.constexpr = 256
         dtype: gl.constexpr = kv_ptr.dtype.element_ty
         gather_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        chunk_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64] pieces
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, DH, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         num_programs = gl.num_programs(0)
         offs_d = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, gather_layout))
         offs_g = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gather_layout))
+        offs_dc = HALF * DH + gl.arange(0, 64, layout=gl.SliceLayout(0, chunk_layout))
+        offs_gc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, chunk_layout))
         offs_oh = gl.arange(0, BLOCK_H, layout=row_layout)
         offs_od = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
 
@@ -228,6 +271,7 @@ if _HAVE_GLUON:
             mbarrier.arrive(p_free.index(b))
             n_tiles = gl.maximum(gl.cdiv(c_end - c_start, BLOCK_N), 1)
             last = ct + 1 >= n_tiles
+            regathered = False
             if last:
                 mbarrier.wait(l_ready, uc & 1)
                 l_fin = l_smem.load(row_layout)
@@ -252,8 +296,17 @@ if _HAVE_GLUON:
                         _cta_barrier()
                         for c in gl.static_range(DH // 64):
                             _tma_store(out_desc, [row0, HALF * DH + c * 64], kv_mine.index(b).slice(c * 64, 64, dim=1))
-                        tma.store_wait(0)
-                        _cta_barrier()
+                        if EPI_CHUNKS:
+                            r_c = _tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_gc,
+                                            BLOCK_N)
+                            if ABLATE == 1:
+                                r_c = r_c * 0 - 1
+                            _gather_cols_after_store(kv_mine.index(b), kv_ptr, stride_kv, r_c, offs_dc,
+                                                     kv_ready.index(b))
+                            regathered = True
+                        else:
+                            tma.store_wait(0)
+                            _cta_barrier()
                 else:
                     _store_unit(out_ptr, part_acc_ptr, part_ml_ptr, acc, l_fin, l_fin, tok, split, hb * BLOCK_H,
                                 num_heads, stride_ot, stride_oh, c_end <= c_start, offs_oh, offs_od, offs_oh,
@@ -262,7 +315,8 @@ if _HAVE_GLUON:
             # The score warpgroup finished this slot's QK^T before p_ready: my columns of it are free.
             if ABLATE == 1:  # probe only: no row traffic (masked copies still write zeros and arrive)
                 r_ahead = r_ahead * 0 - 1
-            _gather_cols(kv_mine.index(b), kv_ptr, stride_kv, r_ahead, offs_d, kv_ready.index(b))
+            if not regathered:
+                _gather_cols(kv_mine.index(b), kv_ptr, stride_kv, r_ahead, offs_d, kv_ready.index(b))
             gu, gt, g_start, g_end = _next_tile(gu, gt, g_start, g_end, band_ptr, num_units, units_per_token, 0,
                                                 num_programs, NUM_SPLITS, BLOCK_N, True)
             r_ahead = _tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
@@ -283,9 +337,9 @@ if _HAVE_GLUON:
         q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         num_heads, num_units, units_per_token,
         stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
-        qk_scale, out_desc, trace_ptr,
-        NUM_SPLITS: gl.constexpr, WORKER_REGS: gl.constexpr, OUT_TMA: gl.constexpr, TRACE: gl.constexpr,
-        ABLATE: gl.constexpr, PDL: gl.constexpr,
+        qk_scale, out_desc, q_desc, trace_ptr,
+        NUM_SPLITS: gl.constexpr, WORKER_REGS: gl.constexpr, OUT_TMA: gl.constexpr, Q_TMA: gl.constexpr,
+        EPI_CHUNKS: gl.constexpr, TRACE: gl.constexpr, ABLATE: gl.constexpr, PDL: gl.constexpr,
     ):
         wait_for_prior_grid(PDL)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -303,29 +357,32 @@ if _HAVE_GLUON:
         p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         l_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(kv_ready.index(i), count=256)  # every thread of both output warpgroups
             mbarrier.init(p_ready.index(i), count=1)
             mbarrier.init(p_free.index(i), count=2)
         mbarrier.init(l_ready, count=1)
         mbarrier.init(l_free, count=2)
+        mbarrier.init(q_ready, count=1)  # Q_TMA: the issuing thread's expect; the bytes complete the phase
         fence_async_shared()
         _cta_barrier()
         gl.warp_specialize([
             (_score_partition, (q_ptr, rows_ptr, band_ptr, sinks_ptr, part_ml_ptr, num_heads, num_units,
-                                units_per_token, stride_qt, stride_qh, stride_rt, qk_scale,
+                                units_per_token, stride_qt, stride_qh, stride_rt, qk_scale, q_desc,
                                 q_lo, q_hi, kv_lo, kv_hi, p_smem, alpha_smem, l_smem,
-                                kv_ready, p_ready, p_free, l_ready, l_free, trace_ptr, NUM_SPLITS, TRACE)),
+                                kv_ready, p_ready, p_free, l_ready, l_free, q_ready, trace_ptr, NUM_SPLITS, TRACE,
+                                Q_TMA)),
             (_output_partition, (kv_ptr, rows_ptr, band_ptr, out_ptr, part_acc_ptr, part_ml_ptr, num_heads,
                                  num_units, units_per_token, stride_kv, stride_rt, stride_ot, stride_oh, out_desc,
                                  kv_lo, p_smem, alpha_smem, l_smem,
                                  kv_ready, p_ready, p_free, l_ready, l_free, trace_ptr, NUM_SPLITS, 0, OUT_TMA,
-                                 TRACE, ABLATE)),
+                                 TRACE, ABLATE, EPI_CHUNKS)),
             (_output_partition, (kv_ptr, rows_ptr, band_ptr, out_ptr, part_acc_ptr, part_ml_ptr, num_heads,
                                  num_units, units_per_token, stride_kv, stride_rt, stride_ot, stride_oh, out_desc,
                                  kv_hi, p_smem, alpha_smem, l_smem,
                                  kv_ready, p_ready, p_free, l_ready, l_free, trace_ptr, NUM_SPLITS, 1, OUT_TMA,
-                                 TRACE, ABLATE)),
+                                 TRACE, ABLATE, EPI_CHUNKS)),
         ], [4, 4], [WORKER_REGS, WORKER_REGS])
 
 
@@ -333,16 +390,28 @@ WORKER_REGS = 168  # registers of each output warpgroup (setmaxnreg); the score 
 TRACE_TILES, TRACE_SLOTS = 512, 16  # the trace buffer's shape per program (as _trace_mark writes it)
 
 
+def q_descriptor(q):
+    """(q_desc, Q_TMA): a TMA descriptor of q as [tokens * heads, 512] in 64 x 64 boxes where q is contiguous (each
+    unit's 64 heads are then one 64-row block), else q itself, a placeholder the kernel does not read, and cp.async."""
+    if q.is_contiguous():
+        return TensorDescriptor.from_tensor(q.view(-1, q.shape[-1]), [64, 64], tile_layout()), True
+    return q, False
+
+
 def launch_roles_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale: float,
                            num_splits: int, max_programs: int, worker_regs: int = WORKER_REGS, trace=None,
-                           ablate: int = 0) -> None:
+                           ablate: int = 0, q_tma: bool = True, epi_chunks: bool = True) -> None:
     """As `sparse_attention_wgmma.launch_wgmma_attention` (64-row tiles, a band pre-pass), for this kernel
-    (4 + 4 + 4 warps). Splits write 16-bit normalised partials, as the wgmma kernel's. Diagnostics for
-    tools/roles_probe.py: trace, an int64 tensor [programs, TRACE_TILES, TRACE_SLOTS] for clock marks (score
-    warpgroup: marks 0-4, unit 9, tile 10; output warpgroup 0: marks 5-8, 11, 12), or None; ablate=1 masks every
-    regather (no row traffic; outputs wrong on purpose)."""
+    (4 + 4 + 4 warps). Splits write 16-bit normalised partials, as the wgmma kernel's. q_tma: q loads by TMA where
+    q is contiguous (else cp.async); epi_chunks: a unit's last slot is regathered chunk by chunk behind its output's
+    TMA reads (else once all four are read). Diagnostics for tools/roles_probe.py: trace, an int64 tensor
+    [programs, TRACE_TILES, TRACE_SLOTS] for clock marks (score warpgroup: marks 0-4, unit 9, tile 10; output
+    warpgroup 0: marks 5-8, 11, 12), or None; ablate=1 masks every regather (no row traffic; outputs wrong on
+    purpose)."""
     args, num_units = unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale, num_splits)
     out_desc, out_tma = out_descriptor(out, part_acc, num_splits, True)
+    q_desc, q_by_tma = q_descriptor(q) if q_tma else (q, False)
     _sparse_mqa_roles_kernel[(min(num_units, max_programs),)](
-        *args, out_desc, q if trace is None else trace, NUM_SPLITS=num_splits, WORKER_REGS=worker_regs,
-        OUT_TMA=out_tma, TRACE=trace is not None, ABLATE=ablate, num_warps=4, **pdl_args(q.device))
+        *args, out_desc, q_desc, q if trace is None else trace, NUM_SPLITS=num_splits, WORKER_REGS=worker_regs,
+        OUT_TMA=out_tma, Q_TMA=q_by_tma, EPI_CHUNKS=epi_chunks and out_tma, TRACE=trace is not None, ABLATE=ablate,
+        num_warps=4, **pdl_args(q.device))

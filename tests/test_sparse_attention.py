@@ -170,13 +170,12 @@ def test_attention_config_wgmma_rule():
     assert not attention_config(64, 16, 640, 512, 132, wgmma=True).wgmma  # 16 heads
     assert not attention_config(64, 64, 640, 128, 132, wgmma=True).wgmma  # D = 128
     assert not attention_config(8, 64, 640, 512, 132).wgmma
-    # The role-split kernel: unsplit wgmma configs of 128-head models or of prefill-sized calls, unless roles is off.
-    for tokens, heads, rows in ((4096, 64, 640), (1024, 64, 160), (4096, 128, 1152), (64, 128, 1152), (4096, 128, 384)):
+    # The role-split kernel: unsplit wgmma configs (prefill, decode batches that fill the chip), unless roles is off.
+    for tokens, heads, rows in ((4096, 64, 640), (1024, 64, 160), (4096, 128, 1152), (64, 128, 1152), (4096, 128, 384),
+                                (256, 64, 640), (256, 64, 160)):
         cfg = attention_config(tokens, heads, rows, 512, 132, wgmma=True)
         assert cfg.roles and not cfg.pair and cfg.num_splits == 1 and cfg.band_prepass and cfg.block_n == 64
         assert not attention_config(tokens, heads, rows, 512, 132, wgmma=True, roles=False).roles
-    flash_b256 = attention_config(256, 64, 640, 512, 132, wgmma=True)  # decode: rows from HBM, one unit each
-    assert flash_b256.wgmma and not flash_b256.roles and flash_b256.num_splits == 1
     assert not attention_config(64, 64, 640, 512, 132, wgmma=True).roles  # 2 splits: the wgmma kernel
     assert not attention_config(8, 128, 1152, 512, 132, wgmma=True).roles
     assert not attention_config(4096, 64, 640, 512, 132).roles  # no wgmma

@@ -293,5 +293,15 @@ case "${1:-tests}" in
       --out "$OUT/roles_probe_timing.json" 2>&1 | grep -a "prefill\|decode\|phase\|Error" | tail -80
     timeout -k 5 190 python -m pytest -q -m gpu tests/test_sparse_attention.py tests/test_jit_watch.py 2>&1 \
       | filter > "$OUT/gpu_tests_s24.log"; grep -aE "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_s24.log" | tail -20 ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|gemv|s16|wgmma-min|trace-next|latency|gather|roles|s24" >&2; exit 2 ;;
+  s24-seed)
+    # Session 24: the seed workload (it crashed in session 23: the build watch's hook; fixed, not yet re-run), decode
+    # steps, then the attention kernel benchmark (the engine's kernels against the ones they replace, one process).
+    { timeout -k 5 240 python benchmarks/run_all.py --engine-flag=--max-model-len=2048 --skip-hf-latency --rounds 2 \
+        --only graphs,eager,hf --budget-s 220 --max-run-s 60 --out-dir "$OUT"
+      timeout -k 5 90 python -m sparseserve.benchmarks.decode_graphs --steps 12 --batches 1,8,64 --async-steps \
+        --out "$OUT/decode_graphs.json"
+    } 2>&1 | filter > "$OUT/seed.log"; tail -30 "$OUT/seed.log"
+    timeout -k 5 150 python -m sparseserve.benchmarks.kernels --only attn-decode,attn-prefill --no-ref \
+      --out "$OUT/kernels_attn.json" > "$OUT/kernels_attn.log" 2>&1; grep -ac "^attn" "$OUT/kernels_attn.log" ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|gemv|s16|wgmma-min|trace-next|latency|gather|roles|s24|s24-seed" >&2; exit 2 ;;
 esac

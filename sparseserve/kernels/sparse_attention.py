@@ -311,8 +311,8 @@ def attention_config(
     wgmma (the Hopper Gluon kernel can serve the call: `sparse_attention_wgmma.wgmma_supported`), from
     WGMMA_MIN_PROGRAMS (token, 64-head) programs on: 64 heads per program, 64-row tiles in a 2-slot ring,
     and the rows split in a power of two (<= WGMMA_SPLIT_MAX, >= WGMMA_SPLIT_MIN_ROWS rows each) while
-    the programs still fit one wave. Unsplit rows of 128-head models, and of >= WGMMA_ROLES_MIN_TOKENS tokens
-    (prefill), take the role-split kernel (`sparse_attention_wgmma_roles.py`) where `roles` (None: wgmma); else
+    the programs still fit one wave. Unsplit rows take the role-split kernel (`sparse_attention_wgmma_roles.py`)
+    where `roles` (None: wgmma); else
     long units take the tile-pair kernel: >= WGMMA_PAIR_MIN_ROWS rows per split of 128-head models.
 
     Chosen from a config sweep on the H200 (docs/performance.md, benchmarks/results/kernels.json):
@@ -333,10 +333,10 @@ def attention_config(
         while (splits * 2 <= WGMMA_SPLIT_MAX and wide * splits * 2 <= num_sms
                and num_rows >= splits * 2 * WGMMA_SPLIT_MIN_ROWS):
             splits *= 2
-        # Unsplit rows that other units also read (V4-Pro's two head blocks of a token; prefill's neighbouring
-        # tokens), so the gathers mostly hit L2, take the role-split kernel (sparse_attention_wgmma_roles.py).
-        shared_rows = num_heads % 128 == 0 or num_tokens >= WGMMA_ROLES_MIN_TOKENS
-        if (wgmma if roles is None else roles) and splits == 1 and shared_rows:
+        # Unsplit rows take the role-split kernel (sparse_attention_wgmma_roles.py). H200, session 24, same process:
+        # with q loaded by TMA it runs V4-Flash decode at batch 256 1.07-1.11x the wgmma kernel (session 23's
+        # version, 0.92-0.99x, was kept to prefill and 128-head models); docs/performance.md.
+        if (wgmma if roles is None else roles) and splits == 1:
             return AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True, roles=True)
         # Long units of 128-head models (V4-Pro) take the tile-pair kernel (sparse_attention_wgmma_pair.py).
         pair = num_heads % 128 == 0 and num_rows // splits >= WGMMA_PAIR_MIN_ROWS
@@ -373,12 +373,6 @@ WGMMA_SPLIT_MAX = env_count("SPARSESERVE_ATTN_WGMMA_SPLIT_MAX", 16)
 # batch 8 (8 programs) takes 13.5 vs 16.6 us at CSA and 16.3 vs 20.7 at HCA 128K, and those decode steps are
 # even (0.954 vs 0.947 ms back to back; H200, docs/performance.md).
 WGMMA_MIN_PROGRAMS = env_count("SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS", 8)
-# 64-head calls of at least this many tokens (prefill) take the role-split kernel when unsplit; 128-head ones always.
-# H200, session 23, kernel benchmark against the kernel it replaces in the same process: prefill (4K and 32K tokens)
-# 1.04-1.20x faster in all eight cases, V4-Pro decode at batch 64 and 256 1.05-1.18x (HCA 4K batch 64 even); V4-Flash
-# decode at batch 256 (rows from HBM, read by one unit each) 0.92-0.99x, so it keeps the wgmma kernel. Not measured
-# between 256 and 4096 tokens.
-WGMMA_ROLES_MIN_TOKENS = env_count("SPARSESERVE_ATTN_WGMMA_ROLES_MIN_TOKENS", 1024)
 # Row splits this long (V4-Pro CSA, and HCA from 128K: 1152 rows) of 128-head models take the tile-pair kernel where
 # the role-split kernel is off (with it on, such rows are unsplit and go to it).
 # H200, session 18, same run: Pro CSA prefill 32K 23202 vs 26491 us, 4K 2020 vs 2232, decode batch 64/256 4-6%

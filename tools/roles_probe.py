@@ -102,12 +102,12 @@ def _with_launch(**kw):
     sa.launch_roles_attention = lambda *a, **k: rk.launch_roles_attention(*a, **k, **kw)
 
 
-def timing(gen, variants=("old",), prefill_only=False) -> list[dict]:
+def timing(gen, variants=("old",), prefill_only=False, decode_only=False) -> list[dict]:
     """The timed cases (below), with the dispatch's launcher restored afterwards."""
     import sparseserve.kernels.sparse_attention as sa
     original = sa.launch_roles_attention
     try:
-        return _timing(gen, variants, prefill_only)
+        return _timing(gen, variants, prefill_only, decode_only)
     finally:
         sa.launch_roles_attention = original
 
@@ -116,11 +116,12 @@ def _variant_kw(name: str) -> dict:
     return dict(worker_regs=int(name[4:])) if name.startswith("regs") else VARIANTS[name]
 
 
-def _timing(gen, variants, prefill_only) -> list[dict]:
+def _timing(gen, variants, prefill_only, decode_only) -> list[dict]:
     res = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for model, kind, tokens in (("flash", "hca", 4096), ("flash", "csa", 4096), ("pro", "hca", 4096),
-                                ("pro", "csa", 4096), ("flash", "hca", 32768), ("flash", "csa", 32768)):
+    prefill = (("flash", "hca", 4096), ("flash", "csa", 4096), ("pro", "hca", 4096), ("pro", "csa", 4096),
+               ("flash", "hca", 32768), ("flash", "csa", 32768))
+    for model, kind, tokens in () if decode_only else prefill:
         case = kb.attn_prefill_case(model, kind, tokens, gen)
         q, kv, rows, sinks, scale = case["args"]
         base = attention_config(q.shape[0], q.shape[1], rows.shape[1], 512, sms, wgmma=True)
@@ -140,12 +141,14 @@ def _timing(gen, variants, prefill_only) -> list[dict]:
         return res
     for model, kind, batch, ctx in (("flash", "csa", 256, 32768), ("flash", "csa", 64, 32768),
                                     ("flash", "hca", 256, 32768), ("flash", "hca", 64, 32768),
+                                    ("flash", "hca", 64, 4096), ("flash", "hca", 64, 131072),
                                     ("flash", "hca", 256, 131072), ("pro", "hca", 64, 32768),
                                     ("pro", "csa", 256, 32768)):
         case = kb.attn_decode_case(model, kind, batch, ctx, gen)
         q, kv, rows, sinks, scale = case["args"]
         base = attention_config(q.shape[0], q.shape[1], rows.shape[1], 512, sms, wgmma=True)
-        runs = [("engine", base, None), ("roles", roles(), None)] + [(f"roles-{v}", roles(), v) for v in variants]
+        runs = ([("engine", base, None), ("roles", roles(), None), ("roles-S2", roles(2), None)]
+                + [(f"roles-{v}", roles(), v) for v in variants])
         for name, cfg, variant in runs:
             if variant is None:
                 _with_launch()
@@ -216,13 +219,14 @@ def main() -> None:
                     help="timing: launcher variants beside the engine's (names of VARIANTS, or regsN: N registers per "
                          "output warpgroup)")
     ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument("--decode-only", action="store_true")
     args = ap.parse_args()
     import triton
     gen = torch.Generator(device="cuda").manual_seed(0)
     report = dict(card=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=" ".join(sys.argv))
     for mode in args.modes.split(","):
-        report[mode] = {"check": check, "timing": lambda g: timing(g, tuple(args.variants.split(",")), args.prefill_only), "trace": trace}[mode](gen)
+        report[mode] = {"check": check, "timing": lambda g: timing(g, tuple(args.variants.split(",")), args.prefill_only, args.decode_only), "trace": trace}[mode](gen)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print("wrote", args.out)

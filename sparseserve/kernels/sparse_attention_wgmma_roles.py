@@ -8,24 +8,32 @@ stream (FlashAttention-3's producer/consumer split, with the score side as the p
   * the score warpgroup (the default partition) runs each tile's whole QK^T (m64n64 over q's two column halves),
     masks, keeps the running max and the row sums, and hands the tile's 16-bit probabilities p and the rescale
     factor alpha to the others through a double-buffered shared tile; then it starts the next tile while they
-    multiply. It loads q for the next unit once its last QK^T of a unit is done, and writes a split's (max, sum);
+    multiply. It loads q for the next unit once its last QK^T of a unit is done (by TMA, one issuing thread,
+    where q is contiguous; by cp.async from all its threads otherwise), and writes a split's (max, sum);
   * two output warpgroups (worker partitions) each own 256 of the 512 value columns: acc = acc * alpha +
     p v[:, own]. Each regathers its own column half of a ring slot (two 64-row slots) as soon as its PV on that
     slot is done, by cp.async whose completion arrives on the slot's barrier (its column half is read by no one
     else then: the score warpgroup's QK^T on it finished before p existed). At a unit's end it writes its
     columns of the output (or of the split's normalised partial) into its half of the slot and stores them by
-    TMA, and regathers the slot once the TMA engine has read it.
+    TMA in four 64-column boxes, and regathers each 64 columns of the slot as soon as the TMA engine has read
+    that box.
 Barriers (mbarriers): kv_ready[slot] (256 cp.async arrivals, one per output-warpgroup thread), p_ready[buf]
-(1), p_free[buf] (2), l_ready (1) and l_free (2); a barrier's phase parity is its use count.
+(1), p_free[buf] (2), l_ready (1), l_free (2) and q_ready (the TMA's bytes); a barrier's phase parity is its use
+count.
 
 Resources: 4 + 4 + 4 warps, one program per SM, 214 KB of shared memory (q 64 KB, two 64 KB slots, two 8 KB p
-tiles), 168 registers per warpgroup (setmaxnreg; `tools/kernel_resources.py --wgmma`: 16-32 B of scalars spilled
-by the score warpgroup). Shapes: those of `sparse_attention_wgmma.py` with 64-row tiles and a band pre-pass.
+tiles), 168 registers per warpgroup (setmaxnreg; `tools/kernel_resources.py --wgmma`: 0-24 B of scalars spilled
+by the score warpgroup with q by TMA, up to 72 B with q by cp.async). Shapes: those of `sparse_attention_wgmma.py`
+with 64-row tiles and a band pre-pass.
 
-Measured (H200, session 23, docs/performance.md): a steady tile takes ~5,000 cycles (QK^T 2,600, softmax 1,100,
+Measured (H200, docs/performance.md): session 23, a steady tile took ~5,000 cycles (QK^T 2,600, softmax 1,100,
 waiting for its rows 600, the hand-over 300), the same as the lockstep kernel's tile, but a unit's epilogue
-and q load now run beside the other warpgroups' work, and V4-Pro's 128 heads no longer need the tile-pair
-kernel: prefill 1.04-1.20x the kernels it replaces, V4-Pro decode at batch 64-256 1.05-1.18x. Tried and dropped
+and q load ran beside the other warpgroups' work, and V4-Pro's 128 heads no longer needed the tile-pair
+kernel: prefill 1.04-1.20x the kernels it replaced, V4-Pro decode at batch 64-256 1.05-1.18x. Session 24: with q by
+TMA (the score warpgroup had spent ~1,500 cycles per unit issuing q's cp.async) and the regather behind the
+output's boxes, a short (HCA 4K) unit's tile period fell from 5,970 to 5,030 cycles: prefill 1.12-1.25x the
+wgmma / tile-pair kernels (V4-Flash HCA 4K 1.20x session 23's version), V4-Flash decode at batch 256 1.03-1.08x
+the wgmma kernel, which it now replaces there. Tried and dropped
 (same probe, `tools/roles_probe.py`): the output stored from registers (a unit's epilogue 9,700-13,000 cycles),
 the next tile's QK^T issued before this tile's softmax (slower: its QK^T then took 3,640-5,390 cycles), and q held in
 registers as the A operand (ptxas spills it).

@@ -31,6 +31,12 @@
 #   bash tools/gpu_session.sh gather   how long a tile's gather takes to land under QK^T (trace_gather; ~2 min)
 #   bash tools/gpu_session.sh roles    the attention kernel benchmark (role-split kernel against the kernel it replaces),
 #                                     then the attention, model and build-watch gpu tests (~4 minutes)
+#   bash tools/gpu_session.sh s24     session 24: the role-split kernel's probe (checks, four builds timed, trace), then
+#                                     the attention and build-watch gpu tests (~4 minutes)
+#   bash tools/gpu_session.sh s24-seed  the seed workload (graphs, eager, transformers), decode steps, the attention
+#                                     kernel benchmark (~4.5 minutes)
+#   bash tools/gpu_session.sh s24-val decode probe with row splits at batch 64, then every gpu test (needs more than
+#                                     the 440 s it has on a fresh machine: session 24 ran the top-k file separately)
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch

@@ -383,6 +383,12 @@ def unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_s
     return args, num_units
 
 
+def box_descriptor(t: torch.Tensor):
+    """A TMA descriptor of a contiguous [..., 512] tensor as [rows, 512] in 64 x 64 boxes (the tile layout): what the
+    Gluon kernels load q from and store their outputs to."""
+    return TensorDescriptor.from_tensor(t.view(-1, HEAD_DIM), [HEAD_BLOCK, 64], tile_layout())
+
+
 def out_descriptor(out: torch.Tensor, part_acc: torch.Tensor, num_splits: int, tma_store: bool):
     """(out_desc, OUT_TMA) for the wgmma kernel: a TMA descriptor, in 64 x 64 boxes, of what its units store
     (out as [tokens * heads, 512] with one split; the 16-bit partial outputs as [tokens * splits * heads, 512]
@@ -391,7 +397,7 @@ def out_descriptor(out: torch.Tensor, part_acc: torch.Tensor, num_splits: int, t
     it, as it keeps the target's address.)"""
     target = out if num_splits == 1 else part_acc
     if tma_store and target.dtype in (torch.bfloat16, torch.float16) and target.is_contiguous():
-        return TensorDescriptor.from_tensor(target.view(-1, HEAD_DIM), [HEAD_BLOCK, 64], tile_layout()), True
+        return box_descriptor(target), True
     return out, False
 
 

@@ -41,15 +41,13 @@ registers as the A operand (ptxas spills it).
 from __future__ import annotations
 
 from .pdl import pdl_args
-from .sparse_attention_wgmma import _HAVE_GLUON, out_descriptor, tile_layout, unit_launch_args
+from .sparse_attention_wgmma import _HAVE_GLUON, box_descriptor, out_descriptor, unit_launch_args
 
 if _HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .sparse_attention_wgmma import (
         _async_gather, _cp, _cta_barrier, _issue_q, _next_tile, _rows_scaled, _store_ml, _store_unit, _tile_ids,
@@ -402,7 +400,7 @@ def q_descriptor(q):
     """(q_desc, Q_TMA): a TMA descriptor of q as [tokens * heads, 512] in 64 x 64 boxes where q is contiguous (each
     unit's 64 heads are then one 64-row block), else q itself, a placeholder the kernel does not read, and cp.async."""
     if q.is_contiguous():
-        return TensorDescriptor.from_tensor(q.view(-1, q.shape[-1]), [64, 64], tile_layout()), True
+        return box_descriptor(q), True
     return q, False
 
 

@@ -317,5 +317,15 @@ case "${1:-tests}" in
       --out "$OUT/roles_probe_decode.json" 2>&1 | grep -a "decode\|Error" | tail -40
     timeout -k 5 440 python -m pytest -q -m gpu tests/ 2>&1 | filter > "$OUT/gpu_tests_all.log"
     grep -aE "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_all.log" | tail -20 ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|gemv|s16|wgmma-min|trace-next|latency|gather|roles|s24|s24-seed|s24-val" >&2; exit 2 ;;
+  s25-epi)
+    # Session 25: where a unit's epilogue goes (trace marks 13-15: l from the score warpgroup, the output staged in
+    # the slot, the TMA stores issued, the regather), and the probe variant "direct" (outputs stored from registers,
+    # the slot regathered at once): its checks, its timing beside the default, both traces.
+    timeout -k 5 150 python tools/roles_probe.py --modes check --variant direct \
+      --out "$OUT/roles_probe_check_direct.json" 2>&1 | grep -a "check\|Error\|error" | tail -40
+    timeout -k 5 200 python tools/roles_probe.py --modes timing,trace --variants direct --prefill-only \
+      --out "$OUT/roles_probe_epi.json" 2>&1 | grep -a "prefill\|phase\|Error" | tail -40
+    timeout -k 5 120 python tools/roles_probe.py --modes trace --variant direct \
+      --out "$OUT/roles_probe_epi_direct.json" 2>&1 | grep -a "phase\|Error" | tail -10 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|gemv|s16|wgmma-min|trace-next|latency|gather|roles|s24|s24-seed|s24-val|s25-epi" >&2; exit 2 ;;
 esac

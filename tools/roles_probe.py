@@ -31,7 +31,19 @@ def rel_err(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def check(gen) -> list[dict]:
+def check(gen, variant: str | None = None) -> list[dict]:
+    """The checks below, with the launcher of `variant` (a name of VARIANTS; None: the default launcher)."""
+    import sparseserve.kernels.sparse_attention as sa
+    original = sa.launch_roles_attention
+    if variant:
+        _with_launch(**_variant_kw(variant))
+    try:
+        return _check(gen)
+    finally:
+        sa.launch_roles_attention = original
+
+
+def _check(gen) -> list[dict]:
     res = []
     dev = "cuda"
     for heads, tokens, L, holes in ((64, 37, 300, 0.3), (128, 19, 700, 0.1), (64, 5, 1152, 0.0), (128, 3, 64, 0.5),
@@ -91,8 +103,9 @@ def check(gen) -> list[dict]:
 
 # Launcher variants to time beside the engine's (keyword arguments of launch_roles_attention; "regs" sets
 # worker_regs): "old" is session 23's kernel (q by cp.async, one regather after the output's TMA reads).
+# "direct": outputs stored from registers (no TMA store), so a unit's last slot is regathered at once.
 VARIANTS = {"old": dict(q_tma=False, epi_chunks=False), "qtma": dict(q_tma=True, epi_chunks=False),
-            "chunks": dict(q_tma=False, epi_chunks=True)}
+            "chunks": dict(q_tma=False, epi_chunks=True), "direct": dict(tma_store=False)}
 
 
 def _with_launch(**kw):
@@ -165,7 +178,7 @@ def _timing(gen, variants, prefill_only, decode_only) -> list[dict]:
     return res
 
 
-def trace(gen) -> list[dict]:
+def trace(gen, variant: str | None = None) -> list[dict]:
     """Mean cycles per tile between the kernel's clock marks (TRACE: score warpgroup marks 0-4, output warpgroup 0
     marks 5-8 and 11), over every traced tile of every program."""
     from sparseserve.kernels import sparse_attention_wgmma_roles as rk
@@ -180,7 +193,8 @@ def trace(gen) -> list[dict]:
                 else kb.attn_decode_case(model, kind, n, 32768, gen))
         buf = torch.full((sms, rk.TRACE_TILES, rk.TRACE_SLOTS), -1, dtype=torch.int64, device="cuda")
         import sparseserve.kernels.sparse_attention as sa
-        sa.launch_roles_attention = lambda *a, **k: orig(*a, **k, trace=buf, ablate=ablate)
+        extra = _variant_kw(variant) if variant else {}
+        sa.launch_roles_attention = lambda *a, **k: orig(*a, **k, trace=buf, ablate=ablate, **extra)
         try:
             sparse_mqa_attention_triton(*case["args"], roles())
             torch.cuda.synchronize()
@@ -203,7 +217,11 @@ def trace(gen) -> list[dict]:
                               period=mean(0, 0, True)),
                    output=dict(p_wait=mean(5, 6), pv=mean(6, 7), epilogue_last=mean(7, 12, sel=last),
                                gather_issue=mean(12, 8), to_next=mean(8, 5, True),
-                               period=mean(5, 5, True)))
+                               period=mean(5, 5, True)),
+                   # A unit's last tile, from its PV to its regather issued: l from the score warpgroup, the output
+                   # scaled into the slot, the four TMA stores issued, the regather behind their reads.
+                   epilogue=dict(l_wait=mean(7, 13, sel=last), stage=mean(13, 14, sel=last),
+                                 tma_issue=mean(14, 15, sel=last), regather=mean(15, 12, sel=last)))
         res.append(row)
         print(json.dumps(row), flush=True)
         del case
@@ -220,13 +238,17 @@ def main() -> None:
                          "output warpgroup)")
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--decode-only", action="store_true")
+    ap.add_argument("--variant", default=None, help="check and trace: this launcher variant (a name of VARIANTS)")
     args = ap.parse_args()
     import triton
     gen = torch.Generator(device="cuda").manual_seed(0)
     report = dict(card=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=" ".join(sys.argv))
     for mode in args.modes.split(","):
-        report[mode] = {"check": check, "timing": lambda g: timing(g, tuple(args.variants.split(",")), args.prefill_only, args.decode_only), "trace": trace}[mode](gen)
+        modes = {"check": lambda g: check(g, args.variant),
+                 "timing": lambda g: timing(g, tuple(args.variants.split(",")), args.prefill_only, args.decode_only),
+                 "trace": lambda g: trace(g, args.variant)}
+        report[mode] = modes[mode](gen)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print("wrote", args.out)

@@ -283,6 +283,7 @@ if _HAVE_GLUON:
                 l_fin = l_smem.load(row_layout)
                 _cta_barrier()
                 mbarrier.arrive(l_free)
+                _trace_mark(trace_ptr, offs_oh, j, 13, TRACE and HALF == 0)
                 tok = (cu // units_per_token).to(gl.int64)
                 split = cu % NUM_SPLITS
                 hb = (cu % units_per_token) // NUM_SPLITS
@@ -300,8 +301,10 @@ if _HAVE_GLUON:
                         kv_mine.index(b).store(out.to(dtype))
                         fence_async_shared()  # generic-proxy writes, read by the TMA engine
                         _cta_barrier()
+                        _trace_mark(trace_ptr, offs_oh, j, 14, TRACE and HALF == 0)
                         for c in gl.static_range(DH // 64):
                             _tma_store(out_desc, [row0, HALF * DH + c * 64], kv_mine.index(b).slice(c * 64, 64, dim=1))
+                        _trace_mark(trace_ptr, offs_oh, j, 15, TRACE and HALF == 0)
                         if EPI_CHUNKS:
                             r_c = _tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_gc,
                                             BLOCK_N)
@@ -406,16 +409,16 @@ def q_descriptor(q):
 
 def launch_roles_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale: float,
                            num_splits: int, max_programs: int, worker_regs: int = WORKER_REGS, trace=None,
-                           ablate: int = 0, q_tma: bool = True, epi_chunks: bool = True) -> None:
+                           ablate: int = 0, q_tma: bool = True, epi_chunks: bool = True, tma_store: bool = True) -> None:
     """As `sparse_attention_wgmma.launch_wgmma_attention` (64-row tiles, a band pre-pass), for this kernel
     (4 + 4 + 4 warps). Splits write 16-bit normalised partials, as the wgmma kernel's. q_tma: q loads by TMA where
     q is contiguous (else cp.async); epi_chunks: a unit's last slot is regathered chunk by chunk behind its output's
-    TMA reads (else once all four are read). Diagnostics for tools/roles_probe.py: trace, an int64 tensor
-    [programs, TRACE_TILES, TRACE_SLOTS] for clock marks (score warpgroup: marks 0-4, unit 9, tile 10; output
-    warpgroup 0: marks 5-8, 11, 12), or None; ablate=1 masks every regather (no row traffic; outputs wrong on
-    purpose)."""
+    TMA reads (else once all four are read); tma_store False (a probe variant): outputs stored from registers.
+    Diagnostics for tools/roles_probe.py: trace, an int64 tensor [programs, TRACE_TILES, TRACE_SLOTS] for clock
+    marks (score warpgroup: marks 0-4, unit 9, tile 10; output warpgroup 0: marks 5-8, 11, 12 and a unit's epilogue
+    13-15), or None; ablate=1 masks every regather (no row traffic; outputs wrong on purpose)."""
     args, num_units = unit_launch_args(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale, num_splits)
-    out_desc, out_tma = out_descriptor(out, part_acc, num_splits, True)
+    out_desc, out_tma = out_descriptor(out, part_acc, num_splits, tma_store)
     q_desc, q_by_tma = q_descriptor(q) if q_tma else (q, False)
     _sparse_mqa_roles_kernel[(min(num_units, max_programs),)](
         *args, out_desc, q_desc, q if trace is None else trace, NUM_SPLITS=num_splits, WORKER_REGS=worker_regs,

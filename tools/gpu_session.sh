@@ -37,6 +37,9 @@
 #                                     kernel benchmark (~4.5 minutes)
 #   bash tools/gpu_session.sh s24-val decode probe with row splits at batch 64, then every gpu test (needs more than
 #                                     the 440 s it has on a fresh machine: session 24 ran the top-k file separately)
+#   bash tools/gpu_session.sh s25-epi  session 25: where a unit's epilogue goes (trace marks 13-15) and the probe variant
+#                                     "direct" (outputs stored from registers): checks, timing, both traces (~2 minutes)
+#   bash tools/gpu_session.sh s25-val  the attention and build-watch gpu tests, then the attention kernel benchmark
 #   bash tools/gpu_session.sh check   a short re-check after changes: graph/speculation tests, decode and verify
 #                                     step times, the seed workload (graphs, eager), the demo model
 # Logs and JSON go to $OUT (at most 8 files come back). One-off calls for a branch live on that branch
@@ -45,7 +48,9 @@
 # branches measured and dropped; `git show 44b9322:tools/gpu_session.sh`) and session 19's `partials-next` (merged in
 # session 20) and `prefetch-next` (dropped; both in `git show 8461253:tools/gpu_session.sh`) are in the history (`git show 49f7a6d:tools/gpu_session.sh`, `71faa93`), as are session 21's `rcp-ab` and
 # `merge-cols` (both merged; `git show 75acad3:tools/gpu_session.sh`) and session 22's `use-acc-next` and `s22-band`
-# (both merged; `git show 4b2da26:tools/gpu_session.sh`; `tma-one` is on its branch, wgmma-tma-one).
+# (both merged; `git show 4b2da26:tools/gpu_session.sh`; `tma-one` is on its branch, wgmma-tma-one). Session 25's
+# dropped probes live on their branches: `s25-tail` (next-tail32), `s25-lite` (next-tail32-lite), `s25-next`
+# (next-qearly), `s25-qreg` (qreg-lo).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -327,5 +332,13 @@ case "${1:-tests}" in
       --out "$OUT/roles_probe_epi.json" 2>&1 | grep -a "prefill\|phase\|Error" | tail -40
     timeout -k 5 120 python tools/roles_probe.py --modes trace --variant direct \
       --out "$OUT/roles_probe_epi_direct.json" 2>&1 | grep -a "phase\|Error" | tail -10 ;;
-  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|gemv|s16|wgmma-min|trace-next|latency|gather|roles|s24|s24-seed|s24-val|s25-epi" >&2; exit 2 ;;
+  s25-val)
+    # Session 25's last call, on main: the attention and build-watch gpu tests, then the attention kernel benchmark
+    # (the engine's kernels against the ones they replace, one process).
+    timeout -k 5 200 python -m pytest -q -m gpu tests/test_sparse_attention.py tests/test_jit_watch.py 2>&1 \
+      | filter > "$OUT/gpu_tests_s25.log"; grep -aE "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_s25.log" | tail -20
+    timeout -k 5 170 python -m sparseserve.benchmarks.kernels --only attn-decode,attn-prefill --no-ref \
+      --out "$OUT/kernels_attn.json" > "$OUT/kernels_attn.log" 2>&1; grep -ac "^attn" "$OUT/kernels_attn.log"
+    grep -a "prefill\|b256\|batch 256" "$OUT/kernels_attn.log" | tail -30 ;;
+  *) echo "usage: bash tools/gpu_session.sh tests|bench|seed|demo|check|close|prefill|topk|overlap|mtp-audit|fused|carveout|ab|spec-side|split|ab-suite|gemv|s16|wgmma-min|trace-next|latency|gather|roles|s24|s24-seed|s24-val|s25-epi|s25-val" >&2; exit 2 ;;
 esac

@@ -180,7 +180,7 @@ def _timing(gen, variants, prefill_only, decode_only) -> list[dict]:
 
 def trace(gen, variant: str | None = None) -> list[dict]:
     """Mean cycles per tile between the kernel's clock marks (TRACE: score warpgroup marks 0-4, output warpgroup 0
-    marks 5-8 and 11), over every traced tile of every program."""
+    marks 5-8 and 11-15), over every traced tile of every program; `variant`: the launcher of that VARIANTS name."""
     from sparseserve.kernels import sparse_attention_wgmma_roles as rk
     from sparseserve.kernels.sparse_attention import launch_roles_attention  # noqa: F401 (the dispatch's import)
     res = []

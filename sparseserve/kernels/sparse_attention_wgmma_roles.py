@@ -409,7 +409,8 @@ def q_descriptor(q):
 
 def launch_roles_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale: float,
                            num_splits: int, max_programs: int, worker_regs: int = WORKER_REGS, trace=None,
-                           ablate: int = 0, q_tma: bool = True, epi_chunks: bool = True, tma_store: bool = True) -> None:
+                           ablate: int = 0, q_tma: bool = True, epi_chunks: bool = True,
+                           tma_store: bool = True) -> None:
     """As `sparse_attention_wgmma.launch_wgmma_attention` (64-row tiles, a band pre-pass), for this kernel
     (4 + 4 + 4 warps). Splits write 16-bit normalised partials, as the wgmma kernel's. q_tma: q loads by TMA where
     q is contiguous (else cp.async); epi_chunks: a unit's last slot is regathered chunk by chunk behind its output's

@@ -312,8 +312,8 @@ def attention_config(
     WGMMA_MIN_PROGRAMS (token, 64-head) programs on: 64 heads per program, 64-row tiles in a 2-slot ring,
     and the rows split in a power of two (<= WGMMA_SPLIT_MAX, >= WGMMA_SPLIT_MIN_ROWS rows each) while
     the programs still fit one wave. Unsplit rows take the role-split kernel (`sparse_attention_wgmma_roles.py`)
-    where `roles` (None: wgmma); else
-    long units take the tile-pair kernel: >= WGMMA_PAIR_MIN_ROWS rows per split of 128-head models.
+    where `roles` holds (None: as wgmma); otherwise long units take the tile-pair kernel: >= WGMMA_PAIR_MIN_ROWS
+    rows per split of 128-head models.
 
     Chosen from a config sweep on the H200 (docs/performance.md, benchmarks/results/kernels.json):
     - many (token, 64-head) programs (big decode batches, prefill): 64 heads per program, so a KV

@@ -72,11 +72,16 @@ if _HAVE_GLUON:
             gdc_launch_dependents()
 
     @gluon.jit
-    def _issue_gather(kv_smem, kv_ptr, stride_kv, r, offs_d, stage):
-        """cp.async of rows r (ids in the gather layout) into ring slot `stage`; -1 rows are
-        masked (no memory traffic) and land as zeros. One commit group per tile."""
+    def _gather_rows(dst, kv_ptr, stride_kv, r, offs_d):
+        """cp.async of columns offs_d of pool rows r (ids in the gather layout) into dst; -1 rows are masked (no
+        memory traffic) and land as zeros. The caller commits the group (the Gluon kernels share this)."""
         row_ptr = kv_ptr + gl.expand_dims(r.to(gl.int64) * stride_kv, 1)
-        _async_gather(kv_smem.index(stage), row_ptr + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(r >= 0, 1))
+        _async_gather(dst, row_ptr + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(r >= 0, 1))
+
+    @gluon.jit
+    def _issue_gather(kv_smem, kv_ptr, stride_kv, r, offs_d, stage):
+        """Rows r into ring slot `stage` (_gather_rows). One commit group per tile."""
+        _gather_rows(kv_smem.index(stage), kv_ptr, stride_kv, r, offs_d)
         _cp.commit_group()
 
     @gluon.jit

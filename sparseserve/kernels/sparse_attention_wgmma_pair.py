@@ -19,10 +19,10 @@ pair (or unit): its phase parity is the pair (unit) counter's.
 
 When it is used (`sparse_attention.attention_config`): long units, i.e. >= 1024 rows per split of
 128-head models (V4-Pro CSA, decode from batch 64 and prefill), where the role-split kernel
-(`sparse_attention_wgmma_roles.py`, session 23: 1.04-1.18x faster on those shapes) is turned off. H200, session 18, kernel benchmark
-against `sparse_attention_wgmma.py` in the same run: prefill Pro CSA 32K 23,615 vs 26,563 us (50% of
-bf16), 4K 2,019 vs 2,246; Pro decode batch 64 / 256 4-7% faster. Session 19 gave the wgmma kernel a
-TMA output store, which made it the faster on V4-Flash CSA prefill (4K 816 vs 875 us), and measured
+(`sparse_attention_wgmma_roles.py`, session 23: 1.04-1.18x faster on those shapes) is turned off. H200,
+session 18, kernel benchmark against `sparse_attention_wgmma.py` in the same run: prefill Pro CSA 32K
+23,615 vs 26,563 us (50% of bf16), 4K 2,019 vs 2,246; Pro decode batch 64 / 256 4-7% faster. Session 19 gave
+the wgmma kernel a TMA output store, which made it the faster on V4-Flash CSA prefill (4K 816 vs 875 us), and measured
 one here too: it has to wait for the TMA read inside the unit (the slot halves are regathered at
 once), gained on V4-Flash but not on Pro CSA 4K (2,033 vs 2,009 us) and raised the spills, so this
 kernel keeps the register store (Pro CSA 32K: 23,243 vs the wgmma kernel's 25,287). Not used where it lost: Flash
@@ -43,7 +43,7 @@ if _HAVE_GLUON:
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
     from .sparse_attention_wgmma import (
-        _async_gather, _cp, _cta_barrier, _issue_q, _store_unit, _unit_band, _unit_row_sum, _unit_sink,
+        _cp, _cta_barrier, _gather_rows, _issue_q, _store_unit, _unit_band, _unit_row_sum, _unit_sink,
         wait_for_prior_grid)
 
     @gluon.jit
@@ -55,9 +55,8 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _gather_half(dst, kv_ptr, stride_kv, r, offs_d):
-        """cp.async of one column half ([64 rows, 256]) of rows r; -1 rows masked (no traffic). One commit group."""
-        row_ptr = kv_ptr + gl.expand_dims(r.to(gl.int64) * stride_kv, 1)
-        _async_gather(dst, row_ptr + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(r >= 0, 1))
+        """One column half ([64 rows, 256]) of rows r (_gather_rows). One commit group."""
+        _gather_rows(dst, kv_ptr, stride_kv, r, offs_d)
         _cp.commit_group()
 
     @gluon.jit

@@ -29,14 +29,16 @@ with 64-row tiles and a band pre-pass.
 Measured (H200, docs/performance.md): session 23, a steady tile took ~5,000 cycles (QK^T 2,600, softmax 1,100,
 waiting for its rows 600, the hand-over 300), the same as the lockstep kernel's tile, but a unit's epilogue
 and q load ran beside the other warpgroups' work, and V4-Pro's 128 heads no longer needed the tile-pair
-kernel: prefill 1.04-1.20x the kernels it replaced, V4-Pro decode at batch 64-256 1.05-1.18x. Session 24: with q by
-TMA (the score warpgroup had spent ~1,500 cycles per unit issuing q's cp.async) and the regather behind the
+kernel: prefill 1.04-1.20x the kernels it replaced, V4-Pro decode at batch 64-256 1.05-1.18x. Session 24: with q
+by TMA (the score warpgroup had spent ~1,500 cycles per unit issuing q's cp.async) and the regather behind the
 output's boxes, a short (HCA 4K) unit's tile period fell from 5,970 to 5,030 cycles: prefill 1.12-1.25x the
 wgmma / tile-pair kernels (V4-Flash HCA 4K 1.20x session 23's version), V4-Flash decode at batch 256 1.03-1.08x
 the wgmma kernel, which it now replaces there. Tried and dropped
 (same probe, `tools/roles_probe.py`): the output stored from registers (a unit's epilogue 9,700-13,000 cycles),
 the next tile's QK^T issued before this tile's softmax (slower: its QK^T then took 3,640-5,390 cycles), and q held in
-registers as the A operand (ptxas spills it).
+registers as the A operand (ptxas spills it). Session 25 measured and dropped a 32-row tail tile, earlier q loads,
+half of q in registers and TMA loads of consecutive rows (none faster by more than the run-to-run spread), and split
+a unit's epilogue with trace marks 13-15: staging the output and issuing its TMA stores wait on shared memory.
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ half of q in registers and TMA loads of consecutive rows (none faster by more th
 a unit's epilogue with trace marks 13-15: staging the output and issuing its TMA stores wait on shared memory.
 Session 26 (branch `ring-slots`): two score warpgroups taking turns do not build (ptxas compiles every partition
 within 65536 / 512 threads = 128 registers, and PV's m64n256 accumulator needs 154); four 32-row slots were
-1.09-1.36x slower (each tile's fixed costs, paid twice per 64 rows); the exponentials moved to the output
+1.01-1.35x slower (each tile's fixed costs, paid twice per 64 rows); the exponentials moved to the output
 warpgroups, 1.21-1.56x slower (they were already busy with PV and the regather).
 """
 from __future__ import annotations

@@ -311,9 +311,9 @@ def attention_config(
     wgmma (the Hopper Gluon kernel can serve the call: `sparse_attention_wgmma.wgmma_supported`), from
     WGMMA_MIN_PROGRAMS (token, 64-head) programs on: 64 heads per program, 64-row tiles in a 2-slot ring,
     and the rows split in a power of two (<= WGMMA_SPLIT_MAX, >= WGMMA_SPLIT_MIN_ROWS rows each) while
-    the programs still fit one wave. Unsplit rows, and splits of >= ROLES_SPLIT_MIN_ROWS rows of 64-head models,
-    take the role-split kernel (`sparse_attention_wgmma_roles.py`) where `roles` holds (None: as wgmma); otherwise
-    long units take the tile-pair kernel: >= WGMMA_PAIR_MIN_ROWS rows per split of 128-head models.
+    the programs still fit one wave. Unsplit rows take the role-split kernel (`sparse_attention_wgmma_roles.py`)
+    where `roles` holds (None: as wgmma); otherwise long units take the tile-pair kernel: >= WGMMA_PAIR_MIN_ROWS
+    rows per split of 128-head models.
 
     Chosen from a config sweep on the H200 (docs/performance.md, benchmarks/results/kernels.json):
     - many (token, 64-head) programs (big decode batches, prefill): 64 heads per program, so a KV
@@ -335,11 +335,9 @@ def attention_config(
             splits *= 2
         # Unsplit rows take the role-split kernel (sparse_attention_wgmma_roles.py). H200, session 24, same process:
         # with q loaded by TMA it runs V4-Flash decode at batch 256 1.07-1.11x the wgmma kernel (session 23's
-        # version, 0.92-0.99x, was kept to prefill and 128-head models); docs/performance.md. So do long splits of
-        # 64-head models (ROLES_SPLIT_MIN_ROWS).
-        long_splits = num_heads == 64 and num_rows // splits >= ROLES_SPLIT_MIN_ROWS
-        if (wgmma if roles is None else roles) and (splits == 1 or long_splits):
-            return AttnConfig(64, 64, 8, 2, splits, band_prepass=True, wgmma=True, roles=True)
+        # version, 0.92-0.99x, was kept to prefill and 128-head models); docs/performance.md.
+        if (wgmma if roles is None else roles) and splits == 1:
+            return AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True, roles=True)
         # Long units of 128-head models (V4-Pro) take the tile-pair kernel (sparse_attention_wgmma_pair.py).
         pair = num_heads % 128 == 0 and num_rows // splits >= WGMMA_PAIR_MIN_ROWS
         return AttnConfig(64, 64, 8, 2, splits, band_prepass=True, wgmma=True, pair=pair)
@@ -380,11 +378,6 @@ WGMMA_MIN_PROGRAMS = env_count("SPARSESERVE_ATTN_WGMMA_MIN_PROGRAMS", 8)
 # H200, session 18, same run: Pro CSA prefill 32K 23202 vs 26491 us, 4K 2020 vs 2232, decode batch 64/256 4-6%
 # faster; batch 8 (8 splits of 144 rows) 5-10% slower, Flash CSA (640 rows) and HCA prefill no gain or slower.
 WGMMA_PAIR_MIN_ROWS = env_count("SPARSESERVE_ATTN_WGMMA_PAIR_MIN_ROWS", 1024)
-# Row splits this long of 64-head models take the role-split kernel rather than the wgmma kernel. H200, sessions 25-26
-# (eight probe calls, each in one process): V4-Flash decode at batch 64 (2 splits) ran 0.956-0.999x the wgmma
-# kernel's time at CSA (320 rows a split) and 0.951-0.979x at HCA 128K (576); shorter splits were slower (HCA 32K,
-# 192 rows, 1.02-1.06x; HCA 4K, 80 rows, 1.10-1.11x). 128-head models were not measured split there.
-ROLES_SPLIT_MIN_ROWS = env_count("SPARSESERVE_ATTN_ROLES_SPLIT_MIN_ROWS", 320)
 # (Session 18 also sent V4-Flash CSA prefill, 640 rows, to it: 881 vs 908 us at 4K. Since the wgmma kernel stores
 # its output by TMA, session 19, it is the faster there: 816 vs 875 us at 4K, 7363 vs 7778 at 32K, same run.)
 # Heads per merge program (a power of two): 4 gives a batch-1 token 16 programs at 64 heads instead of 4

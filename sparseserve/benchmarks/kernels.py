@@ -275,6 +275,18 @@ def same_size_copy_us(nbytes: int) -> float:
     return _bench_graph([(lambda i=i: dst[i].copy_(src[i])) for i in range(sets)])
 
 
+def same_size_read_us(nbytes: int) -> float:
+    """Microseconds of a device read of nbytes (a row sum of [rows, 2048] bf16 into fp32: writes are 1/1024 of
+    the bytes), timed as `same_size_copy_us`. Decode attention mostly reads (rows and q; its output is 8-30% of
+    its bytes), so its ceiling at a given size lies between this and the copy's."""
+    cols = 2048
+    rows = max(1, nbytes // (2 * cols))
+    sets = _num_sets(nbytes)
+    src = torch.empty(sets, rows, cols, dtype=torch.bfloat16, device=DEV).normal_()
+    dst = torch.empty(sets, rows, dtype=torch.float32, device=DEV)
+    return _bench_graph([(lambda i=i: torch.sum(src[i], dim=1, out=dst[i])) for i in range(sets)])
+
+
 def kernel_report() -> list[dict]:
     """Registers, spills and shared memory of every compiled variant (best effort: the cache
     layout is Triton-internal)."""
@@ -394,6 +406,9 @@ def run(args) -> dict:
             copy_us = same_size_copy_us(case["bytes"])
             meta["copy_same_bytes_us"] = round(copy_us, 2)
             meta["frac_of_same_size_copy"] = round(copy_us / t, 3)
+            read_us = same_size_read_us(case["bytes"])
+            meta["read_same_bytes_us"] = round(read_us, 2)
+            meta["read_same_bytes_hbm_frac"] = round(case["bytes"] / (read_us * 1e-6) / HBM_BPS, 3)
         ref_t = _time_ref(ref_fn) if with_ref else None
         _record(results, "attn", phase, meta, case, t, ref_t, cfg)
         if args.sweep and meta.get("sweep"):

@@ -27,3 +27,26 @@ def test_host_overhead_measure_runs(async_scheduling):
     result = measure_host(batch=4, steps=5, async_scheduling=async_scheduling)
     assert result["decode_steps"] >= 5 and result["step_ms_median"] > 0
     assert {"schedule", "runner.launch", "runner.collect"} <= set(result["phases_ms_median"])
+
+
+@pytest.mark.parametrize("n", [1, 8191, 8192, 3 * 8192 + 517])
+def test_read_sum_matches_its_reference(n):
+    """The read ceiling's kernel (benchmarks/ceilings.py) against its reference, on random data with a ragged tail."""
+    import torch
+
+    from sparseserve.benchmarks.ceilings import read_sum, read_sum_ref
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16).to(device)
+    got, want = read_sum(x), read_sum_ref(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)  # fp32 sums of 8192 terms in another order
+
+
+def test_read_sum_rejects_a_strided_input():
+    import torch
+
+    from sparseserve.benchmarks.ceilings import read_sum
+
+    with pytest.raises(ValueError, match="contiguous"):
+        read_sum(torch.zeros(4, 8, dtype=torch.bfloat16).t())

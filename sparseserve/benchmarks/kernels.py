@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.testing
 
+from sparseserve.benchmarks.ceilings import READ_BLOCK, read_sum
 from sparseserve.kernels.indexer import IndexerConfig, indexer_config, indexer_scores_ref, indexer_scores_triton
 from sparseserve.kernels.sparse_attention import (
     AttnConfig,
@@ -276,15 +277,14 @@ def same_size_copy_us(nbytes: int) -> float:
 
 
 def same_size_read_us(nbytes: int) -> float:
-    """Microseconds of a device read of nbytes (a row sum of [rows, 2048] bf16 into fp32: writes are 1/1024 of
-    the bytes), timed as `same_size_copy_us`. Decode attention mostly reads (rows and q; its output is 8-30% of
-    its bytes), so its ceiling at a given size lies between this and the copy's."""
-    cols = 2048
-    rows = max(1, nbytes // (2 * cols))
+    """Microseconds of a device read of nbytes (`ceilings.read_sum`: block sums of bf16 into fp32, writes 1/4096 of
+    the bytes), timed as `same_size_copy_us`. Decode attention mostly reads (rows and q; its output is 8-30% of its
+    bytes), so its ceiling at a given size lies between this and the copy's."""
+    n = max(1, nbytes // 2)  # bf16 elements read per call
     sets = _num_sets(nbytes)
-    src = torch.empty(sets, rows, cols, dtype=torch.bfloat16, device=DEV).normal_()
-    dst = torch.empty(sets, rows, dtype=torch.float32, device=DEV)
-    return _bench_graph([(lambda i=i: torch.sum(src[i], dim=1, out=dst[i])) for i in range(sets)])
+    src = torch.empty(sets, n, dtype=torch.bfloat16, device=DEV).normal_()
+    dst = torch.empty(sets, triton.cdiv(n, READ_BLOCK), dtype=torch.float32, device=DEV)
+    return _bench_graph([(lambda i=i: read_sum(src[i], dst[i])) for i in range(sets)])
 
 
 def kernel_report() -> list[dict]:

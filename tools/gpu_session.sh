@@ -51,7 +51,8 @@
 # (both merged; `git show 4b2da26:tools/gpu_session.sh`; `tma-one` is on its branch, wgmma-tma-one). Session 25's
 # dropped probes live on their branches: `s25-tail` (next-tail32), `s25-lite` (next-tail32-lite), `s25-next`
 # (next-qearly), `s25-qreg` (qreg-lo), `s25-kvtma` (kv-tma). Session 26's `s26-ring` and its probe kernels (ring,
-# osoft, and the turn-taking kernel, which does not build) live on branch ring-slots.
+# osoft, and the turn-taking kernel, which does not build) live on branch ring-slots; session 27's q streamed into QK^T
+# from registers (probe variants qs64, qs128 of tools/roles_probe.py) on branch qstream.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -42,7 +42,9 @@ a unit's epilogue with trace marks 13-15: staging the output and issuing its TMA
 Session 26 (branch `ring-slots`): two score warpgroups taking turns do not build (ptxas compiles every partition
 within 65536 / 512 threads = 128 registers, and PV's m64n256 accumulator needs 154); four 32-row slots were
 1.01-1.35x slower (each tile's fixed costs, paid twice per 64 rows); the exponentials moved to the output
-warpgroups, 1.21-1.56x slower (they were already busy with PV and the regather).
+warpgroups, 1.21-1.56x slower (they were already busy with PV and the regather). Session 27 (branch `qstream`):
+q streamed into QK^T as wgmma's A operand from registers (ldmatrix, 64 or 128 columns at a time, at most two
+products in flight) left QK^T at 2,635-2,845 cycles a tile and prefill 1.03-1.07x slower.
 """
 from __future__ import annotations
 

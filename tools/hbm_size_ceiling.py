@@ -1,5 +1,5 @@
-"""What share of HBM bandwidth a kernel of a given size can reach on this card: a device read (bf16 row sums) and a
-device copy of the same bytes, each timed as the kernel benchmark times decode attention (`_bench_graph`: calls on
+"""What share of HBM bandwidth a kernel of a given size can reach on this card: a device read (`ceilings.read_sum`,
+block sums of bf16) and a device copy of the same bytes (half read, half written), each timed as the kernel benchmark times decode attention (`_bench_graph`: calls on
 distinct buffers chained in one CUDA graph, >= 400 MB per cycle, so every byte comes from HBM).
 
     PYTHONPATH=. python tools/hbm_size_ceiling.py [--out F.json]

@@ -1,7 +1,8 @@
-"""The issue-9 comparisons in one call (sized for one 10-minute H200 run).
+"""The seed workload and its comparisons in one call (sized for one 10-minute H200 run).
 
     python benchmarks/run_all.py            # the seed workload: input 1024, output 128, 200 prompts
     python benchmarks/run_all.py --quick    # a smaller workload, for a first look or a tight budget
+    python benchmarks/run_all.py --only graphs --kernels kernels,topk_bench   # then micro-benchmarks of benchmarks/
 
 On `v4-flash-2l16e` with dummy weights (real V4-Flash layer shapes, 2 layers, 16 experts) it runs
 `sparseserve bench throughput` for: this engine with CUDA graphs (the default, top-k `auto`), with
@@ -21,6 +22,9 @@ still leaves its partial results. Last come the plots (matplotlib, if installed)
 `seed_workload_throughput.png` (output tokens/s per configuration against the workload's floor)
 and `seed_workload_latency_vs_batch.png` (decode tokens/s vs batch, decode step time and prefill
 time vs their rooflines), then a short table. Every result records its equivalent command line.
+
+`--kernels` then runs micro-benchmarks of this folder (`kernels`, `decode_graphs`, `topk_bench`, ...), each as its own
+process writing `<out-dir>/<its name>.json`, in the budget that is left (`benchmarks/results/README.md` lists them).
 """
 from __future__ import annotations
 
@@ -134,9 +138,44 @@ def run_isolated(run: dict, limit_s: float) -> dict:
         return json.loads(out.read_text())
 
 
+# ---- the kernel micro-benchmarks (--kernels) ----
+# (module in benchmarks/, result file stem), in the order --kernels all runs them.
+KERNEL_BENCHMARKS = (
+    ("kernels", "kernels"), ("decode_graphs", "decode_graphs"), ("topk_bench", "topk"), ("moe_bench", "moe"),
+    ("gemv_bench", "gemv"), ("pdl_bench", "pdl"), ("compressor_bench", "compressor"), ("rope_bench", "rope"),
+    ("mhc_bench", "mhc"), ("hbm_size_ceiling", "hbm_size_ceiling"),
+)
+
+
+def run_kernel_benchmarks(wanted: str, out_dir: Path, deadline: float) -> dict:
+    """Each selected micro-benchmark as its own process, writing `<out_dir>/<stem>.json`; its status by module."""
+    names = {m for m, _ in KERNEL_BENCHMARKS} if wanted == "all" else set(wanted.split(","))
+    unknown = names - {m for m, _ in KERNEL_BENCHMARKS}
+    if unknown:
+        raise SystemExit(f"--kernels: unknown benchmark(s) {sorted(unknown)}; "
+                         f"known: {', '.join(m for m, _ in KERNEL_BENCHMARKS)} or 'all'")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    status = {}
+    for module, stem in KERNEL_BENCHMARKS:
+        if module not in names:
+            continue
+        left = deadline - time.perf_counter()
+        if left < 30:
+            status[module] = "skipped: out of time (--budget-s)"
+            continue
+        cmd = [sys.executable, "-m", f"benchmarks.{module}", "--out", str(out_dir / f"{stem}.json")]
+        print(f"\n[run_all] {shlex.join(cmd[1:])} (limit {left:.0f} s)", flush=True)
+        try:
+            code = subprocess.run(cmd, cwd=ROOT, env=env, timeout=left).returncode
+            status[module] = "ok" if code == 0 else f"failed: exit code {code}"
+        except subprocess.TimeoutExpired:
+            status[module] = "timeout"
+    return status
+
+
 # ---- summary, plots, table ----
 def workload_floor(model: str, input_len: int, output_len: int, num_prompts: int, max_num_seqs: int = 256) -> dict:
-    """Prefill FLOPs at the bf16 rate plus one weight read per decode step (DESIGN.md section 5)."""
+    """Prefill FLOPs at the bf16 rate plus one weight read per decode step (the H200 ceilings in docs/performance.md)."""
     from sparseserve.benchmarks.latency import (BF16_FLOPS_PER_S, HBM_BYTES_PER_S, decode_weight_bytes,
                                                 model_facts, prefill_flops)
 
@@ -149,7 +188,7 @@ def workload_floor(model: str, input_len: int, output_len: int, num_prompts: int
     return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": total,
             "output_tokens_per_s": num_prompts * output_len / total,
             "note": "bf16 GEMM 790 TFLOP/s for prefill matmuls + HBM 4.23 TB/s weight reads per decode step "
-                    "(H200 anchors, DESIGN.md section 5); attention and activations not counted"}
+                    "(H200 ceilings, docs/performance.md); attention and activations not counted"}
 
 
 def summarize(results: dict) -> dict:
@@ -360,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the whole list this many times, round-robin; each run reports its last round "
                         "(the machine's first minutes were measured ~20%% slower) and keeps the earlier ones")
+    p.add_argument("--kernels", default="", metavar="NAMES",
+                   help="after the workload, also run these micro-benchmarks of benchmarks/ ('all' or a comma list of "
+                        "kernels, decode_graphs, topk_bench, moe_bench, gemv_bench, pdl_bench, compressor_bench, "
+                        "rope_bench, mhc_bench, hbm_size_ceiling), each writing <out-dir>/<name>.json in the budget left")
     p.add_argument("--fresh", action="store_true",
                    help="with --only: do not keep the other runs' results already in the results file")
     args = p.parse_args(argv)
@@ -463,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n[run_all] wrote {json_path}" + (f" and {len(results['plots'])} plot(s)" if results["plots"] else "")
           + f" in {time.perf_counter() - t_start:.0f} s\n")
     print(table(results))
+    if args.kernels:
+        status = run_kernel_benchmarks(args.kernels, args.out_dir, deadline)
+        print("\n[run_all] micro-benchmarks: " + ", ".join(f"{m} {st}" for m, st in status.items()))
     return 0
 
 

@@ -2,8 +2,8 @@
 they catch interface drift, e.g. a runner method whose signature changed under a timing wrapper)."""
 import pytest
 
-from sparseserve.benchmarks.decode_graphs import measure, measure_async
-from sparseserve.benchmarks.host_overhead import measure as measure_host
+from benchmarks.decode_graphs import measure, measure_async
+from benchmarks.host_overhead import measure as measure_host
 from sparseserve.model.loader import CONFIGS_DIR
 
 
@@ -34,7 +34,7 @@ def test_read_sum_matches_its_reference(n):
     """The read ceiling's kernel (benchmarks/ceilings.py) against its reference, on random data with a ragged tail."""
     import torch
 
-    from sparseserve.benchmarks.ceilings import read_sum, read_sum_ref
+    from benchmarks.ceilings import read_sum, read_sum_ref
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16).to(device)
@@ -46,7 +46,7 @@ def test_read_sum_matches_its_reference(n):
 def test_read_sum_rejects_a_strided_input():
     import torch
 
-    from sparseserve.benchmarks.ceilings import read_sum
+    from benchmarks.ceilings import read_sum
 
     with pytest.raises(ValueError, match="contiguous"):
         read_sum(torch.zeros(4, 8, dtype=torch.bfloat16).t())

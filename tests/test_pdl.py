@@ -95,7 +95,7 @@ def test_pdl_is_off_on_the_cpu():
 def test_dependent_chains_equal_with_and_without_pdl():
     """Each kernel of the chain reads the previous one's output: a missing wait would read stale
     values. Eager and graph replays, RMSNorm chains and RMSNorm/cuBLAS chains."""
-    from sparseserve.benchmarks.pdl_bench import measure
+    from benchmarks.pdl_bench import measure
 
     if not pdl.pdl_enabled(torch.device("cuda")):
         pytest.skip("PDL is off on this device")

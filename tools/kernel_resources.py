@@ -11,14 +11,9 @@ no spills, fits one block). Must run with TRITON_INTERPRET=0.
 
 Each config is BLOCK_H,BLOCK_N,num_warps,num_stages,NUM_SPLITS[,DV_SPLIT[,PREFETCH]]. Arguments are specialised as the
 engine's launches are on the H200 (pointers and int arguments divisible by 16, one head block for
-64 heads), so the numbers match the compile report of `sparseserve.benchmarks.kernels` on the
+64 heads), so the numbers match the compile report of `benchmarks/kernels.py` on the
 device. Run it under each Triton the engine supports (e.g. a venv with triton==3.6.0): register
 allocation differs between versions. Diagnostic only.
-
---probe-variants: each source variant of `tools/attn_variant_probe.py` against the wgmma kernel itself (registers
-and the HGMMA instructions in its SASS, one-split and split, TMA store on and off). An ablation must leave the
-tensor-core work in place: one that leaves the accumulator unread lets ptxas drop the PV products (a CI test runs
-it). Must run with TRITON_INTERPRET=0.
 
 --mhc-shared: shared memory per block of the fused mHC kernels (and the fused norm-rope and
 embedding kernels) at the configs the engine picks,
@@ -160,12 +155,7 @@ def _usage(kernel) -> tuple[int, int]:
     return int(usage.group(1)), int(usage.group(2))
 
 
-def _hgmma_count(kernel) -> int:
-    """Warpgroup MMA instructions in a compiled kernel's SASS."""
-    return len(re.findall(r"\bHGMMA\.", _cuobjdump(kernel, "-sass")))
-
-
-def _gluon_attention_row(fn, constexprs: dict, num_warps: int, types: dict | None = None, hgmma: bool = False,
+def _gluon_attention_row(fn, constexprs: dict, num_warps: int, types: dict | None = None,
                          **label) -> dict:
     """One Gluon attention kernel compiled for sm_90a (Gluon compiles offline too): registers, spill stack and
     shared memory against the sm_90 limit. `types`: argument types other than pointers, ints and qk_scale."""
@@ -180,8 +170,6 @@ def _gluon_attention_row(fn, constexprs: dict, num_warps: int, types: dict | Non
     regs, stack = _usage(kernel)
     row = dict(**label, registers=regs, spill_stack=stack, shared=kernel.metadata.shared,
                fits=kernel.metadata.shared <= SM90_SHARED_LIMIT)
-    if hgmma:
-        row["hgmma"] = _hgmma_count(kernel)
     return row
 
 
@@ -231,33 +219,6 @@ def wgmma_attention_rows() -> list[dict]:
     return rows
 
 
-def probe_variant_rows() -> list[dict]:
-    """The wgmma kernel and each source variant of tools/attn_variant_probe.py, one-split and 8 splits, with the
-    TMA store on and off: registers and HGMMA instructions."""
-    import pathlib
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import attn_variant_probe as probe
-
-    from sparseserve.kernels import sparse_attention_wgmma as wgmma
-
-    tmp = pathlib.Path(tempfile.mkdtemp())
-    rows = []
-    for name, (edits, _, ablation) in probe.VARIANTS.items():
-        mod = probe.load_variant(name, edits, tmp) if edits else wgmma
-        fn = mod._sparse_mqa_wgmma_kernel
-        gather, s, o, tile, p = mod._layouts(64)
-        for out_tma in (True, False):
-            for splits in (1, 8):
-                constexprs = dict(NUM_SPLITS=splits, BLOCK_N=64, OUT_TMA=out_tma, BAND=True, gather_layout=gather,
-                                  s_layout=s, o_layout=o, tile_smem=tile, p_smem_layout=p, PDL=1)
-                constexprs.update({k: True for k in ("ROW_PREFETCH",) if k in fn.arg_names})  # a branch's option
-                types = {**_out_desc_type(out_tma), "part_acc_ptr": "*bf16" if out_tma else "*fp32", "trace_ptr": "*i64"}
-                rows.append(_gluon_attention_row(fn, constexprs, 8, types, hgmma=True, variant=name, ablation=ablation,
-                                                 out_tma=out_tma, splits=splits))
-    return rows
-
-
 def mhc_shared_rows() -> list[dict]:
     """Every config above; `expected_over` marks the one known not to fit."""
     out = [expand_mix(t) for t in (1, 4, 16, 256)]
@@ -275,13 +236,7 @@ def main() -> None:
                         help="shared memory of the fused mHC kernels' configs instead, one JSON line each")
     parser.add_argument("--wgmma", action="store_true",
                         help="the Gluon (wgmma) attention kernel's tiles instead, one JSON line each")
-    parser.add_argument("--probe-variants", action="store_true",
-                        help="the attention probe's source variants against the wgmma kernel, one JSON line each")
     args = parser.parse_args()
-    if args.probe_variants:
-        for row in probe_variant_rows():
-            print(json.dumps(row))
-        return
     if args.wgmma:
         for row in wgmma_attention_rows():
             print(json.dumps(row))

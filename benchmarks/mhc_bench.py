@@ -1,6 +1,6 @@
 """Benchmark of the fused mHC kernels against the unfused PyTorch path (H200).
 
-    PYTHONPATH=. python -m sparseserve.benchmarks.mhc_bench [--tokens 1,64,8192] [--sweep] [--decode old|new|ab]
+    python -m benchmarks.mhc_bench [--tokens 1,64,8192] [--sweep] [--decode old|new|ab]
                                                          [--between 1,2,4] [--out PATH]
 
 V4-Flash shapes: hc 4, D 4096, bf16 streams, fp32 fn [24, 16384] (the head: [4, 16384]).
@@ -30,6 +30,7 @@ import time
 import torch
 import triton
 
+from benchmarks import result_file
 from sparseserve.kernels import mhc
 
 HBM_BPS = 4.23e12
@@ -160,7 +161,7 @@ def bench_between(tokens: int) -> list[dict]:
 
 
 def decode_ab(steps: int, which: str) -> list[dict]:
-    from sparseserve.benchmarks.decode_graphs import measure
+    from benchmarks.decode_graphs import measure
 
     fused = mhc._fused
     rows = []
@@ -186,7 +187,7 @@ def main() -> None:
                         help="batch-1 decode forward (graph replay) with the fused mHC path off (old), on (new) or both")
     parser.add_argument("--between", default="", help="token counts for the between-blocks chain, e.g. 1,2,4")
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=result_file("mhc"))
     args = parser.parse_args()
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",") if t]:

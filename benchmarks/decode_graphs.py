@@ -1,6 +1,6 @@
 """Decode step time with CUDA graphs vs eager (V4-Flash layer shapes, dummy weights).
 
-    PYTHONPATH=. python -m sparseserve.benchmarks.decode_graphs --out decode_graphs.json
+    python -m benchmarks.decode_graphs [--batches 1,8,64] [--spec-k 1,2] [--out PATH]
 
 For each batch size: B prompts are prefilled, then every following engine step is a pure
 decode step; we time whole engine steps (schedule + metadata + forward + sampling) and
@@ -22,8 +22,9 @@ import time
 
 import torch
 
+from benchmarks import result_file
 from sparseserve import LLM, SamplingParams
-from sparseserve.benchmarks.ceilings import hbm_bandwidth
+from benchmarks.ceilings import hbm_bandwidth
 from sparseserve.benchmarks.throughput import free_device_memory, synchronize
 
 
@@ -191,7 +192,8 @@ def main() -> None:
     parser.add_argument("--async-steps", action="store_true",
                         help="also time plain decode steps with async scheduling and no per-step sync (a "
                              "server's step interval: decode throughput), in another engine per batch and mode")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None,
+                        help="default: benchmarks/results/decode_graphs.json (decode_graphs_spec.json with --spec-k)")
     args = parser.parse_args()
     bw = hbm_bandwidth()
     rows = []
@@ -236,9 +238,9 @@ def main() -> None:
                     print(f"batch {b} {mode} k={k}: verify+draft step {s['step_ms_median']:.3f} ms = {ratio:.2f}x a plain "
                           f"step; break-even at {ratio - 1:.2f} accepted drafts per step "
                           f"(per-draft acceptance {break_even_rate(ratio, k):.2f} if i.i.d.)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    out = args.out or result_file("decode_graphs_spec" if spec_ks else "decode_graphs")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark of the compressor emission and the row-list builders (H200).
 
-    PYTHONPATH=. python -m sparseserve.benchmarks.compressor_bench [--out PATH] [--sweep] [--smoke]
+    python -m benchmarks.compressor_bench [--out PATH] [--sweep] [--smoke]
 
 Compressor cases (bf16, V4-Flash shapes, rope dim 64):
   csa-kv      head_dim 512, rate 4, overlap (8 slots of 512 kv + 512 gate features)
@@ -31,11 +31,12 @@ import torch
 import triton
 import triton.testing
 
+from benchmarks import result_file
 from sparseserve.kernels import rows as R
 from sparseserve.kernels.compressor import compress_config, compress_windows_ref, compress_windows_triton
 from sparseserve.model.layers.rope import rope_cos_sin, rope_inv_freq
 
-HBM_BPS = 4.23e12  # measured device-to-device copy on the H200 (DESIGN.md §5)
+HBM_BPS = 4.23e12  # measured device-to-device copy on the H200 (docs/performance.md, ceilings)
 ROPE_DIM, WINDOW, BLOCK_SIZE = 64, 128, 128
 CASES = {"csa-kv": (512, 4, True), "csa-indexer": (128, 4, True), "hca-kv": (512, 128, False)}
 BATCHES = (1, 8, 64, 256)
@@ -194,7 +195,7 @@ def run(args) -> dict:
 def main() -> None:
     global DEV, DTYPE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/compressor.json (--smoke: not written)")
     ap.add_argument("--sweep", action="store_true", help="also time (BLOCK_S, num_warps) alternatives")
     ap.add_argument("--no-ref", action="store_true", help="skip timing the PyTorch reference")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1 (script check)")
@@ -204,9 +205,10 @@ def main() -> None:
             raise SystemExit("--smoke needs TRITON_INTERPRET=1 in the environment (set before triton loads)")
         DEV, DTYPE = "cpu", torch.float32
     report = run(args)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
+    out = args.out or (None if args.smoke else result_file("compressor"))
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
             json.dump(report, f, indent=1)
 
 

@@ -9,7 +9,7 @@ Each chain runs without PDL and with each trigger (`exit`: dependents launch as 
 programs end; `start`: right after the wait). Both chains' outputs must be bitwise equal with and
 without PDL (each kernel reads its predecessor's output, so a missing wait would show as a difference).
 
-    python -m sparseserve.benchmarks.pdl_bench --out benchmarks/results/pdl_bench.json
+    python -m benchmarks.pdl_bench [--out PATH]
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import sys
 import torch
 import triton
 
-from sparseserve.benchmarks.timing import capture_graph, replay_ms
+from benchmarks import result_file
+from benchmarks.timing import capture_graph, replay_ms
 from sparseserve.kernels.pdl import TRIGGERS, pdl_enabled
 from sparseserve.kernels.rmsnorm import _rms_norm_kernel
 
@@ -58,7 +59,7 @@ def measure(kind: str, n: int, pdl: int, reps: int) -> tuple[float, torch.Tensor
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/pdl_bench.json")
+    ap.add_argument("--out", default=result_file("pdl"))
     ap.add_argument("--n", type=int, default=100, help="kernels (or norm+GEMM pairs) per chain")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args(argv)
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     props = torch.cuda.get_device_properties(0)
     result = {"card": props.name, "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "torch": torch.__version__, "triton": triton.__version__,
-              "command": "python -m sparseserve.benchmarks.pdl_bench "
+              "command": "python -m benchmarks.pdl_bench "
                          + " ".join(sys.argv[1:] if argv is None else argv),
               "timing": "CUDA graph of the chain, replayed back to back; median of 5 rounds", "rows": []}
     ok = True

@@ -10,7 +10,7 @@ replayed back to back (kernel time without host launch cost):
 Reported: us per call, TB/s of weight read, ratio to the weight-read floor at the copy rate
 measured in the same process, and kernel vs cuBLAS. `--sweep` times other tile configs.
 
-    python -m sparseserve.benchmarks.gemv_bench --out benchmarks/results/gemv.json [--sweep]
+    python -m benchmarks.gemv_bench [--sweep] [--out PATH]
 """
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from sparseserve.benchmarks.ceilings import hbm_bandwidth
-from sparseserve.benchmarks.timing import capture_graph, replay_ms
+from benchmarks import result_file
+from benchmarks.ceilings import hbm_bandwidth
+from benchmarks.timing import capture_graph, replay_ms
 from sparseserve.kernels import gemv
 from sparseserve.kernels.rmsnorm import rms_norm_triton
 
@@ -106,7 +107,7 @@ def run_case(name: str, n: int, k: int, groups: int, copy_bps: float, sweep: boo
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/gemv.json")
+    ap.add_argument("--out", default=result_file("gemv"))
     ap.add_argument("--sweep", action="store_true", help="also time the configs of SWEEP (cold weights)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_bps = hbm_bandwidth()
     result = {"card": props.name, "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "torch": torch.__version__, "triton": triton.__version__, "copy_bytes_per_s": copy_bps,
-              "command": "python -m sparseserve.benchmarks.gemv_bench "
+              "command": "python -m benchmarks.gemv_bench "
                          + " ".join(sys.argv[1:] if argv is None else argv),
               "timing": "CUDA graph of calls over >= 256 MB of weight copies, replayed back to back", "cases": []}
     t0 = datetime.datetime.now()

@@ -1,6 +1,6 @@
 """In-place rope kernel against its plain-PyTorch reference and the memory roofline (CUDA).
 
-    PYTHONPATH=. python -m sparseserve.benchmarks.rope_bench [--out rope.json]
+    python -m benchmarks.rope_bench [--out PATH]
 
 Roofline: the kernel reads and writes only the rope channels, 2 * rows * rope_dim * bytes, plus the
 fp32 cos/sin rows (tokens * rope_dim * 4), at the measured device-copy bandwidth. Shapes are V4-Flash's:
@@ -14,8 +14,9 @@ import json
 import torch
 import triton.testing
 
-from ..kernels.rope import apply_rope_, apply_rope_ref
-from .ceilings import hbm_bandwidth
+from benchmarks import result_file
+from sparseserve.kernels.rope import apply_rope_, apply_rope_ref
+from benchmarks.ceilings import hbm_bandwidth
 
 SHAPES = {  # name: (tokens, heads or None, dim)
     "q prefill 8192 x 64 x 512": (8192, 64, 512),
@@ -29,7 +30,7 @@ ROPE_HALF = 32
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out")
+    parser.add_argument("--out", default=result_file("rope"))
     args = parser.parse_args()
     bandwidth = hbm_bandwidth()
     results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

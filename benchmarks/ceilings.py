@@ -23,7 +23,7 @@ def hbm_bandwidth() -> float:
 
 
 # A read ceiling: torch's row sum carried ~5.5 us of fixed cost per call on the H200 (1 MB in 5.7 us, 8 MB in
-# 6.7 us; session 27), which hides what HBM delivers to a small read.
+# 6.7 us), which hides what HBM delivers to a small read.
 
 READ_BLOCK = 8192  # bf16 elements (16 KB) per program
 

@@ -1,6 +1,6 @@
 """Routed-MoE benchmark: Triton grouped kernels vs torch._grouped_mm vs the reference.
 
-    PYTHONPATH=. python -m sparseserve.benchmarks.moe_bench [--sweep] [--out moe.json]
+    python -m benchmarks.moe_bench [--sweep] [--align] [--out PATH]
 
 V4-Flash shapes by default (D 4096, I 2048, E 256, top-6), tokens 1 8 64 512 4096. Each time is
 the median over groups of CUDA-graph replays (the reference, which syncs with the host, is
@@ -23,10 +23,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from sparseserve.benchmarks.timing import capture_graph, replay_ms  # noqa: E402
+from benchmarks import result_file  # noqa: E402
+from benchmarks.timing import capture_graph, replay_ms  # noqa: E402
 from sparseserve.kernels import moe  # noqa: E402
 
-NOMINAL_BW = 4.23e12  # B/s, HBM copy on the H200 (docs/DESIGN anchors)
+NOMINAL_BW = 4.23e12  # B/s, HBM copy on the H200 (docs/performance.md, ceilings)
 NOMINAL_TC = 790e12  # FLOP/s, bf16 dense GEMM on random data
 
 # Candidate configs per regime (block_m, gate_up: BN BK warps stages, down: BN BK warps stages).
@@ -139,7 +140,7 @@ def align_crossover(out: str) -> None:
             json.dump({"card": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": __import__("triton").__version__,
                        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                       "command": "PYTHONPATH=. python -m sparseserve.benchmarks.moe_bench --align", "rows": rows},
+                       "command": "python -m benchmarks.moe_bench --align", "rows": rows},
                       f, indent=1)
 
 
@@ -149,15 +150,16 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the candidate tile configs")
     parser.add_argument("--no-ref", action="store_true")
     parser.add_argument("--shape", default="flash", choices=["flash", "pro", "tiny"])
-    parser.add_argument("--out", default="")
+    parser.add_argument("--out", default="", help="default: benchmarks/results/moe.json "
+                        "(moe_align.json with --align; the CPU smoke run: not written)")
     parser.add_argument("--align", action="store_true", help="only the alignment crossover (CUDA)")
     args = parser.parse_args()
     if args.align:
-        return align_crossover(args.out)
+        return align_crossover(args.out or result_file("moe_align"))
 
     cuda = torch.cuda.is_available()
     if not cuda and not moe._INTERPRET:
-        raise SystemExit("no CUDA: run the CPU smoke version as TRITON_INTERPRET=1 python -m sparseserve.benchmarks.moe_bench")
+        raise SystemExit("no CUDA: run the CPU smoke version as TRITON_INTERPRET=1 python -m benchmarks.moe_bench")
     device = torch.device("cuda" if cuda else "cpu")
     shape = args.shape if cuda else "tiny"
     hidden, inter, num_experts, top_k = {
@@ -247,12 +249,13 @@ def main() -> None:
     result = {
         "card": card, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__, "triton": __import__("triton").__version__,
-        "command": "PYTHONPATH=. python -m sparseserve.benchmarks.moe_bench" + (" --sweep" if args.sweep else ""),
+        "command": "python -m benchmarks.moe_bench" + (" --sweep" if args.sweep else ""),
         "shape": {"hidden": hidden, "inter": inter, "experts": num_experts, "top_k": top_k, "dtype": "bf16"},
         "measured_copy_TBps": bw / 1e12, "measured_bf16_TFLOPs": tc / 1e12, "rows": rows,
     }
-    if args.out:
-        with open(args.out, "w") as f:
+    out = args.out or (result_file("moe") if cuda else "")
+    if out:
+        with open(out, "w") as f:
             json.dump(result, f, indent=1)
     print()
     print(f"{'T':>5} {'touched':>7} {'floorBW':>8} {'floorTC':>8} {'triton':>8} {'again':>6} {'x floor':>7} {'grouped':>8} {'ref':>8} {'align':>7} {'gate_up':>7} {'down':>7} {'select':>6} {'sel_ref':>7}  sweep")

@@ -1,6 +1,6 @@
 """Kernel benchmark for the sparse MQA attention and the Lightning Indexer (H200).
 
-    PYTHONPATH=. python -m sparseserve.benchmarks.kernels [--out PATH] [--sweep] [--quick]
+    python -m benchmarks.kernels [--out PATH] [--sweep] [--quick]
 
 Cases (bf16, real V4 shapes, D = 512, window 128):
   attention decode : batch 1/8/64/256 x context 4K/32K/128K, V4-Flash (64 heads, top-k 512) and
@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.testing
 
-from sparseserve.benchmarks.ceilings import READ_BLOCK, read_sum
+from benchmarks import result_file
+from benchmarks.ceilings import READ_BLOCK, read_sum
 from sparseserve.kernels.indexer import IndexerConfig, indexer_config, indexer_scores_ref, indexer_scores_triton
 from sparseserve.kernels.sparse_attention import (
     AttnConfig,
@@ -39,7 +40,7 @@ from sparseserve.kernels.sparse_attention import (
     sparse_mqa_attention_triton,
 )
 
-HBM_BPS = 4.23e12  # measured device-to-device copy on the H200 (DESIGN.md §5)
+HBM_BPS = 4.23e12  # measured device-to-device copy on the H200 (docs/performance.md, ceilings)
 BF16_FLOPS = 790e12  # measured bf16 GEMM on random data
 D, WINDOW, RATE_CSA, RATE_HCA = 512, 128, 4, 128
 IDX_HEADS, IDX_DIM, EPB = 64, 128, 64
@@ -465,7 +466,7 @@ def run(args) -> dict:
     return dict(
         card=card, sms=num_sms, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         torch=torch.__version__, triton=triton.__version__,
-        command="PYTHONPATH=. python -m sparseserve.benchmarks.kernels " + " ".join(sys.argv[1:]),
+        command="python -m benchmarks.kernels " + " ".join(sys.argv[1:]),
         roofline=dict(hbm_bytes_per_s=HBM_BPS, bf16_flops=BF16_FLOPS, measured_now=ceilings),
         timing=("decode: CUDA graph of one call per input set (sets cycle >= 400 MB so rows come from HBM), median of 5 "
                 "replays / calls; prefill: triton.testing.do_bench median (L2 flushed each run); reference: min of 2 "
@@ -479,7 +480,7 @@ CASE_GROUPS = ("attn-decode", "attn-prefill", "index-decode", "index-prefill")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/kernels.json")
+    ap.add_argument("--out", default=result_file("kernels"))
     ap.add_argument("--sweep", action="store_true", help="also time alternative configs (tuning data)")
     ap.add_argument("--no-ref", action="store_true", help="skip timing the PyTorch reference")
     ap.add_argument("--warm", default=None, help="i/n: only compile slice i of n of the configs")

@@ -2,7 +2,7 @@
 block sums of bf16) and a device copy of the same bytes (half read, half written), each timed as the kernel benchmark times decode attention (`_bench_graph`: calls on
 distinct buffers chained in one CUDA graph, >= 400 MB per cycle, so every byte comes from HBM).
 
-    PYTHONPATH=. python tools/hbm_size_ceiling.py [--out F.json]
+    python -m benchmarks.hbm_size_ceiling [--out F.json]
 
 Decode attention at batch 8 moves 2.4-11.6 MB (V4-Flash and V4-Pro, 4K-128K): this says whether 60% of HBM is
 reachable at those sizes by any kernel, before asking it of attention. CUDA only.
@@ -15,14 +15,15 @@ import json
 
 import torch
 
-from sparseserve.benchmarks import kernels as kb
+from benchmarks import result_file
+from benchmarks import kernels as kb
 
 SIZES_MB = (1, 2, 4, 8, 12, 16, 32, 64, 128, 256)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=result_file("hbm_size_ceiling"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("hbm_size_ceiling needs a CUDA device")
@@ -37,7 +38,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     report = dict(card=torch.cuda.get_device_name(0), torch=torch.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  command="PYTHONPATH=. python tools/hbm_size_ceiling.py", hbm_bytes_per_s=kb.HBM_BPS, rows=rows)
+                  command="python -m benchmarks.hbm_size_ceiling", hbm_bytes_per_s=kb.HBM_BPS, rows=rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

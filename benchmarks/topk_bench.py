@@ -1,6 +1,6 @@
 """Indexer top-k benchmark: standard and persistent paths against torch.topk, same run.
 
-    PYTHONPATH=. python -m sparseserve.benchmarks.topk_bench --out benchmarks/results/topk.json
+    python -m benchmarks.topk_bench [--out PATH]
 
 Grid (issue 5): rows 1/8/64/256 x widths 8K/64K/256K x k 512/1024, random fp32 rows
 (never zeros), full valid length. Each backend is timed eagerly (a Python call) and as a
@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.testing
 
-from sparseserve.benchmarks.timing import capture_graph
+from benchmarks import result_file
+from benchmarks.timing import capture_graph
 from sparseserve.kernels.topk import IndexerTopK, _bound_chunk, auto_path, topk_indices_ref
 
 HBM_BYTES_PER_S = 4.2e12
@@ -90,7 +91,7 @@ def grid_cell(rows: int, width: int, k: int, gen: torch.Generator, warmup_ms: in
     lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
     ops = {p: IndexerTopK(rows, width, k, backend=p, **((persistent_knobs or {}) if p == "persistent" else {}))
            for p in PATHS}
-    # The same run's baseline: session 13's persistent plan (select chunks one by one, each with its
+    # The same run's baseline: the earlier persistent plan (select chunks one by one, each with its
     # own atomics; bound chunks of at most 16K columns; the finish reorders through memory).
     ops["persistent_session13"] = IndexerTopK(rows, width, k, backend="persistent", _pair_chunks=False,
                                               _bound_chunk=_bound_chunk(width, k, limit=16384),
@@ -127,7 +128,7 @@ def run_grid(rows_list, widths, ks, warmup_ms, rep_ms, log, persistent_knobs: di
                     f" | std {e['standard_eager_us']:7.1f}/{e['standard_graph_us']:7.1f}"
                     f" | pers {e['persistent_eager_us']:7.1f}/{e['persistent_graph_us']:7.1f} us (eager/graph)"
                     f" | roof {e['roofline_us']:6.2f} | auto {e['auto_path'][:4]} | ok {all(e['correct'].values())}"
-                    + f" | pers, session 13 plan {e['persistent_session13_graph_us']:7.1f}"
+                    + f" | pers, earlier plan {e['persistent_session13_graph_us']:7.1f}"
                 )
     return entries
 
@@ -246,10 +247,10 @@ PRECOMPILE = [
     *[("persistent", k, 262144, t, None, None) for k in (512, 1024) for t in (4096, 8192)],
     *[("persistent", k, 262144, None, None, None, {"_pair_chunks": True, "_bound_chunk": 32768})
       for k in (512, 1024)],  # paired chunks, long bound chunks (many rows)
-    # The finish that reorders through memory (before session 15: --persistent-knobs '{"_finish_gather": false}').
+    # The finish that reorders through memory (--persistent-knobs '{"_finish_gather": false}').
     *[("persistent", k, 262144, None, None, None, {"_finish_gather": False, "_pair_chunks": pair})
       for k in (512, 1024) for pair in (False, True)],
-    # The grid's same-run baseline (session 13's plan).
+    # The grid's same-run baseline (the earlier plan).
     *[("persistent", k, w, None, None, None, {"_pair_chunks": False, "_bound_chunk": _bound_chunk(w, k, limit=16384),
                                               "_finish_gather": False})
       for k in (512, 1024) for w in (8192, 262144)],
@@ -280,7 +281,7 @@ def precompile(processes: int, log) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/topk.json")
+    ap.add_argument("--out", default=result_file("topk"))
     ap.add_argument("--quick", action="store_true", help="small grid, no sweep/variants (smoke run)")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-variants", action="store_true")
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "command": "python -m sparseserve.benchmarks.topk_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.topk_bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "timing": "triton.testing.do_bench median (L2 flushed before each run); eager = Python call, graph = CUDA-graph replay",
         "hbm_bytes_per_s": HBM_BYTES_PER_S,
         "roofline": "rows * 4 * (width + k) bytes (scores read once, output written once) at hbm_bytes_per_s",

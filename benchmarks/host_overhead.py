@@ -1,6 +1,6 @@
 """Host time of an engine step without the model: scheduling, metadata, sampling bookkeeping.
 
-    python -m sparseserve.benchmarks.host_overhead [--batch 200] [--steps 64] [--async-scheduling]
+    python -m benchmarks.host_overhead [--batch 200] [--steps 64] [--async-scheduling]
 
 The tiny checkpoint runs the prefill; then its forward is replaced by a stub that returns fixed
 logits, so what is timed per decode step is the engine's own Python and numpy work (on the CPU;
@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from .. import LLM, SamplingParams
-from ..model.loader import CONFIGS_DIR
-from ..worker import model_runner
+from sparseserve import LLM, SamplingParams
+from sparseserve.model.loader import CONFIGS_DIR
+from sparseserve.worker import model_runner
 
 
 class FixedLogitsModel:

@@ -44,7 +44,7 @@ class ModelConfig:
         return math.lcm(*self.rates) if self.rates else 1
 
     def compressed_bytes_per_token(self, layer_idx: int, dtype_bytes: int) -> float:
-        """Bytes of compressed state one token adds to a layer (DESIGN.md section 1)."""
+        """Bytes of compressed state one token adds to a layer (docs/design.md, section 1)."""
         rate = self.compress_rate(layer_idx)
         if rate == 0:
             return 0.0

@@ -194,7 +194,7 @@ def test_hf_baseline_matches_engine_greedy():
 
 
 def test_roofline_anchor():
-    """DESIGN.md section 5: the weight-read floor of one batch-1 decode step of v4-flash-2l16e is ~0.53 ms."""
+    """The weight-read floor of one batch-1 decode step of v4-flash-2l16e is ~0.53 ms (docs/performance.md)."""
     from sparseserve.benchmarks.latency import HBM_BYTES_PER_S, decode_weight_bytes, model_facts
 
     facts = model_facts("v4-flash-2l16e")

@@ -11,7 +11,7 @@ same prompts and weights: prefill = call to first token, decode step = token to 
 
 The figures are printed with roofline floors from the model's shapes (weights read once per
 decode step at the HBM rate; prefill matmul FLOPs at the bf16 tensor-core rate); the default
-rates are the H200 anchors of DESIGN.md section 5.
+rates are the H200 ceilings of docs/performance.md.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import torch
 from .throughput import (load_hf_for, run_with_engine, add_workload_args, device_name, free_device_memory, jsonable,
                          random_prompts, run_and_report, synchronize)
 
-HBM_BYTES_PER_S = 4.23e12  # H200 copy bandwidth (DESIGN.md section 5)
-BF16_FLOPS_PER_S = 790e12  # H200 dense bf16 GEMM rate (DESIGN.md section 5)
+HBM_BYTES_PER_S = 4.23e12  # H200 copy bandwidth (docs/performance.md, card and ceilings)
+BF16_FLOPS_PER_S = 790e12  # H200 dense bf16 GEMM rate (docs/performance.md, card and ceilings)
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 

@@ -1,6 +1,6 @@
 """Sparse-aware KV accounting and the block/slot manager.
 
-V4's per-sequence state has two parts (DESIGN.md section 1):
+V4's per-sequence state has two parts (docs/design.md, section 1):
 - growing state, paged in blocks of `block_size` tokens: CSA entries (head_dim + indexer keys
   per `rate` tokens) and HCA entries (head_dim per `rate` tokens). Sliding layers add none.
 - fixed state, one slot per running sequence: every layer's window ring and every

@@ -9,7 +9,7 @@ The token's projections live in a position-addressed state buffer (kv || gate).
 
 An emitting token whose out row is -1 writes nothing (and the kernel reads nothing for it):
 a captured step passes every token as a possible emitter, and the ones that close no window
-then cost no memory traffic, with no host branch (DESIGN.md invariant 1).
+then cost no memory traffic, with no host branch (docs/design.md, invariant 1).
 
 Roofline (per emitted entry, S slots, width Wd): bytes = S * 2 * Wd * 2 + out; FLOPs ~ 6 * S * Wd.
 """

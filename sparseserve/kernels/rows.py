@@ -1,6 +1,6 @@
 """Row-list construction: from the step's metadata to the pool rows each kernel reads.
 
-Every row is derived from a token's absolute position (DESIGN.md invariant 4):
+Every row is derived from a token's absolute position (docs/design.md, invariant 4):
 - a position written in an earlier step lives in its sequence's ring:
   slot * ring_rows + position % ring_rows;
 - a position of the current step lives in the staging region, at its token's index in

@@ -10,7 +10,7 @@ Engine interface
 ``IndexerTopK(max_rows, max_width, k, backend="auto", device=...)`` preallocates its
 output and workspaces once; ``__call__(scores, lengths)`` returns a view ``[R, k]`` of that
 output (R <= max_rows, W <= max_width). A call does no host sync, no data-dependent host
-branch and no allocation, so it can be captured in a CUDA graph (DESIGN.md invariant 1).
+branch and no allocation, so it can be captured in a CUDA graph (docs/design.md, invariant 1).
 ``backend`` is "auto" | "standard" | "persistent" | "torch"; "auto" picks from the static
 facts (max_rows, max_width) only (invariant 3), and ``.path`` says what it picked. The
 returned view is overwritten by the next call. Calls must be stream-ordered (the standard
@@ -63,7 +63,7 @@ Algorithm (both paths), for a row of n > k valid scores:
   one atomic for the pair's base and one arrival per pair (64 x 256K: 147 -> 139 us). The
   per-row workspace (arrival counters, candidate count, group maxima) MUST be zero at
   launch: the path zeroes it itself, unconditionally, right before the first kernel
-  (DESIGN.md invariant 2), so any graph that captures the call records the zeroing. Stale
+  (docs/design.md, invariant 2), so any graph that captures the call records the zeroing. Stale
   counters are detected (an arrival count past the row's chunks or pairs) and the row is
   written as all -2, a detectable error value.
 * torch: the plain-PyTorch reference below (stable sort), exact tie rule, slow.

@@ -34,7 +34,7 @@ class BatchMetadata:
     # can be skipped.
     emit_all_tokens: bool = False
     # Host fact: the longest sequence (positions + 1) in the step. Only the test-only top-k
-    # bug switch reads it; nothing real may branch on it (DESIGN.md invariant 1).
+    # bug switch reads it; nothing real may branch on it (docs/design.md, invariant 1).
     max_seq_len: int = 0
 
     @property

@@ -22,7 +22,7 @@ referenced by the caller until the main stream waits for that work, or are marke
 Inline (no stream) outside graph capture (see `SideStreams`), on the CPU, for steps above
 `OVERLAP_MAX_TOKENS` tokens (large steps fill the GPU anyway, and per-stream pools would hold
 more memory), and with SPARSESERVE_DISABLE_KERNELS=overlap. The choice depends on static facts
-only, so a captured graph keeps the schedule it was captured with (DESIGN.md invariant 3)."""
+only, so a captured graph keeps the schedule it was captured with (docs/design.md, invariant 3)."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -4,7 +4,7 @@ proposes k draft tokens per request.
 Every target step also runs the MTP layer over the same positions, with the target's
 residual streams h[t] and the sequence's next token t+1 (so its window state covers every
 position). Positions past what the step accepted get placeholder tokens; they are re-run,
-and so overwritten, once their real tokens are known (DESIGN.md invariant 4). From the last
+and so overwritten, once their real tokens are known (docs/design.md, invariant 4). From the last
 accepted position the layer then drafts d_1, and feeds its own streams back for d_2..d_k.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Query length 1 is plain decode; with speculation, 1 + k is a verify step (every 
 logits), and the MTP drafter has graphs of both lengths too (its catch-up over the verified
 positions, and each single-token draft step).
 
-The captured step is static (DESIGN.md invariants 1-3): shapes come from the bucket, every
+The captured step is static (docs/design.md, invariants 1-3): shapes come from the bucket, every
 per-request fact lives in the static input buffers ("bridge tensors") that `run` fills
 before each replay, padded sequences use a dummy slot and an empty block table so they
 touch nothing real, and the top-k path of a graph is fixed when it is built.
@@ -76,7 +76,7 @@ def logits_mode(query_len: int) -> str:
 def decode_batch(chunks: list[SequenceChunk], rates: list[int], device, max_blocks: int,
                  num_entries: dict[int, int], tables: BlockTableCache | None = None) -> BatchMetadata:
     """The metadata of a (padded) decode step, built the same way for eager and graph runs so
-    that both compute the same function on the same shapes (DESIGN.md invariant 5): static
+    that both compute the same function on the same shapes (docs/design.md, invariant 5): static
     row widths, and every token treated as possibly closing a window (kernels mask the rest)."""
     batch = build_batch(chunks, rates, device, max_blocks=max_blocks, num_entries=num_entries, tables=tables)
     all_tokens = torch.arange(batch.num_tokens, device=device)

@@ -120,7 +120,7 @@ class ModelRunner:
             raise ValueError(f"cuda_graph_sizes must lie in [1, max_num_seqs={max_num_seqs}], got {self.graph_sizes}")
         # Decode-like steps (every sequence has the same number of tokens: 1, or 1 + k when verifying
         # k drafts) run as graphs; on CUDA their eager form is padded and built the same way, so
-        # both modes compute the same function (DESIGN.md invariant 5).
+        # both modes compute the same function (docs/design.md, invariant 5).
         k = self.options.num_speculative_tokens
         self.query_lens = [1] + ([1 + k] if k else [])
         # Captured graphs use the side stream, except with speculation: its graphs (verify, drafter)
@@ -143,7 +143,7 @@ class ModelRunner:
         # the next step reads its pending input tokens from there.
         self._last_sampled: tuple[torch.Tensor, dict] | None = None
 
-    # ---- top-k paths: fixed per row bucket from static facts (DESIGN.md invariant 3) ----
+    # ---- top-k paths: fixed per row bucket from static facts (docs/design.md, invariant 3) ----
     def topk_for(self, max_rows: int) -> tuple[TopKFn, str]:
         if not self.csa_rates or self.device.type != "cuda" or self.options.topk_backend == "torch":
             return default_topk, "torch"

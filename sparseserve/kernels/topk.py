@@ -103,7 +103,7 @@ FALLBACK_BLOCK = 1024  # the exact fallback's block (small: its histograms are r
 STD_PROGRAMS_PER_SM = 2  # standard-path grid cap (and candidate buffers) per SM
 # Persistent-path grid cap per SM. Two, although the select kernel's registers fit one program
 # per SM: at 8 x 256K (256 chunks) the second program of an SM is queued as its own item rather
-# than looped over, and the call took 33.8 instead of 44.7 us (session 6, tools/topk_phases.py).
+# than looped over, which measured faster on the H200.
 PERSISTENT_PROGRAMS_PER_SM = 2
 BOUND_CHUNK_MAX = 32768  # the persistent bound kernel's longest chunk (see _bound_chunk)
 KEY_NEG_INF = -2139095041  # the int32 key of -inf

@@ -147,13 +147,19 @@ KERNEL_BENCHMARKS = (
 )
 
 
+def kernel_benchmark_names(wanted: str) -> set[str]:
+    """The modules `--kernels` names ('all' or a comma list); an unknown name stops the call before any run."""
+    known = {m for m, _ in KERNEL_BENCHMARKS}
+    names = known if wanted == "all" else set(wanted.split(","))
+    if names - known:
+        raise SystemExit(f"--kernels: unknown benchmark(s) {sorted(names - known)}; "
+                         f"known: {', '.join(m for m, _ in KERNEL_BENCHMARKS)} or 'all'")
+    return names
+
+
 def run_kernel_benchmarks(wanted: str, out_dir: Path, deadline: float) -> dict:
     """Each selected micro-benchmark as its own process, writing `<out_dir>/<stem>.json`; its status by module."""
-    names = {m for m, _ in KERNEL_BENCHMARKS} if wanted == "all" else set(wanted.split(","))
-    unknown = names - {m for m, _ in KERNEL_BENCHMARKS}
-    if unknown:
-        raise SystemExit(f"--kernels: unknown benchmark(s) {sorted(unknown)}; "
-                         f"known: {', '.join(m for m, _ in KERNEL_BENCHMARKS)} or 'all'")
+    names = kernel_benchmark_names(wanted)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     status = {}
     for module, stem in KERNEL_BENCHMARKS:
@@ -406,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fresh", action="store_true",
                    help="with --only: do not keep the other runs' results already in the results file")
     args = p.parse_args(argv)
+    if args.kernels:
+        kernel_benchmark_names(args.kernels)
 
     t_start = time.perf_counter()
     deadline = t_start + args.budget_s

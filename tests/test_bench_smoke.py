@@ -1,10 +1,16 @@
 """Benchmarks that have no other CPU coverage run end to end on the tiny checkpoint (smoke tests:
 they catch interface drift, e.g. a runner method whose signature changed under a timing wrapper)."""
+import importlib.util
+import re
+from pathlib import Path
+
 import pytest
 
 from benchmarks.decode_graphs import measure, measure_async
 from benchmarks.host_overhead import measure as measure_host
 from sparseserve.model.loader import CONFIGS_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("spec_k", [0, 1])
@@ -50,3 +56,26 @@ def test_read_sum_rejects_a_strided_input():
 
     with pytest.raises(ValueError, match="contiguous"):
         read_sum(torch.zeros(4, 8, dtype=torch.bfloat16).t())
+
+
+def test_run_all_kernels_lists_every_micro_benchmark_with_its_indexed_result():
+    """Every module `run_all.py --kernels` runs exists in benchmarks/ and its result file is in the results
+    index; an unknown name stops the call before anything runs."""
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+
+    results_index = (ROOT / "benchmarks" / "results" / "README.md").read_text()
+    for module, stem in run_all.KERNEL_BENCHMARKS:
+        assert (ROOT / "benchmarks" / f"{module}.py").is_file(), module
+        assert f"`{stem}.json`" in results_index, stem
+    assert run_all.kernel_benchmark_names("all") == {m for m, _ in run_all.KERNEL_BENCHMARKS}
+    with pytest.raises(SystemExit, match="unknown benchmark"):
+        run_all.kernel_benchmark_names("kernels,no_such_bench")
+
+
+def test_the_package_does_not_import_the_micro_benchmarks():
+    """The wheel ships sparseserve/ only: nothing in it may import the top-level benchmarks/ folder."""
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "sparseserve").rglob("*.py")
+                 if re.search(r"^\s*(from|import) benchmarks\b", p.read_text(), re.M)]
+    assert offenders == []

@@ -208,7 +208,7 @@ def indexer_prefill_case(tokens: int, gen: torch.Generator) -> dict:
 # ------------------------------------------------------------------ configs tried by --sweep
 def attn_sweep_configs(prefill: bool) -> list[AttnConfig]:
     """Configs timed by --sweep besides the chosen one. (The wider sweep that chose the
-    heuristics is kept in benchmarks/results/kernels.json under "tuning_sweep".)"""
+    heuristics is in git history: `git show 4cb78d2:benchmarks/results/kernels.json`, "tuning_sweep".)"""
     A = AttnConfig  # (block_h, block_n, warps, stages, splits, dv_split)
     if prefill:
         return [A(64, 32, 8, 3), A(64, 64, 8, 1), A(64, 128, 8, 1)]

@@ -4,7 +4,7 @@ import pytest
 
 from sparseserve.model.batch import SequenceChunk
 from sparseserve.worker.cuda_graph import _dot_kernel_sequence, decode_batch, default_graph_sizes, pad_chunks, pick_bucket
-from sparseserve.worker.graph_audit import interesting_lengths
+from sparseserve.engine.graph_audit import interesting_lengths
 from sparseserve.worker.watchdog import StepTimeoutError, StepWatchdog
 
 

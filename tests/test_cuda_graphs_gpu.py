@@ -9,7 +9,7 @@ import torch
 from sparseserve import LLM, SamplingParams
 from sparseserve.model.loader import CONFIGS_DIR
 from sparseserve.worker.cuda_graph import GraphCaptureError
-from sparseserve.worker.graph_audit import audit_graph_replays
+from sparseserve.engine.graph_audit import audit_graph_replays
 from sparseserve.worker.watchdog import StepTimeoutError
 
 pytestmark = pytest.mark.gpu

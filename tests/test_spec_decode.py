@@ -73,7 +73,7 @@ def test_acceptance_accounting_with_known_drafters(wrong, reference):
     continuations = {}
     for i, (p, out) in enumerate(zip(prompts(), long_ref)):
         continuations[str(i + llm._next_id)] = p["prompt_token_ids"] + out.outputs[0].token_ids
-    engine.runner.proposer = KnownDrafter(engine.runner.proposer, continuations, k, wrong)
+    engine.runner.speculator.proposer = KnownDrafter(engine.runner.speculator.proposer, continuations, k, wrong)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
     assert got == reference
     m = engine.spec_metrics
@@ -116,7 +116,7 @@ def test_stop_token_inside_accepted_drafts_truncates_like_plain_decoding(referen
     llm = spec(k)
     continuations = {str(i): p["prompt_token_ids"] + o.outputs[0].token_ids
                      for i, (p, o) in enumerate(zip(prompts(), long_ref))}
-    llm.llm_engine.runner.proposer = KnownDrafter(llm.llm_engine.runner.proposer, continuations, k)
+    llm.llm_engine.runner.speculator.proposer = KnownDrafter(llm.llm_engine.runner.speculator.proposer, continuations, k)
     outs = llm.generate(prompts(), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert outs[2].outputs[0].stop_reason == stop_at and outs[2].outputs[0].token_ids[-1] == stop_at

@@ -50,11 +50,11 @@ sync, deterministic (no atomics: a fixed split-K order, so eager == graph replay
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
+from .. import envs
 from .dispatch import use_triton
 from .rmsnorm import rms_norm
 from .pdl import pdl_args, wait_for_prior_grid
@@ -69,7 +69,7 @@ except ImportError:  # pragma: no cover
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 # Read once, at import, which is when Triton decides whether the kernels below are interpreted.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = envs.triton_interpret()
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 
 

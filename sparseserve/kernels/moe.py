@@ -27,7 +27,6 @@ so `fused_moe` uses it only when GROUPED_MM_MIN_TOKENS is set.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,10 +41,12 @@ try:  # Triton is optional: without it every path is the reference.
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-from .pdl import pdl_args, wait_for_prior_grid  # noqa: E402 (after the optional Triton import)
+from .. import envs  # noqa: E402 (after the optional Triton import)
+from .dispatch import enabled_on  # noqa: E402
+from .pdl import pdl_args, wait_for_prior_grid  # noqa: E402
 
 # Read once, at import, which is when Triton decides whether the kernels below are interpreted.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = envs.triton_interpret()
 
 
 def score_experts(router_logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -637,7 +638,7 @@ def _use_triton(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
         and w_gate_up.dtype == x.dtype
         and x.shape[1] % 16 == 0  # tiles of at least 16 must divide D and I
         and w_gate_up.shape[1] % 32 == 0
-        and os.environ.get("SPARSESERVE_MOE_BACKEND", "") != "ref"
+        and enabled_on("moe", x.device)
     )
 
 
@@ -824,7 +825,7 @@ def select_experts(
         and scoring_func in _SCORING_IDS
         and router_logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and (hash_ids is not None or top_k <= router_logits.shape[1])
-        and os.environ.get("SPARSESERVE_MOE_BACKEND", "") != "ref"
+        and enabled_on("moe", router_logits.device)
     ):
         return select_experts_triton(
             router_logits, top_k, scoring_func, routed_scaling_factor, correction_bias, hash_ids

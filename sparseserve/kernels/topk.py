@@ -78,8 +78,6 @@ one program), many rows bandwidth-bound (the two reads).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:  # Triton is optional on the CPU path.
@@ -90,6 +88,7 @@ try:  # Triton is optional on the CPU path.
 except ImportError:  # pragma: no cover - exercised only without triton
     _HAVE_TRITON = False
 
+from .. import envs  # noqa: E402
 from .dispatch import num_sms  # noqa: E402
 from .pdl import pdl_args, wait_for_prior_grid  # noqa: E402 (after the optional Triton import)
 
@@ -766,7 +765,7 @@ def _normalize_device(device: torch.device | str | None) -> torch.device:
 def _check_triton_device(device: torch.device) -> None:
     if not _HAVE_TRITON:
         raise ValueError("the Triton top-k paths need triton installed; use backend='torch'")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not envs.triton_interpret():
         raise ValueError(
             f"the Triton top-k paths run on CUDA (or on the CPU under TRITON_INTERPRET=1); got device {device}"
         )

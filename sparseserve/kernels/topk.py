@@ -863,11 +863,6 @@ class IndexerTopK:
             kernel alone (the bound kernel keeps its own); one chunk per item unless
             _chunks_per_item says otherwise. At CHUNK 4096 and 4 warps the kernel takes 248
             registers: two programs fit an SM (give num_programs for them).
-        _debug_skip_reset_when_short: TEST ONLY. Restores the historical vLLM bug: the
-            workspace zeroing is guarded by a host ``if`` on the caller's ``max_seq_len``
-            (skipped when it is <= k), so a graph captured at a short length records no
-            zeroing and its replays at long lengths run on stale counters (the rows then
-            come out as -2). Never set it outside the regression test.
 
     Memory: the output (max_rows x k int32). Standard path: the shared candidate buffers,
     2 x SMs x C x 8 bytes per device (2.1 MiB for k = 512 on 132 SMs). Persistent path, per
@@ -888,7 +883,6 @@ class IndexerTopK:
         backend: str = "auto",
         device: torch.device | str | None = None,
         num_programs: int | None = None,
-        _debug_skip_reset_when_short: bool = False,
         _tile: int | None = None,
         _cap: int | None = None,
         _warps: int | None = None,
@@ -924,7 +918,6 @@ class IndexerTopK:
             self.path = backend
         if self.path in ("standard", "persistent"):
             _check_triton_device(self.device)
-        self._debug_skip_reset_when_short = bool(_debug_skip_reset_when_short)
         # Benchmark/test-only knobs: the standard BLOCK or the persistent CHUNK, and the capacity.
         if _tile is not None and (_tile not in (1024, 2048, 4096, 8192, 16384)):
             raise ValueError(f"_tile must be one of 1024, 2048, 4096, 8192, 16384, got {_tile!r}")
@@ -992,11 +985,8 @@ class IndexerTopK:
             self.cand_v = torch.empty((max_rows, self.cap), dtype=torch.float32, device=self.device)
             self.cand_i = torch.empty((max_rows, self.cap), dtype=torch.int32, device=self.device)
 
-    def __call__(self, scores: torch.Tensor, lengths: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:
-        """Top-k indices int32 [R, k] (a view of the preallocated output).
-
-        max_seq_len: host int, consulted only by the test-only bug switch.
-        """
+    def __call__(self, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Top-k indices int32 [R, k] (a view of the preallocated output)."""
         _check_inputs(scores, lengths, self.max_rows, self.max_width)
         if scores.device != self.device:
             raise ValueError(f"scores on {scores.device}, IndexerTopK on {self.device}")
@@ -1009,7 +999,7 @@ class IndexerTopK:
                 self._warps,
             )
         else:
-            self._persistent(scores, lengths, out, max_seq_len)
+            self._persistent(scores, lengths, out)
         return out
 
     def chunks_per_item(self, rows: int, width: int) -> int:
@@ -1038,15 +1028,18 @@ class IndexerTopK:
         pair = 2 if (self._pair_chunks is None and per_item >= 2 and cpr >= 2) or self._pair_chunks else 1
         return chunk, cpr, per_item, self._select_warps or self._warps or warps, bound_chunk, pair
 
-    def _persistent(self, scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, max_seq_len: int | None) -> None:
+    def _reset_workspace(self, ws: torch.Tensor) -> None:
+        """Zero the persistent path's per-row workspace before its first kernel: unconditionally,
+        so that any graph capturing the call records it (DESIGN.md invariant 2). (The graph-audit
+        tests patch this step to reproduce the historical bug of a host-guarded zeroing.)"""
+        ws.zero_()
+
+    def _persistent(self, scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
         rows, width = scores.shape
         if rows == 0:
             return
         ws = self.workspace[:rows]
-        skip = self._debug_skip_reset_when_short and max_seq_len is not None and max_seq_len <= self.k
-        if not skip:
-            # Unconditional in the real path (invariant 2): recorded in any captured graph.
-            ws.zero_()
+        self._reset_workspace(ws)
         if width == 0:
             out.fill_(-1)
             return

@@ -71,8 +71,10 @@ def imports_of(path: Path, known: set[str], root: Path = PACKAGE) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            found.add(target)
-            found.update(f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known)
+            submodules = {f"{target}.{a.name}" for a in node.names} & known
+            found.update(submodules)
+            if len(submodules) < len(node.names):  # names defined in `target` itself
+                found.add(target)
     return {m for m in found if m == "sparseserve" or m.startswith("sparseserve.")} - {name}
 
 
@@ -166,10 +168,12 @@ def test_the_checker_sees_relative_and_function_level_imports(tmp_path):
     (pkg / "model" / "a.py").write_text(
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from ..engine import hidden\n"
+        "from .. import envs\n"
         "def f():\n    from ..worker import runner\n    from . import b\n")
     (pkg / "model" / "b.py").write_text("")
-    known = {"sparseserve.worker", "sparseserve.worker.runner", "sparseserve.model.b"}
+    known = {"sparseserve", "sparseserve.envs", "sparseserve.worker", "sparseserve.worker.runner",
+             "sparseserve.model.b"}
     found = imports_of(pkg / "model" / "a.py", known, root=pkg)
-    assert {"sparseserve.worker.runner", "sparseserve.model.b"} <= found
+    assert found == {"sparseserve.envs", "sparseserve.worker.runner", "sparseserve.model.b"}
     assert not any("engine" in m for m in found)
     assert layer_of("sparseserve.worker.runner") == "worker" and layer_of("sparseserve.step_types") is None

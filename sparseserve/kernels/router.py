@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
-from .moe import _SCORING_IDS, launch_select_experts, select_experts
+from .moe_select import _SCORING_IDS, launch_select_experts, select_experts
 from .pdl import pdl_args, wait_for_prior_grid
 
 ROUTER_MAX_TOKENS = 16

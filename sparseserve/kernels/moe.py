@@ -115,17 +115,17 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
     By the mean tokens per expert: few, 16/32-row tiles and many programs streaming the touched
     experts' weights (weight-read bound); many, 64/128-row tiles with wide N (gate 128 + up 128,
     down 256) for the tensor cores. N tiles run fastest so that the programs of one M tile share
-    its activation rows in L2 (M-fastest re-read them from HBM: 4.70 vs 3.97 ms at T=4096).
+    its activation rows in L2 (M-fastest re-read them from HBM and was slower at T=4096).
     From the H200 sweeps in docs/performance.md (V4-Flash shapes).
     """
     avg = num_tokens * top_k / num_experts
-    if avg <= 4:  # T <= 170 on V4-Flash (T=1: 85 us, T=64: 2.22 ms)
+    if avg <= 4:  # T <= 170 on V4-Flash
         cfg = MoeConfig(16, 64, 128, 4, 3, 128, 128, 4, 3, m_fastest=False)
-    elif avg <= 24:  # T <= 1024 (T=512: 3.06 ms, T=1024: 3.12 ms)
+    elif avg <= 24:  # T <= 1024
         cfg = MoeConfig(32, 64, 128, 4, 3, 128, 128, 4, 3, m_fastest=False)
-    elif avg <= 48:  # T <= 2048 (3.26 ms)
+    elif avg <= 48:  # T <= 2048
         cfg = MoeConfig(64, 128, 64, 4, 4, 256, 64, 4, 4, m_fastest=False)
-    else:  # T=4096: 3.56 ms; 4 stages (196 KB of shared memory) beat 3 (3.84 ms)
+    else:  # T=4096: 4 stages (196 KB of shared memory) beat 3
         cfg = MoeConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, m_fastest=False)
     return fit_config(cfg, hidden, inter)
 

@@ -57,7 +57,7 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 
 # One program does the whole alignment for small batches: at decode the dozen launches of
-# moe_align_torch cost more than the kernel (about 45 us of 130 at T=1 on the H200).
+# moe_align_torch cost more than the kernel (about a third of the MoE's time at T=1 on the H200).
 ALIGN_CHUNK = 32
 
 
@@ -65,12 +65,13 @@ def align_kernel_max_assign(num_experts: int) -> int:
     """Up to how many (token, slot) assignments the one-program kernel beats the torch ops.
 
     Its time grows with assignments x experts (a [CHUNK, E] one-hot per chunk); the torch ops
-    (a sort and a dozen small launches) take ~70-75 us flat up to ~3K assignments. Measured on
-    the H200 inside CUDA graphs (`moe_bench --align`, benchmarks/results/moe_align.json): ~0.025 us
-    per assignment at 16 experts (32.6 us at 1,200) and ~0.070 us at 256 (84 us at 1,200), a line
-    in the padded expert count; the crossover is where that line meets 70 us."""
+    (a sort and a dozen small launches) take a flat ~70 us up to ~3K assignments. On the H200,
+    inside CUDA graphs (`moe_bench --align`), the kernel's time is a line in the padded expert
+    count: ~0.025 us per assignment at 16 experts and ~0.070 us at 256; the crossover is where
+    that line meets the torch ops' 70 us."""
     e_pad = max(16, triton.next_power_of_2(num_experts)) if HAS_TRITON else num_experts
     return int(70.0 / (0.0224 + 0.000187 * e_pad))
+
 
 if HAS_TRITON:
 

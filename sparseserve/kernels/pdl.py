@@ -2,9 +2,8 @@
 
 A decode step at batch 1 is a chain of ~100 latency-bound kernels, each 1-10 us. Without PDL a
 kernel's programs are scheduled only after the previous kernel has completed and flushed: every
-edge of the chain pays the launch and ramp-up (benchmarks/pdl_bench.py: 0.24-0.49 us per edge of
-a captured chain). With PDL a kernel is
-launched with the programmatic-serialization attribute (`launch_pdl=True`); its programs may start
+edge of the chain pays the launch and ramp-up (benchmarks/pdl_bench.py times it per edge of a
+captured chain). With PDL a kernel is launched with the programmatic-serialization attribute (`launch_pdl=True`); its programs may start
 as soon as every program of the previous kernel on the stream has signalled (or exited), and they
 wait inside the kernel (`griddepcontrol.wait`) until that kernel has completed and its writes are
 visible. CUDA graph capture keeps these edges (programmatic graph edges).

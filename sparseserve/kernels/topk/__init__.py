@@ -58,15 +58,18 @@ Algorithm (both paths), for a row of n > k valid scores:
   taken with an atomic add and records (count, base); the last chunk to arrive selects
   the top k among the candidates and writes them in index order through those records
   (deterministic output): straight from the buffer's arrival order by two in-register
-  gathers when no tie straddles the k-th score (8 x 256K, k = 1024: 36.7 -> 34.2 us), else
-  by reordering the buffer through memory first. In items of two or more chunks the chunks go in pairs: loaded together,
-  one atomic for the pair's base and one arrival per pair (64 x 256K: 147 -> 139 us). The
+  gathers when no tie straddles the k-th score, else by reordering the buffer through memory
+  first. In items of two or more chunks the chunks go in pairs: loaded together, one atomic
+  for the pair's base and one arrival per pair (both measured faster; docs/performance.md). The
   per-row workspace (arrival counters, candidate count, group maxima) MUST be zero at
   launch: the path zeroes it itself, unconditionally, right before the first kernel
   (DESIGN.md invariant 2), so any graph that captures the call records the zeroing. Stale
   counters are detected (an arrival count past the row's chunks or pairs) and the row is
   written as all -2, a detectable error value.
-* torch: the plain-PyTorch reference below (stable sort), exact tie rule, slow.
+* torch: the plain-PyTorch reference (`ref.py`, stable sort), exact tie rule, slow.
+
+Modules: `plan` (constants, block and chunk sizes, the "auto" path), `ref`, `search` (the Triton
+building blocks both paths share), `standard`, `persistent`, `indexer_topk` (the engine object).
 
 Roofline (bytes per row): the scores must be read once, 4n bytes (1 x 256K: 1 MiB, 0.25 us
 at 4.2 TB/s), plus 4k bytes of output. Both paths read each row twice (bound, compact),

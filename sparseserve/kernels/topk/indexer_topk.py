@@ -74,14 +74,14 @@ class IndexerTopK:
         _maxnreg: benchmark-only register cap of the persistent select kernel (two programs per
             SM fit at 128).
         _chunks_per_item: benchmark/test-only override of the persistent select kernel's chunks
-            per item (1: every chunk its own item, as before session 13).
+            per item (1: every chunk its own item).
         _pair_chunks: benchmark/test-only: True pairs the select kernel's chunks even in items of one
-            chunk, False never (as before session 14); None (default): in items of two or more.
+            chunk, False never; None (default): in items of two or more.
         _bound_chunk, _bound_warps: benchmark/test-only CHUNK and warps of the persistent bound kernel
             alone.
-        _finish_gather: benchmark/test-only: True (default since session 15) writes tie-free rows
-            straight from the candidate buffer's order (two in-register gathers); False reorders the
-            buffer in memory first (before session 15; 1-2.5 us slower on the H200).
+        _finish_gather: benchmark/test-only: True (default) writes tie-free rows straight from the
+            candidate buffer's order (two in-register gathers); False reorders the buffer in memory
+            first (slower on the H200).
         _select_chunk, _select_warps: benchmark/test-only CHUNK and warps of the persistent select
             kernel alone (the bound kernel keeps its own); one chunk per item unless
             _chunks_per_item says otherwise. At CHUNK 4096 and 4 warps the kernel takes 248

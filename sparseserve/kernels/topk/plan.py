@@ -14,8 +14,8 @@ LB_STEPS = 8  # the bound's search: 2 bits per step, so the top 16 bits of the k
 FALLBACK_BLOCK = 1024  # the exact fallback's block (small: its histograms are register-hungry)
 STD_PROGRAMS_PER_SM = 2  # standard-path grid cap (and candidate buffers) per SM
 # Persistent-path grid cap per SM. Two, although the select kernel's registers fit one program
-# per SM: at 8 x 256K (256 chunks) the second program of an SM is queued as its own item rather
-# than looped over, and the call took 33.8 instead of 44.7 us (session 6, tools/topk_phases.py).
+# per SM: with many chunks (8 x 256K: 256) the second program of an SM is queued as its own item
+# rather than looped over, which is faster (tools/topk_phases.py times it).
 PERSISTENT_PROGRAMS_PER_SM = 2
 BOUND_CHUNK_MAX = 32768  # the persistent bound kernel's longest chunk (see _bound_chunk)
 KEY_NEG_INF = -2139095041  # the int32 key of -inf
@@ -23,9 +23,8 @@ KEY_NEG_INF = -2139095041  # the int32 key of -inf
 # "auto" crossover (docs/performance.md; `topk_bench --sweep-ks 512,1024` prints the suggestion): the
 # persistent path is picked when a step has at most this many rows for its padded width (width limits
 # ascending; the last is unbounded), i.e. where it was >= 1.3x faster than the standard path at every
-# row count up to the limit in the sweep, at k = 512 and 1024 (graph replay; one H200, 2026-11-30
-# 05:01 UTC, session 14's kernels). Up to 16K columns it never was. 64 rows pass at 128K columns
-# (1.39x / 1.36x) but not at 64K (1.27x / 1.20x), so widths between keep 32.
+# row count up to the limit in the sweep, at k = 512 and 1024 (graph replay on the H200). Up to 16K
+# columns it never was; 64 rows pass at 128K columns but not at 64K, so widths between keep 32.
 _AUTO_MAX_ROWS_PERSISTENT = ((16384, 0), (32768, 16), (131071, 32), (1 << 62, 64))
 
 
@@ -41,8 +40,7 @@ def _capacity(k: int) -> int:
 def _persistent_groups(k: int) -> int:
     """G of the persistent path: strided groups per row (>= k so that the bound exists).
     Not G = k: the k-th largest of k maxima is their minimum, far below the k-th score, and
-    rows overflow to the exact fallback (measured in session 6: 1 x 256K, k = 1024, 1,280 us
-    instead of 26 us)."""
+    rows overflow to the exact fallback, about 50x slower (1 x 256K, k = 1024, on the H200)."""
     return _next_pow2(max(2 * k, 1024))
 
 
@@ -61,11 +59,11 @@ def _standard_config(width: int, k: int) -> tuple[int, int]:
 def _persistent_config(rows: int, width: int, resident_programs: int, k: int) -> tuple[int, int, int, int]:
     """(CHUNK, chunks_per_row, chunks_per_item, num_warps) of the select kernel: about one item
     per resident program (its registers fit one per SM), chunks of 4K..8K (4K chunks beat 1K-2K
-    ones at 1 x 256K: fewer items, fewer atomics per row). 8 x 128K: 8K chunks, one wave, 24.1 us;
-    4K chunks, two waves, 28.6 us (session 6). Where 8K chunks still make more items than
-    resident programs (8 x 256K: 256 for 132 SMs), an item is several adjacent chunks of one
-    row, done in turn, so the grid is one wave: in a second wave the rows whose last chunk
-    arrives late start their finish (~8 us in one program) only after it (session 12's phases)."""
+    ones at 1 x 256K: fewer items, fewer atomics per row; at 8 x 128K one wave of 8K chunks beats
+    two waves of 4K ones). Where 8K chunks still make more items than resident programs (8 x 256K:
+    256 for 132 SMs), an item is several adjacent chunks of one row, done in turn, so the grid is
+    one wave: in a second wave the rows whose last chunk arrives late would start their finish (a
+    one-program phase) only after it."""
     groups = _persistent_groups(k)
     resident = max(1, resident_programs)
     target = -(-rows * width // resident)
@@ -78,11 +76,9 @@ def _persistent_config(rows: int, width: int, resident_programs: int, k: int) ->
 def _bound_chunk(width: int, k: int, rows: int = 1, programs: int = 1 << 30, limit: int = BOUND_CHUNK_MAX) -> int:
     """CHUNK of the bound kernel: 16K columns, or up to `limit` where 16K chunks would make more
     items than `programs` (the grid). Every chunk does G atomic maxima into its row's workspace,
-    and the atomics on the same G words contend, so fewer, longer chunks win (session 6: 8 x 256K
-    9.6 -> 7.8 us, 1 x 256K 8.3 -> 6.1 us, 16K against 4K-8K chunks; session 14, L2 warm:
-    64 x 256K 43.7 -> 31.4 us with 32K chunks, 153-162 registers, no spills; 64K chunks spill).
-    With few rows, 32K chunks gained nothing with the scores in HBM (8 x 256K: 37.1 us either
-    way) and halve the programs that read them."""
+    and the atomics on the same G words contend, so fewer, longer chunks win (16K beat 4K-8K
+    chunks; with many rows 32K chunks beat 16K, without spills; 64K chunks spill). With few rows,
+    32K chunks gained nothing with the scores in HBM and halve the programs that read them."""
     groups = _persistent_groups(k)
     chunk = max(groups, min(16384, _next_pow2(width)))
     if rows * -(-width // chunk) > programs:

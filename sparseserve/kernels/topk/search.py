@@ -42,8 +42,7 @@ if _HAVE_TRITON:
         """(res, at_res): the largest res (u-space [0, 2**32), only its top 2*STEPS bits set) with
         count(key - KEY_MIN >= res) >= K, or the first res met with exactly K keys >= it, where the
         search stops early (at_res == K: those K keys are the top K, whatever their ties). On
-        continuous scores the exact search (STEPS = 16) stops after ~10 steps; each step costs
-        ~0.4 us on the H200. at_res: the count at res, kept exact from the start, so whether the
+        continuous scores the exact search (STEPS = 16) stops after ~10 steps (each one block reduction). at_res: the count at res, kept exact from the start, so whether the
         search stops early depends on the keys only (at the K-th largest key T the count is K
         exactly when no tie straddles T), never on where it started. With STEPS = 16 and
         at_res != K, res is the K-th largest u exactly.

@@ -1,7 +1,8 @@
 """Runs the model for a scheduled step: metadata -> forward -> logits -> samples.
 
-Owns the model, its state (the KV cache tensors) and the device. Knows nothing of the
-scheduler's policies; it receives chunks and returns what was sampled.
+Owns the model, its state (the KV cache tensors), the device and, with speculation on, the
+`MTPSpeculator` it builds from the MTP layer. Knows nothing of the scheduler's policies; it
+receives a `SchedulerOutput` and returns a `RunnerOutput` (sparseserve/step_types.py).
 """
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ LAYER_SLIDING = "sliding_attention"
 LAYER_CSA = "compressed_sparse_attention"
 LAYER_HCA = "heavily_compressed_attention"
 
+SIDE_STREAM_MODES = ("auto", "graphs", "always", "never")
+
 
 @dataclass
 class ModelConfig:
@@ -97,8 +99,9 @@ class EngineConfig:
     step_timeout_s: float = 60.0
     # Launch each step before the previous one is read back (None: on for CUDA without speculation).
     async_scheduling: bool | None = None
-    # TEST ONLY: restores the historical top-k bug (workspace zeroing behind a host `if`).
-    debug_topk_skip_reset_when_short: bool = False
+    # Where a step's independent work runs: "auto" (a second stream inside captured graphs, one
+    # stream with speculation), "graphs", "always" (eager steps too) or "never" (one stream).
+    side_stream: str = "auto"
 
     def validate(self) -> None:
         if self.tensor_parallel_size != 1:
@@ -127,6 +130,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
+        if self.side_stream not in SIDE_STREAM_MODES:
+            raise ValueError(f"side_stream must be one of {SIDE_STREAM_MODES}, got {self.side_stream!r}")
         if self.topk_backend not in ("auto", "standard", "persistent", "torch"):
             raise ValueError(
                 f"topk_backend must be 'auto', 'standard', 'persistent' or 'torch', got {self.topk_backend!r}"

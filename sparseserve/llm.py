@@ -21,27 +21,15 @@ class LLM:
     or None for the embedded default model.
     """
 
-    def __init__(self, model: str | None = None, tokenizer: str | None = None, skip_tokenizer_init: bool = False,
-                 dtype: str = "auto", device: str = "auto", seed: int = 0, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9,
-                 kv_cache_memory_bytes: int | None = None, block_size: int | None = None,
-                 enforce_eager: bool = False, tensor_parallel_size: int = 1, load_format: str = "auto",
-                 hf_overrides: dict | None = None, speculative_config: dict | None = None,
-                 topk_backend: str = "auto", num_gpu_blocks_override: int | None = None, **kwargs) -> None:
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(kwargs) - known)
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        """`model` (positional, as in vLLM) and any `EngineConfig` field as a keyword."""
+        known = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+        unknown = sorted(set(kwargs) - set(known))
         if unknown:
-            raise TypeError(f"LLM() got unsupported arguments: {', '.join(unknown)}")
+            raise TypeError(f"LLM() got unsupported arguments: {', '.join(unknown)}; "
+                            f"the supported ones are model and {', '.join(known)}")
         init_logger()
-        self.engine_config = EngineConfig(
-            model=model, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init, dtype=dtype, device=device,
-            seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
-            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            block_size=block_size, enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-            load_format=load_format, hf_overrides=hf_overrides, speculative_config=speculative_config,
-            topk_backend=topk_backend, num_gpu_blocks_override=num_gpu_blocks_override, **kwargs)
+        self.engine_config = EngineConfig(model=model, **kwargs)
         self.llm_engine = LLMEngine(self.engine_config)
         self._next_id = 0
 

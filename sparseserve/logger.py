@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-import os
+
+from . import envs
 
 _FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 
@@ -14,6 +15,6 @@ def init_logger() -> logging.Logger:
         handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
         logger.addHandler(handler)
         logger.propagate = False
-    level = os.environ.get("SPARSESERVE_LOGGING_LEVEL", "INFO").upper()
+    level = envs.logging_level()
     logger.setLevel(getattr(logging, level, logging.INFO))
     return logger

@@ -4,7 +4,7 @@ import pytest
 
 from sparseserve.model.batch import SequenceChunk
 from sparseserve.worker.cuda_graph import _dot_kernel_sequence, decode_batch, default_graph_sizes, pad_chunks, pick_bucket
-from sparseserve.worker.graph_audit import interesting_lengths
+from sparseserve.engine.graph_audit import interesting_lengths
 from sparseserve.worker.watchdog import StepTimeoutError, StepWatchdog
 
 
@@ -108,3 +108,15 @@ def test_padded_decode_steps_equal_plain_steps():
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         assert llm.llm_engine.all_cache_free()
     assert results[0] == results[1]
+
+
+def test_historical_topk_bug_patch_sees_the_host_lengths(historical_topk_bug):
+    """The test-only patch reads the longest sequence of the batch built last, as the frozen host
+    `if` did: a padded decode step's dummy rows count, and the skip happens only at <= k."""
+    real = [SequenceChunk(slot=0, start_pos=40, token_ids=[7], block_ids=[3]),
+            SequenceChunk(slot=1, start_pos=9, token_ids=[8], block_ids=[6])]
+    decode_batch(pad_chunks(real, 4, 1, dummy_slot=5, dummy_len=2), [4], "cpu", max_blocks=2, num_entries={4: 16})
+    assert historical_topk_bug.host_max_len == 41
+    decode_batch(pad_chunks([], 2, 1, dummy_slot=5, dummy_len=2), [4], "cpu", max_blocks=2, num_entries={4: 16})
+    assert historical_topk_bug.host_max_len == 2
+    assert historical_topk_bug.skips_reset(k=2) and not historical_topk_bug.skips_reset(k=1)

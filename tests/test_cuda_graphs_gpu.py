@@ -9,7 +9,7 @@ import torch
 from sparseserve import LLM, SamplingParams
 from sparseserve.model.loader import CONFIGS_DIR
 from sparseserve.worker.cuda_graph import GraphCaptureError
-from sparseserve.worker.graph_audit import audit_graph_replays
+from sparseserve.engine.graph_audit import audit_graph_replays
 from sparseserve.worker.watchdog import StepTimeoutError
 
 pytestmark = pytest.mark.gpu
@@ -62,15 +62,13 @@ def test_audit_passes_with_every_path():
         torch.cuda.empty_cache()
 
 
-def test_audit_detects_the_historical_topk_bug():
+def test_audit_detects_the_historical_topk_bug(historical_topk_bug):
     with pytest.raises(GraphCaptureError, match="different kernels"):
-        LLM(TINY, cudagraph_audit=True, cuda_graph_sizes=[1, 4], topk_backend="persistent",
-            debug_topk_skip_reset_when_short=True, **COMMON)
+        LLM(TINY, cudagraph_audit=True, cuda_graph_sizes=[1, 4], topk_backend="persistent", **COMMON)
     gc.collect()
     torch.cuda.empty_cache()
     # Without the capture comparison, the replay comparison catches the stale counters.
-    llm = LLM(TINY, cuda_graph_sizes=[1, 4], topk_backend="persistent", debug_topk_skip_reset_when_short=True,
-              **COMMON)
+    llm = LLM(TINY, cuda_graph_sizes=[1, 4], topk_backend="persistent", **COMMON)
     with pytest.raises(GraphCaptureError, match="replay differs from the eager step"):
         audit_graph_replays(llm.llm_engine.runner, llm.llm_engine.kv, seed=1)
     assert llm.llm_engine.all_cache_free()
@@ -176,9 +174,9 @@ def on_fresh_stream(runner):
     return runner
 
 
-def test_audit_detects_the_historical_topk_bug_with_mtp_1():
+def test_audit_detects_the_historical_topk_bug_with_mtp_1(historical_topk_bug):
     with pytest.raises(GraphCaptureError, match="different kernels"):
-        LLM(TINY, cudagraph_audit=True, cuda_graph_sizes=[1, 4], topk_backend="persistent",
-            debug_topk_skip_reset_when_short=True, **COMMON, **spec_config(1))
+        LLM(TINY, cudagraph_audit=True, cuda_graph_sizes=[1, 4], topk_backend="persistent", **COMMON,
+            **spec_config(1))
     gc.collect()
     torch.cuda.empty_cache()

@@ -4,6 +4,7 @@ import pytest
 from sparseserve import LLM, SamplingParams
 from sparseserve.config import ModelConfig
 from sparseserve.engine.kv_cache import RequestTooLargeError, plan_kv
+from sparseserve.config import EngineConfig
 from sparseserve.engine.llm_engine import InvalidRequestError
 from sparseserve.model.loader import CONFIGS_DIR, load_hf_config, resolve_model_dir
 from sparseserve.sampling_params import SamplingParamsError
@@ -164,6 +165,19 @@ def test_unsupported_options_are_loud():
         LLM(TINY, bogus=1)
     with pytest.raises(ValueError, match="block_size"):
         LLM(TINY, block_size=24)
+
+
+def test_llm_keywords_are_engine_config_fields():
+    """LLM(model, **kwargs) is EngineConfig(model=model, **kwargs); unknown keywords name the valid ones."""
+    with pytest.raises(TypeError, match=r"unsupported arguments: bogus, nope; the supported ones are model and .*side_stream"):
+        LLM(TINY, bogus=1, nope=2)
+    with pytest.raises(ValueError, match="side_stream must be one of"):
+        LLM(TINY, device="cpu", side_stream="sometimes")
+    llm = LLM(TINY, device="cpu", dtype="float32", max_model_len=64, side_stream="always", seed=3)
+    assert llm.engine_config == EngineConfig(model=TINY, device="cpu", dtype="float32", max_model_len=64,
+                                             side_stream="always", seed=3)
+    runner = llm.llm_engine.runner
+    assert runner.model.side_streams.mode == "always" and runner.speculator is None
 
 
 def test_cache_config_and_kv_report(llm):

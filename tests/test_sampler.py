@@ -1,7 +1,7 @@
 """The sampler's filters and its counter-based exponential race."""
 import torch
 
-from sparseserve.worker.sampler import SamplingTensors, filtered_probs, sample, uniform_noise
+from sparseserve.sample.sampler import SamplingTensors, filtered_probs, sample, uniform_noise
 
 
 def tensors(batch, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters=None):

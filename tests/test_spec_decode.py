@@ -5,6 +5,7 @@ import torch
 
 from sparseserve import LLM, SamplingParams
 from sparseserve.model.loader import CONFIGS_DIR, CheckpointError
+from sparseserve.spec_decode.spec_step import MTPSpeculator
 from sparseserve.model.mtp import MTPModule, checkpoint_to_module_name, load_mtp_weights, module_to_checkpoint_name
 
 TINY = str(CONFIGS_DIR / "tiny")
@@ -34,10 +35,15 @@ def spec(k, **kw):
 ])
 def test_greedy_with_speculation_equals_without(k, extra, reference):
     llm = spec(k, **extra)
+    runner = llm.llm_engine.runner
+    # The runner builds and owns the speculation; "auto" keeps speculative graphs on one stream.
+    assert isinstance(runner.speculator, MTPSpeculator) and runner.speculator.k == k
+    assert runner.model.side_streams.mode == "never"
     got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
     assert got == reference
     m = llm.llm_engine.spec_metrics
     assert m.num_draft_tokens > 0 and m.num_verify_steps > 0
+    assert not runner.speculator.draft_probs  # forgotten as the requests finished
     assert llm.llm_engine.all_cache_free()
     if "num_gpu_blocks_override" in extra:
         assert llm.llm_engine.scheduler.num_preemptions > 0
@@ -73,7 +79,7 @@ def test_acceptance_accounting_with_known_drafters(wrong, reference):
     continuations = {}
     for i, (p, out) in enumerate(zip(prompts(), long_ref)):
         continuations[str(i + llm._next_id)] = p["prompt_token_ids"] + out.outputs[0].token_ids
-    engine.runner.proposer = KnownDrafter(engine.runner.proposer, continuations, k, wrong)
+    engine.runner.speculator.proposer = KnownDrafter(engine.runner.speculator.proposer, continuations, k, wrong)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
     assert got == reference
     m = engine.spec_metrics
@@ -116,7 +122,7 @@ def test_stop_token_inside_accepted_drafts_truncates_like_plain_decoding(referen
     llm = spec(k)
     continuations = {str(i): p["prompt_token_ids"] + o.outputs[0].token_ids
                      for i, (p, o) in enumerate(zip(prompts(), long_ref))}
-    llm.llm_engine.runner.proposer = KnownDrafter(llm.llm_engine.runner.proposer, continuations, k)
+    llm.llm_engine.runner.speculator.proposer = KnownDrafter(llm.llm_engine.runner.speculator.proposer, continuations, k)
     outs = llm.generate(prompts(), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert outs[2].outputs[0].stop_reason == stop_at and outs[2].outputs[0].token_ids[-1] == stop_at

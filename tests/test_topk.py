@@ -222,48 +222,51 @@ def test_persistent_workspace_reset_every_call():
 
 
 @needs_interpreter
-def test_bug_switch_is_detected():
-    """The historical bug (zeroing skipped when the host max_seq_len is short) shows as -2 rows."""
+def test_historical_bug_is_detected(historical_topk_bug):
+    """The historical bug (zeroing skipped when the host's longest sequence is short) shows as -2 rows."""
     gen = torch.Generator().manual_seed(13)
     k = 64
-    op = IndexerTopK(
-        2, 3000, k, backend="persistent", device="cpu", num_programs=3, _tile=1024, _debug_skip_reset_when_short=True
-    )
+    op = IndexerTopK(2, 3000, k, backend="persistent", device="cpu", num_programs=3, _tile=1024)
     lengths = torch.tensor([3000, 2000], dtype=torch.int32)
     scores = torch.randn(2, 3000, generator=gen)
-    # A long call with the true max_seq_len zeroes and is right.
-    assert_topk_valid(op(scores, lengths, max_seq_len=3000).clone(), scores, lengths, k)
-    # Frozen at a short max_seq_len (as a graph captured at a short length would be): stale counters.
+    # A long call with the true host length zeroes and is right.
+    historical_topk_bug.host_max_len = 3000
+    assert_topk_valid(op(scores, lengths).clone(), scores, lengths, k)
+    # Frozen at a short host length (as a graph captured at a short length would be): stale counters.
     scores = torch.randn(2, 3000, generator=gen)
-    out = op(scores, lengths, max_seq_len=k).clone()
+    historical_topk_bug.host_max_len = k
+    out = op(scores, lengths).clone()
     assert (out == -2).all(), "stale counters must poison the rows with -2"
     # The same object without the frozen short length recovers.
-    assert_topk_valid(op(scores, lengths, max_seq_len=3000).clone(), scores, lengths, k)
+    historical_topk_bug.host_max_len = 3000
+    assert_topk_valid(op(scores, lengths).clone(), scores, lengths, k)
 
 
 @needs_interpreter
 @pytest.mark.parametrize("per_item, pair", [(2, None), (3, None), (4, None), (2, False), (3, False), (1, True)])
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "relu"])
-def test_items_of_several_chunks_match_one_chunk_items(per_item, pair, kind):
+def test_items_of_several_chunks_match_one_chunk_items(per_item, pair, kind, historical_topk_bug):
     """The persistent select with several adjacent chunks per item (3 does not divide the 4
     chunks of a row: its second item has one chunk), done as pairs of chunks (the default there:
     one candidate-count atomic and one arrival per pair) or one chunk at a time, and pairs even in
     items of one chunk (the row's 4 chunks and 2 units; a 3500-column row of 1024-column chunks
     also has a pair whose second chunk is past the length) write exactly what one chunk per item
-    writes, on ragged rows (several chunks, fewer than k, none); the bug switch still poisons."""
+    writes, on ragged rows (several chunks, fewer than k, none); the historical bug still poisons."""
     gen = torch.Generator().manual_seed(per_item * 7 + len(kind) + 100 * bool(pair))
     k, width = 48, 3500
     scores = make_rows(5, width, gen, kind)
     lengths = torch.tensor([width, 2100, k + 3, k - 5, 0], dtype=torch.int32)
     one = IndexerTopK(5, width, k, backend="persistent", device="cpu", num_programs=3, _tile=1024)
     several = IndexerTopK(5, width, k, backend="persistent", device="cpu", num_programs=3, _tile=1024,
-                          _chunks_per_item=per_item, _pair_chunks=pair, _debug_skip_reset_when_short=True)
+                          _chunks_per_item=per_item, _pair_chunks=pair)
     assert one.chunks_per_unit(5, width) == 1
     assert several.chunks_per_unit(5, width) == (2 if (pair is None and per_item >= 2) or pair else 1)
+    historical_topk_bug.host_max_len = width
     expected = one(scores, lengths).clone()
     assert_topk_valid(expected, scores, lengths, k)
-    assert torch.equal(several(scores, lengths, max_seq_len=width).clone(), expected)
-    out = several(scores, lengths, max_seq_len=k).clone()  # frozen short length: stale counters
+    assert torch.equal(several(scores, lengths).clone(), expected)
+    historical_topk_bug.host_max_len = k  # frozen short length: stale counters
+    out = several(scores, lengths).clone()
     assert (out[:3] == -2).all(), "rows longer than k must be poisoned by stale counters"
 
 

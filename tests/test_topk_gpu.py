@@ -140,24 +140,29 @@ def test_auto_around_the_crossover_gpu():
             assert _mismatched_rows(op(scores, lengths).clone(), scores, lengths, 512) == []
 
 
-def _graph_replay_mismatches(path: str, bug: bool, replays: int = 24) -> int:
-    """Capture at a short length, replay at long lengths and back; count replays != eager."""
+def _graph_replay_mismatches(path: str, bug=None, replays: int = 24) -> int:
+    """Capture at a short length, replay at long lengths and back; count replays != eager.
+    `bug`: the `historical_topk_bug` fixture, or None for the real path."""
     rows, width, k = 4, 131072, 512
     short = 300  # < k: the capture-time batch is short
     gen = torch.Generator(device="cuda").manual_seed(1234)
     scores = torch.randn(rows, width, generator=gen, device="cuda")
     lengths = torch.full((rows,), short, dtype=torch.int32, device="cuda")
-    op = IndexerTopK(rows, width, k, backend=path, _debug_skip_reset_when_short=bug)
+    op = IndexerTopK(rows, width, k, backend=path)
     eager = IndexerTopK(rows, width, k, backend=path)
+    if bug is not None:
+        bug.host_max_len = short  # the host sees a short longest sequence while capturing
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):  # warm-up: compiles the kernels outside the capture
-            op(scores, lengths, max_seq_len=short)
+            op(scores, lengths)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = op(scores, lengths, max_seq_len=short)  # the host sees a short max_seq_len
+        out = op(scores, lengths)
+    if bug is not None:
+        bug.host_max_len = None  # eager calls below see their real lengths and zero
     bad = 0
     pattern = [width, short, width, width - 7, 5000, k, k + 1, width]
     for i in range(replays):
@@ -176,10 +181,10 @@ def _graph_replay_mismatches(path: str, bug: bool, replays: int = 24) -> int:
 
 @pytest.mark.parametrize("path", ["standard", "persistent", "torch"])
 def test_graph_replay_equals_eager_gpu(path):
-    assert _graph_replay_mismatches(path, bug=False) == 0
+    assert _graph_replay_mismatches(path) == 0
 
 
-def test_bug_switch_is_detected_by_graph_replay_gpu():
+def test_historical_bug_is_detected_by_graph_replay_gpu(historical_topk_bug):
     """The historical bug (zeroing skipped at a short capture) must be caught, not hang."""
-    assert _graph_replay_mismatches("persistent", bug=True) > 0
+    assert _graph_replay_mismatches("persistent", historical_topk_bug) > 0
 

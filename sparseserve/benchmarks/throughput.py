@@ -42,7 +42,7 @@ def vocab_size_of(model: str | None, hf_overrides: dict | None) -> int:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The `LLM(...)` keyword arguments the engine flags set (those left at their defaults are not
     passed), plus `--num-speculative-tokens` as an MTP `speculative_config`."""
-    from ..entrypoints.cli import engine_kwargs as from_flags
+    from ..engine_args import engine_kwargs as from_flags
 
     kwargs = from_flags(args)
     spec = getattr(args, "num_speculative_tokens", None)

@@ -13,18 +13,18 @@ from pathlib import Path
 import torch
 
 from ..config import CacheConfig, EngineConfig
-from ..model.loader import KEEP_FP32, CheckpointError, init_dummy_weights, load_model, resolve_model_dir
-from ..model.layers.fused_linear import pack_projections
-from ..model.mtp import MTPModule, load_mtp_weights
-from ..spec_decode.metrics import SpecDecodeMetrics
+from ..model.loader import load_model, resolve_model_dir
+from ..model.mtp import load_mtp
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import SamplingParams
-from ..worker.graph_audit import audit_graph_replays
-from ..worker.model_runner import LaunchedStep, ModelRunner, RunnerOptions, RunnerOutput
+from ..spec_decode.metrics import SpecDecodeMetrics
+from ..step_types import RunnerOutput, SchedulerOutput
+from ..worker.model_runner import LaunchedStep, ModelRunner, RunnerOptions
 from .detokenizer import detokenize_incrementally
+from .graph_audit import audit_graph_replays
 from .kv_cache import KVCacheManager, KVPlan, RequestTooLargeError, plan_kv
 from .request import Request
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler
 
 logger = logging.getLogger("sparseserve")
 
@@ -71,14 +71,17 @@ class LLMEngine:
         spec_k = config.num_speculative_tokens
         self.kv_plan: KVPlan = plan_kv(self.model_config, dtype_bytes, self.block_size, self.max_num_batched_tokens,
                                        spec_k)
+        mtp = (load_mtp(self.model_config, self.mtp_tensors, self.device, self.dtype, config.load_format,
+                        config.seed) if spec_k else None)
         self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, config.max_num_seqs,
                                   self.max_num_batched_tokens, self.max_model_len, self.block_size,
                                   RunnerOptions(enforce_eager=config.enforce_eager,
                                                 cuda_graph_sizes=config.cuda_graph_sizes,
                                                 topk_backend=config.topk_backend,
                                                 step_timeout_s=config.step_timeout_s,
-                                                debug_topk_skip_reset_when_short=config.debug_topk_skip_reset_when_short,
-                                                num_speculative_tokens=spec_k))
+                                                num_speculative_tokens=spec_k,
+                                                side_stream=config.side_stream),
+                                  mtp=mtp)
         self.spec_metrics = SpecDecodeMetrics()
         # Async scheduling: launch step n + 1 before reading step n back (on by default on CUDA;
         # speculation verifies and drafts from the step's results, so it stays synchronous).
@@ -88,8 +91,6 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda" and not spec_k)
         self._in_flight: LaunchedStep | None = None
-        if spec_k:
-            self.runner.mtp = self._load_mtp(config)
         num_blocks, cache_bytes = self._size_cache()
         self.runner.allocate_state(num_blocks)
         self.cache_config = CacheConfig(
@@ -118,21 +119,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
         self.prompts: dict[str, tuple[str | None, list[int]]] = {}
-
-    def _load_mtp(self, config: EngineConfig):
-        mtp = MTPModule(self.model_config).to(self.device)
-        if config.load_format == "dummy":
-            init_dummy_weights(mtp, config.seed + 1, self.model_config.hf_config)
-        elif not self.mtp_tensors:
-            raise CheckpointError("speculative decoding needs the MTP layer, but the checkpoint has no mtp.0.* "
-                                  "tensors")
-        else:
-            load_mtp_weights(mtp, {k: v.to(self.device) for k, v in self.mtp_tensors.items()})
-        for name, p in mtp.named_parameters():
-            if not any(part in name for part in KEEP_FP32):
-                p.data = p.data.to(self.dtype)
-        pack_projections(mtp)  # after the dtype cast, which would undo it
-        return mtp.eval()
 
     # ---- sizing ----
     def _size_cache(self) -> tuple[int, int]:
@@ -257,7 +243,7 @@ class LLMEngine:
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
         for req in sched.preempted:
-            self.runner.draft_probs.pop(req.request_id, None)
+            self.runner.forget(req.request_id)
         launched = self.runner.launch(sched)
         for chunk in sched.chunks:
             # Drafts count once verified (in _collect); a sampled token is pending until read back.
@@ -296,7 +282,7 @@ class LLMEngine:
                     break
             if finished:
                 self.scheduler.finish(req)
-                self.runner.draft_probs.pop(req.request_id, None)
+                self.runner.forget(req.request_id)
                 finished_groups.add(self._group_of(req))
             elif not plain:
                 req.draft_token_ids = result.drafts.get(req.request_id, [])

@@ -6,9 +6,7 @@ from dataclasses import dataclass, field
 
 from ..outputs import Logprob
 from ..sampling_params import SamplingParams
-
-
-PENDING_TOKEN_ID = 0  # stands for a token still on the device; never read as a real token
+from ..step_types import PENDING_TOKEN_ID
 
 
 class RequestStatus(enum.Enum):

@@ -8,35 +8,16 @@ are freed and it restarts from scratch later), possibly itself.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
+from ..step_types import ScheduledChunk, SchedulerOutput
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    request: Request
-    num_tokens: int  # tokens computed this step, starting at start_pos (drafts included)
-    start_pos: int  # the request's num_computed_tokens when scheduled
-    completes: bool  # the chunk reaches the request's last token, so a new token is sampled
-    num_draft: int = 0  # trailing speculative drafts among them, verified this step
 
 
 def make_chunk(request: Request, num_tokens: int, total: int, num_draft: int = 0) -> ScheduledChunk:
     """`total`: the request's num_tokens_with_pending (its last token closes the chunk that samples)."""
     start = request.num_computed_tokens
     return ScheduledChunk(request, num_tokens, start, start + num_tokens - num_draft == total, num_draft)
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
 
 
 class Scheduler:

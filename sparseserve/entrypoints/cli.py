@@ -6,66 +6,13 @@ Every option of `LLM(...)` is a flag with the same name (dashes for underscores)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-import typing
 
-from ..config import EngineConfig, ModelConfig
+from ..config import ModelConfig
+from ..engine_args import parse_bool, add_engine_args, engine_kwargs
 
 DEFAULT_PROMPTS = ["A class definition", "The for statement is used to", "The import statement"]
-
-
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
-def _field_default(f: dataclasses.Field):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
-    return None
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, named as in LLM(...)."""
-    hints = typing.get_type_hints(EngineConfig)
-    group = parser.add_argument_group("engine options (LLM(...) arguments)")
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        hint = str(hints[f.name])
-        default = _field_default(f)
-        doc = f"LLM({f.name}=...), default {default!r}"
-        if f.type in (bool, "bool") or "bool" in hint:
-            group.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=default, help=doc)
-        elif "dict" in hint:
-            group.add_argument(flag, type=json.loads, default=default, help=doc + " (JSON object)")
-        elif hint.startswith("list[") or hint.startswith("typing.List") or "list[" in hint:
-            item = int if "int" in hint else float if "float" in hint else str
-            group.add_argument(flag, type=item, nargs="+", default=default, help=doc + " (space-separated)")
-        elif "int" in hint and "str" not in hint:
-            group.add_argument(flag, type=int, default=default, help=doc)
-        elif "float" in hint and "str" not in hint:
-            group.add_argument(flag, type=float, default=default, help=doc)
-        else:
-            group.add_argument(flag, type=str, default=default, help=doc)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The LLM(...) keyword arguments the flags set: only values that differ from the defaults, so a
-    flag whose option is left at its default never reaches LLM(...)."""
-    out = {}
-    for f in dataclasses.fields(EngineConfig):
-        if hasattr(args, f.name):
-            value = getattr(args, f.name)
-            if value != _field_default(f) or f.name == "model":
-                out[f.name] = value
-    return out
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -135,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", type=_parse_bool, nargs="?", const=True, default=False)
+    gen.add_argument("--ignore-eos", type=parse_bool, nargs="?", const=True, default=False)
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency")

@@ -4,15 +4,18 @@ plain-PyTorch references on CUDA too: attention (`attention_wgmma` only turns of
 64-head shapes take the Triton kernel again), indexer, compressor, rows, mhc, mhc_fused, rmsnorm,
 rope, argmax, embed, norm_rope, router, gemv; `overlap` runs the whole step on one stream (see model/side_stream.py),
 `lm_head_fp32` rounds the logits to the model dtype before converting them (as the oracle does), and `pdl` launches
-every kernel without programmatic dependent launch (see kernels/pdl.py)."""
+every kernel without programmatic dependent launch (see kernels/pdl.py), and `moe` sends the expert selection
+and the grouped expert GEMMs to their references."""
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
 
-_DISABLED = {n.strip() for n in os.environ.get("SPARSESERVE_DISABLE_KERNELS", "").split(",") if n.strip()}
+from .. import envs
+from ..envs import env_count  # noqa: F401 (the attention kernel's thresholds read it from here)
+
+_DISABLED = envs.disabled_kernels()
 
 
 def use_triton(name: str, tensor: torch.Tensor) -> bool:
@@ -45,13 +48,3 @@ def _index(device: torch.device) -> int:
 def _properties(index: int):
     return torch.cuda.get_device_properties(index)
 
-
-def env_count(name: str, default: int) -> int:
-    """A positive whole-number tuning knob from the environment (for measuring other settings in a
-    whole step), or `default` when unset."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{name} must be a whole number >= 1, got {raw!r}; unset it for the default {default}")
-    return int(raw)

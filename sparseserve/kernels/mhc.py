@@ -30,14 +30,13 @@ sync, deterministic (no atomics: a fixed split-K order, so eager == graph replay
              + 2 * T*S*(MP+1)*4 (the S split-K partials, written then read)
      = (2*hc + 1) * T*D*e + small; FLOPs = 2*T*K*MP.
    At T=8192, hc=4, D=4096, bf16: 604 MB -> 143 us at 4.23 TB/s. The product is 4.3 GFMA: at
-   the fp32 FMA rate (~33 TFMA/s peak, far less through Triton's FMA dot: 1.38 ms measured) it
+   the fp32 FMA rate (~33 TFMA/s peak, far less through Triton's FMA dot) it
    would dominate, so for T > 4 it runs on the tensor cores as three bf16 products per K step
    (fn = hi + mid + lo, each bf16; x is exact in bf16; the products are exact, only the fp32
    accumulation rounds: as exact as an fp32 GEMM), or tf32x3 for fp16 streams. For T <= 4 the
    product is plain FMA in registers (no 16-row padding). At T=1, fn (1.5 MB fp32) dominates the
    bytes: ~0.4 us of HBM time; the two launches are latency-bound.
-   Measured (H200, 2026-11-29, graph replays, benchmarks/mhc_bench.py): T=8192 collapse 1.68 ->
-   0.22 ms (1.55x the floor), head 1.67 -> 0.19 ms; T=64 36 -> 11 us; T=1 19.4 -> 7.5 us.
+   Measured times against the reference and the floor: docs/performance.md (benchmarks/mhc_bench.py).
 
 3. Expand (`HyperConnection.expand`, `expand_collapse_norm`): new[t,k,:] = post[t,k]*out[t,:] + sum_j comb[t,j,k]*streams[t,j,:]
    The reference runs T batched 4x4 GEMMs through cuBLAS (wmma 32x32 tiles) plus two elementwise
@@ -45,16 +44,15 @@ sync, deterministic (no atomics: a fixed split-K order, so eager == graph replay
    fp32 math, one rounding to the streams dtype.
    Roofline: bytes = T*hc*D*e (streams) + T*D*e (out) + T*hc*D*e (new) + T*(hc + hc^2)*4
    = (2*hc + 1) * T*D*e; at T=8192, hc=4, D=4096, bf16: 604 MB -> 143 us at 4.23 TB/s.
-   Measured (H200, 2026-11-29): T=8192 2.98 -> 0.153 ms (1.07x the floor); T=64 24 -> 2.2 us;
-   T=1 7.9 -> 1.9 us.
+   Measured times: docs/performance.md.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
+from .. import envs
 from .dispatch import use_triton
 from .rmsnorm import rms_norm
 from .pdl import pdl_args, wait_for_prior_grid
@@ -69,7 +67,7 @@ except ImportError:  # pragma: no cover
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 # Read once, at import, which is when Triton decides whether the kernels below are interpreted.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = envs.triton_interpret()
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 
 
@@ -261,8 +259,8 @@ if HAS_TRITON:
         the whole row): then the block's RMSNorm with weight norm_w, rounded as `rms_norm` rounds
         (the collapse to the dtype, the normalised row, the weighted row).
         Unless HEAD, the grid has one D block more: its programs compute post and comb (Sinkhorn)
-        beside the collapse instead of before it, which the next GEMM waits for (batch 1: a layer's
-        finalize took ~7 us, the head's, without them, ~4; H200 profile, session 11)."""
+        beside the collapse instead of before it, which the next GEMM waits for (at batch 1 they made a
+        layer's finalize take almost twice the head's, which has none)."""
         wait_for_prior_grid(PDL)
         tt = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
         tmask = tt < num_tokens

@@ -4,7 +4,7 @@ Roofline (T tokens, top-k, E_touched distinct experts, D hidden, I intermediate)
 bytes = E_touched * 3 * I * D * 2 (bf16 weights) + activations; FLOPs = T * k * 6 * D * I.
 
 GPU path (graph-capturable: static shapes, no host sync, nothing sized by the routing):
-1. `moe_align`: sort the T*k (token, slot) assignments by expert on the device and lay them
+1. `moe_align` (kernels/moe_align.py): sort the T*k (token, slot) assignments by expert on the device and lay them
    out in a buffer where each expert's segment is padded to BLOCK_M rows. The buffer is sized
    for the worst case, T*k + min(E, T*k) * (BLOCK_M - 1) rows (only experts that receive a
    token are padded); tiles past the used length carry expert -1 and exit at once.
@@ -19,7 +19,7 @@ side by side and share its activation rows in L2, and an expert's few M tiles fo
 other so its weight tiles are read from HBM about once. `moe_config` picks tile shapes from
 static shapes only (mean tokens per expert), never from the routing.
 
-`select_experts` is one fused Triton launch on CUDA (scores, correction bias, top-k by
+`select_experts` (kernels/moe_select.py) is one fused Triton launch on CUDA (scores, correction bias, top-k by
 repeated max with the tie rule "lower expert id first", hash ids, normalisation).
 `torch._grouped_mm` (CUTLASS, where torch has it) is the alternative `fused_moe_grouped`;
 the benchmark times both. It was slower at every measured size on the H200 (docs/performance.md),
@@ -27,7 +27,6 @@ so `fused_moe` uses it only when GROUPED_MM_MIN_TOKENS is set.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,45 +41,16 @@ try:  # Triton is optional: without it every path is the reference.
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-from .pdl import pdl_args, wait_for_prior_grid  # noqa: E402 (after the optional Triton import)
+from .. import envs  # noqa: E402 (after the optional Triton import)
+from .dispatch import enabled_on  # noqa: E402
+from .moe_align import (align_kernel_max_assign, moe_align, moe_align_sizes, moe_align_torch,  # noqa: E402,F401
+                        moe_align_triton)
+from .moe_select import (_SCORING_IDS, launch_select_experts, score_experts, select_experts,  # noqa: E402,F401
+                         select_experts_ref, select_experts_triton)
+from .pdl import pdl_args, wait_for_prior_grid  # noqa: E402
 
 # Read once, at import, which is when Triton decides whether the kernels below are interpreted.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def score_experts(router_logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    if scoring_func == "sqrtsoftplus":
-        return F.softplus(router_logits).sqrt()
-    if scoring_func == "sigmoid":
-        return torch.sigmoid(router_logits)
-    if scoring_func == "softmax":
-        return torch.softmax(router_logits, dim=-1)
-    raise ValueError(f"unknown scoring_func {scoring_func!r}; expected sqrtsoftplus, sigmoid or softmax")
-
-
-def select_experts_ref(
-    router_logits: torch.Tensor,
-    top_k: int,
-    scoring_func: str,
-    routed_scaling_factor: float,
-    correction_bias: torch.Tensor | None = None,
-    hash_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick experts per token and their weights.
-
-    router_logits: [T, E]. With hash_ids ([T, k], from tid2eid[token]) the experts are given;
-    otherwise the top-k of scores + correction_bias. Weights are the chosen scores,
-    normalised to sum 1, times routed_scaling_factor. Returns (weights fp32 [T, k], ids int64 [T, k]).
-    """
-    scores = score_experts(router_logits, scoring_func)
-    if hash_ids is not None:
-        ids = hash_ids.long()
-    else:
-        biased = scores if correction_bias is None else scores + correction_bias
-        ids = torch.topk(biased, top_k, dim=-1).indices
-    weights = scores.gather(1, ids).float()
-    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids
+_INTERPRET = envs.triton_interpret()
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -116,128 +86,6 @@ def fused_moe_ref(
     return out.to(x.dtype)
 
 
-# ----------------------------------------------------------------------------------------
-# Alignment: assignments sorted by expert, each expert's segment padded to BLOCK_M rows.
-# ----------------------------------------------------------------------------------------
-
-
-def moe_align_sizes(num_assignments: int, num_experts: int, block_m: int) -> tuple[int, int]:
-    """Static worst-case (padded rows, tiles): only experts with >= 1 assignment are padded."""
-    worst = num_assignments + min(num_experts, num_assignments) * (block_m - 1)
-    num_blocks = (worst + block_m - 1) // block_m
-    return num_blocks * block_m, num_blocks
-
-
-def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort the T*k assignments by expert into a padded layout (device ops only, graph-safe).
-
-    The reference of _moe_align_kernel, and the path for large batches (one sort beats the
-    single-program kernel there).
-
-    Returns sorted_ids int32 [padded rows]: the flat assignment index t*k+j of each row, or
-    T*k for a padding row; block_expert int32 [tiles]: the expert of each BLOCK_M tile, -1
-    for tiles past the used length. Within an expert, assignments keep their flat order.
-    """
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    num_assign = flat.numel()
-    padded_rows, num_blocks = moe_align_sizes(num_assign, num_experts, block_m)
-    sorted_e, order = torch.sort(flat, stable=True)
-    bounds = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, device=device))  # segment starts
-    counts = bounds[1:] - bounds[:-1]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    rank = torch.arange(num_assign, device=device) - bounds[sorted_e]
-    pos = padded_start[sorted_e] + rank
-    sorted_ids = torch.full((padded_rows,), num_assign, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, pos, order.to(torch.int32))
-    tile_start = torch.arange(num_blocks, device=device) * block_m
-    block_expert = torch.searchsorted(padded_end, tile_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_ids, block_expert
-
-
-# One program does the whole alignment for small batches: at decode the dozen launches of
-# moe_align_torch cost more than the kernel (about 45 us of 130 at T=1 on the H200).
-ALIGN_CHUNK = 32
-
-
-def align_kernel_max_assign(num_experts: int) -> int:
-    """Up to how many (token, slot) assignments the one-program kernel beats the torch ops.
-
-    Its time grows with assignments x experts (a [CHUNK, E] one-hot per chunk); the torch ops
-    (a sort and a dozen small launches) take ~70-75 us flat up to ~3K assignments. Measured on
-    the H200 inside CUDA graphs (`moe_bench --align`, benchmarks/results/moe_align.json): ~0.025 us
-    per assignment at 16 experts (32.6 us at 1,200) and ~0.070 us at 256 (84 us at 1,200), a line
-    in the padded expert count; the crossover is where that line meets 70 us."""
-    e_pad = max(16, triton.next_power_of_2(num_experts)) if HAS_TRITON else num_experts
-    return int(70.0 / (0.0224 + 0.000187 * e_pad))
-
-if HAS_TRITON:
-
-    @triton.jit(do_not_specialize=["num_assign", "padded_rows", "num_blocks"])
-    def _moe_align_kernel(
-        ids_ptr, sorted_ids_ptr, block_expert_ptr,
-        num_assign, num_experts, padded_rows, num_blocks,
-        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
-        PDL: tl.constexpr,
-    ):
-        wait_for_prior_grid(PDL)
-        experts = tl.arange(0, E_PAD)
-        lanes = tl.arange(0, CHUNK)
-        # Pass 1: tokens per expert, via a [CHUNK, E] one-hot per chunk.
-        counts = tl.zeros([E_PAD], dtype=tl.int32)
-        for start in range(0, num_assign, CHUNK):
-            offs = start + lanes
-            e = tl.load(ids_ptr + offs, mask=offs < num_assign, other=-1).to(tl.int32)
-            counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        padded_end = tl.cumsum(padded, axis=0)
-        padded_start = padded_end - padded
-        for start in range(0, padded_rows, CHUNK):
-            offs = start + lanes
-            tl.store(sorted_ids_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + num_assign, mask=offs < padded_rows)
-        tl.debug_barrier()  # the padding fill lands before the scatter below overwrites it
-        # Pass 2: row = segment start + earlier same-expert assignments (stable, in flat order).
-        seen = tl.zeros([E_PAD], dtype=tl.int32)
-        for start in range(0, num_assign, CHUNK):
-            offs = start + lanes
-            e = tl.load(ids_ptr + offs, mask=offs < num_assign, other=-1).to(tl.int32)
-            onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-            rank = tl.cumsum(onehot, axis=0) - 1 + (padded_start + seen)[None, :]
-            pos = tl.sum(onehot * rank, axis=1)
-            tl.store(sorted_ids_ptr + pos, offs, mask=offs < num_assign)
-            seen += tl.sum(onehot, axis=0)
-        # Tile -> expert: the number of segments that end at or before the tile's first row.
-        for start in range(0, num_blocks, CHUNK):
-            tiles = start + lanes
-            ended = (padded_end[None, :] <= (tiles * BLOCK_M)[:, None]).to(tl.int32)
-            expert = tl.sum(ended, axis=1)
-            expert = tl.where(expert < num_experts, expert, -1)
-            tl.store(block_expert_ptr + tiles, expert, mask=tiles < num_blocks)
-
-
-def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same result as moe_align_torch, in one single-program launch."""
-    num_assign = topk_ids.numel()
-    padded_rows, num_blocks = moe_align_sizes(num_assign, num_experts, block_m)
-    sorted_ids = torch.empty(padded_rows, dtype=torch.int32, device=topk_ids.device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device)
-    e_pad = max(16, triton.next_power_of_2(num_experts))
-    _moe_align_kernel[(1,)](
-        topk_ids.reshape(-1), sorted_ids, block_expert,
-        num_assign, num_experts, padded_rows, num_blocks,
-        BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, E_PAD=e_pad, num_warps=8 if e_pad >= 256 else 4, **pdl_args(topk_ids.device)
-    )
-    return sorted_ids, block_expert
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Static choice (by T*k): the single-program kernel for small batches, torch ops otherwise."""
-    if HAS_TRITON and (topk_ids.is_cuda or _INTERPRET) and topk_ids.numel() <= align_kernel_max_assign(num_experts):
-        return moe_align_triton(topk_ids, num_experts, block_m)
-    return moe_align_torch(topk_ids, num_experts, block_m)
 
 
 # ----------------------------------------------------------------------------------------
@@ -267,17 +115,17 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
     By the mean tokens per expert: few, 16/32-row tiles and many programs streaming the touched
     experts' weights (weight-read bound); many, 64/128-row tiles with wide N (gate 128 + up 128,
     down 256) for the tensor cores. N tiles run fastest so that the programs of one M tile share
-    its activation rows in L2 (M-fastest re-read them from HBM: 4.70 vs 3.97 ms at T=4096).
+    its activation rows in L2 (M-fastest re-read them from HBM and was slower at T=4096).
     From the H200 sweeps in docs/performance.md (V4-Flash shapes).
     """
     avg = num_tokens * top_k / num_experts
-    if avg <= 4:  # T <= 170 on V4-Flash (T=1: 85 us, T=64: 2.22 ms)
+    if avg <= 4:  # T <= 170 on V4-Flash
         cfg = MoeConfig(16, 64, 128, 4, 3, 128, 128, 4, 3, m_fastest=False)
-    elif avg <= 24:  # T <= 1024 (T=512: 3.06 ms, T=1024: 3.12 ms)
+    elif avg <= 24:  # T <= 1024
         cfg = MoeConfig(32, 64, 128, 4, 3, 128, 128, 4, 3, m_fastest=False)
-    elif avg <= 48:  # T <= 2048 (3.26 ms)
+    elif avg <= 48:  # T <= 2048
         cfg = MoeConfig(64, 128, 64, 4, 4, 256, 64, 4, 4, m_fastest=False)
-    else:  # T=4096: 3.56 ms; 4 stages (196 KB of shared memory) beat 3 (3.84 ms)
+    else:  # T=4096: 4 stages (196 KB of shared memory) beat 3
         cfg = MoeConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, m_fastest=False)
     return fit_config(cfg, hidden, inter)
 
@@ -637,7 +485,7 @@ def _use_triton(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
         and w_gate_up.dtype == x.dtype
         and x.shape[1] % 16 == 0  # tiles of at least 16 must divide D and I
         and w_gate_up.shape[1] % 32 == 0
-        and os.environ.get("SPARSESERVE_MOE_BACKEND", "") != "ref"
+        and enabled_on("moe", x.device)
     )
 
 
@@ -668,165 +516,3 @@ def fused_moe(
         return fused_moe_triton(*args, shared=shared)
     return routed if shared is None else routed + _resolve(shared)
 
-
-_SCORING_IDS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _round_like(x, ROUND: tl.constexpr):
-        """fp32 -> the logits dtype -> fp32, as torch rounds each op's output. bf16 by bit ops
-        (round to nearest even) since the interpreter's cast truncates; fp16 by a cast."""
-        if ROUND == 1:
-            bits = x.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            x = bits.to(tl.float32, bitcast=True)
-        elif ROUND == 2:
-            x = x.to(tl.float16).to(tl.float32)
-        return x
-
-    @triton.jit
-    def _select_experts_kernel(
-        logits_ptr, bias_ptr, hash_ptr, token_ptr, weights_ptr, ids_ptr,
-        num_experts, stride_l, scale,
-        TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SCORING: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_HASH: tl.constexpr, ROUND: tl.constexpr, NUM_PARTS: tl.constexpr = 0,
-        HASH_BY_TOKEN: tl.constexpr = False,
-        PDL: tl.constexpr = 0,
-    ):
-        # One program per token: score, (bias), top-k by repeated max, gather, normalise.
-        # NUM_PARTS > 0: logits_ptr holds fp32 partial logits [NUM_PARTS, T, E] (kernels/router.py),
-        # summed here in part order and rounded to the logits dtype, as the GEMM's output is.
-        # HASH_BY_TOKEN: hash_ptr is the whole table tid2eid [V, k], read at the token's id (token_ptr)
-        # here instead of by a gather kernel before this one.
-        wait_for_prior_grid(PDL)
-        row = tl.program_id(0).to(tl.int64)
-        hash_row = row
-        if HASH_BY_TOKEN:
-            hash_row = tl.load(token_ptr + row).to(tl.int64)
-        e = tl.arange(0, E_PAD)
-        valid = e < num_experts
-        if NUM_PARTS > 0:
-            num_tokens = tl.num_programs(0)
-            x = tl.zeros([E_PAD], dtype=tl.float32)
-            for part in tl.static_range(NUM_PARTS):
-                x += tl.load(logits_ptr + (part * num_tokens + row) * num_experts + e, mask=valid, other=0.0)
-            x = _round_like(x, ROUND)
-        else:
-            x = tl.load(logits_ptr + row * stride_l + e, mask=valid, other=0.0).to(tl.float32)
-        if SCORING == 0:
-            ex = tl.exp(tl.minimum(x, 20.0))
-            u = 1.0 + ex
-            # log1p(ex) without the cancellation of log(1 + ex) for small ex; torch's threshold 20.
-            lp = tl.where(u == 1.0, ex, tl.log(u) * ex / tl.where(u == 1.0, 1.0, u - 1.0))
-            sp = tl.where(x > 20.0, x, lp)
-            # torch rounds each op's output to the logits dtype: do the same (no-op for fp32).
-            sp = _round_like(sp, ROUND)
-            scores = tl.sqrt(sp)
-        elif SCORING == 1:
-            scores = tl.sigmoid(x)
-        else:
-            xm = tl.where(valid, x, float("-inf"))
-            p = tl.exp(xm - tl.max(xm, 0))
-            scores = p / tl.sum(p, 0)
-        scores = _round_like(scores, ROUND)
-        sel = scores
-        if HAS_BIAS:
-            sel = sel + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
-        sel = tl.where(valid, sel, float("-inf"))
-        kk = tl.arange(0, K_PAD)
-        w_vec = tl.zeros([K_PAD], dtype=tl.float32)
-        id_vec = tl.zeros([K_PAD], dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            if HAS_HASH:
-                idx = tl.load(hash_ptr + hash_row * TOP_K + j).to(tl.int32)
-            else:
-                best = tl.max(sel, 0)
-                idx = tl.min(tl.where(sel == best, e, E_PAD), 0)  # tie rule: the lower expert id
-                sel = tl.where(e == idx, float("-inf"), sel)
-            w_j = tl.sum(tl.where(e == idx, scores, 0.0), 0)
-            w_vec = tl.where(kk == j, w_j, w_vec)
-            id_vec = tl.where(kk == j, idx, id_vec)
-        w_vec = w_vec / (tl.sum(w_vec, 0) + 1e-20) * scale
-        out_mask = kk < TOP_K
-        tl.store(weights_ptr + row * TOP_K + kk, w_vec, mask=out_mask)
-        tl.store(ids_ptr + row * TOP_K + kk, id_vec.to(tl.int64), mask=out_mask)
-
-
-def select_experts_triton(
-    router_logits: torch.Tensor,
-    top_k: int,
-    scoring_func: str,
-    routed_scaling_factor: float,
-    correction_bias: torch.Tensor | None = None,
-    hash_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """select_experts_ref in one launch. Chosen ids come in descending biased score, ties to the
-    lower expert id (torch.topk leaves ties unordered, so ids may differ there only)."""
-    num_tokens, num_experts = router_logits.shape
-    if router_logits.stride(1) != 1:
-        router_logits = router_logits.contiguous()
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
-    if num_tokens:
-        launch_select_experts(router_logits, router_logits.stride(0), router_logits.dtype, num_experts, weights, ids,
-                              top_k, scoring_func, routed_scaling_factor, correction_bias, hash_ids)
-    return weights, ids
-
-
-def launch_select_experts(
-    logits: torch.Tensor,
-    stride_l: int,
-    logits_dtype: torch.dtype,
-    num_experts: int,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    top_k: int,
-    scoring_func: str,
-    routed_scaling_factor: float,
-    correction_bias: torch.Tensor | None,
-    hash_ids: torch.Tensor | None,
-    token_ids: torch.Tensor | None = None,
-    num_parts: int = 0,
-) -> None:
-    """The selection kernel, one program per row of `weights`/`ids` [T, k] (written). logits: [T, E]
-    rows `stride_l` apart, or with num_parts > 0 fp32 partial logits [num_parts, T, E] (kernels/router.py)
-    summed and rounded to `logits_dtype`. hash_ids: the experts per token [T, k], or with token_ids [T]
-    the whole table [V, k], read at each token's id."""
-    if hash_ids is not None:
-        hash_ids = hash_ids.contiguous()
-        top_k = hash_ids.shape[1]
-    by_token = hash_ids is not None and token_ids is not None
-    bias = correction_bias.contiguous() if correction_bias is not None else weights
-    _select_experts_kernel[(weights.shape[0],)](
-        logits, bias, hash_ids if hash_ids is not None else ids, token_ids.contiguous() if by_token else ids,
-        weights, ids,
-        num_experts, stride_l, float(routed_scaling_factor),
-        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=max(16, triton.next_power_of_2(num_experts)),
-        SCORING=_SCORING_IDS[scoring_func], HAS_BIAS=correction_bias is not None and hash_ids is None,
-        HAS_HASH=hash_ids is not None, ROUND={torch.bfloat16: 1, torch.float16: 2}.get(logits_dtype, 0),
-        NUM_PARTS=num_parts, HASH_BY_TOKEN=by_token, num_warps=4, **pdl_args(logits.device)
-    )
-
-
-def select_experts(
-    router_logits: torch.Tensor,
-    top_k: int,
-    scoring_func: str,
-    routed_scaling_factor: float,
-    correction_bias: torch.Tensor | None = None,
-    hash_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: one fused Triton launch on CUDA, the reference elsewhere (both graph-safe)."""
-    if (
-        HAS_TRITON
-        and router_logits.is_cuda
-        and scoring_func in _SCORING_IDS
-        and router_logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and (hash_ids is not None or top_k <= router_logits.shape[1])
-        and os.environ.get("SPARSESERVE_MOE_BACKEND", "") != "ref"
-    ):
-        return select_experts_triton(
-            router_logits, top_k, scoring_func, routed_scaling_factor, correction_bias, hash_ids
-        )
-    return select_experts_ref(router_logits, top_k, scoring_func, routed_scaling_factor, correction_bias, hash_ids)

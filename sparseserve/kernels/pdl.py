@@ -2,9 +2,8 @@
 
 A decode step at batch 1 is a chain of ~100 latency-bound kernels, each 1-10 us. Without PDL a
 kernel's programs are scheduled only after the previous kernel has completed and flushed: every
-edge of the chain pays the launch and ramp-up (benchmarks/pdl_bench.py: 0.24-0.49 us per edge of
-a captured chain). With PDL a kernel is
-launched with the programmatic-serialization attribute (`launch_pdl=True`); its programs may start
+edge of the chain pays the launch and ramp-up (benchmarks/pdl_bench.py times it per edge of a
+captured chain). With PDL a kernel is launched with the programmatic-serialization attribute (`launch_pdl=True`); its programs may start
 as soon as every program of the previous kernel on the stream has signalled (or exited), and they
 wait inside the kernel (`griddepcontrol.wait`) until that kernel has completed and its writes are
 visible. CUDA graph capture keeps these edges (programmatic graph edges).
@@ -16,34 +15,30 @@ did (completion stays transitive along the stream, as without PDL). One exceptio
 tests/test_pdl.py (READS_BEFORE_WAIT): a kernel may load its weight before the wait (kernels/gemv.py,
 the router's partials), since nothing in a step writes weights; it stores nothing before the wait.
 
-When a kernel lets its dependents launch is SPARSESERVE_PDL_TRIGGER (read at import):
-  * `exit` (default): at the end of each program (the implicit trigger): the next kernel's launch
-    overlaps this one's tail and completion, and waiting programs never hold SM slots that work on
-    another stream could use;
-  * `start`: right after the wait: the next kernel's programs become resident early and wait.
-H200, session 15, decode steps of the 2-layer V4-Flash preset (b2b replay; docs/performance.md):
-`exit` 15 / 42 / 30 us faster than no PDL at batch 1 / 8 / 64, `start` only 0-11 us faster and
-at batch 1 up to 8 us slower: its waiting MoE down-projection programs held the SM slots that the
-shared expert's GEMM, beside them on the side stream, needed.
+A kernel lets its dependents launch at the end of each program (the implicit trigger, `TRIGGER`
+= "exit"): the next kernel's launch overlaps this one's tail and completion, and waiting programs
+never hold SM slots that work on another stream could use. Triggering right after the wait
+("start", kept for benchmarks/pdl_bench.py) makes the next kernel's programs resident early; on the
+H200 decode steps gained less with it than with "exit" at every batch, and at batch 1 lost time
+against no PDL at all (docs/performance.md): waiting MoE down-projection programs held the SM slots
+that the shared expert's GEMM beside them needed.
 
 On the CPU, under the Triton interpreter, below sm_90, and with SPARSESERVE_DISABLE_KERNELS=pdl,
 kernels launch as before (PDL=0 compiles the wait out)."""
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from functools import lru_cache
 from types import MappingProxyType
 
 import torch
 
+from .. import envs
 from .dispatch import capability, enabled_on
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = envs.triton_interpret()
 TRIGGERS = {"exit": 1, "start": 2}  # the PDL constexpr: 0 off, 1 wait, 2 wait then trigger
-_TRIGGER = os.environ.get("SPARSESERVE_PDL_TRIGGER", "exit").strip() or "exit"
-if _TRIGGER not in TRIGGERS:
-    raise ValueError(f"SPARSESERVE_PDL_TRIGGER must be one of {sorted(TRIGGERS)}, got {_TRIGGER!r}")
+TRIGGER = "exit"
 
 try:  # triton >= 3.4 (the stacks we support: 3.6 and 3.9); without Triton every path is a reference
     import triton
@@ -72,7 +67,7 @@ def pdl_args(device: torch.device) -> Mapping[str, object]:
 
 @lru_cache(maxsize=None)
 def _pdl_args(device: torch.device) -> Mapping[str, object]:
-    on = {"PDL": TRIGGERS[_TRIGGER], "launch_pdl": True}
+    on = {"PDL": TRIGGERS[TRIGGER], "launch_pdl": True}
     return MappingProxyType(on if pdl_enabled(device) else {"PDL": 0})
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..worker.host_copy import to_device
+from .host_copy import to_device
 
 
 @dataclass
@@ -33,9 +33,6 @@ class BatchMetadata:
     # Static fact: emit_tokens[r] lists every token in order (decode steps), so gathers by it
     # can be skipped.
     emit_all_tokens: bool = False
-    # Host fact: the longest sequence (positions + 1) in the step. Only the test-only top-k
-    # bug switch reads it; nothing real may branch on it (docs/design.md, invariant 1).
-    max_seq_len: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -167,5 +164,4 @@ def build_batch(
         block_table=to_device(torch.from_numpy(table), device, torch.int32),
         num_entries=num_entries,
         emit_tokens=dict(zip(emit, views[len(INT64_FIELDS):])),
-        max_seq_len=max_end,
     )

@@ -25,8 +25,10 @@ from torch import nn
 from ..config import LAYER_SLIDING, ModelConfig
 from .batch import BatchMetadata
 from .deepseek_v4 import DecoderLayer, DeepseekV4ForCausalLM
+from .layers.fused_linear import pack_projections
 from .layers.hyper_connection import HyperHead
 from .layers.norm import RMSNorm
+from .loader import KEEP_FP32, CheckpointError, init_dummy_weights
 from .state import ModelState
 from .step_context import build_step_context
 
@@ -94,8 +96,6 @@ class MTPModule(nn.Module):
 
 def load_mtp_weights(module: MTPModule, tensors: dict[str, torch.Tensor]) -> None:
     """Copy `mtp.0.*` checkpoint tensors into the module; names every problem it finds."""
-    from .loader import CheckpointError
-
     expected = module.state_dict()
     given = {checkpoint_to_module_name(k): (k, v) for k, v in tensors.items() if k.startswith(PREFIX)}
     missing = sorted(module_to_checkpoint_name(k) for k in set(expected) - set(given))
@@ -110,3 +110,21 @@ def load_mtp_weights(module: MTPModule, tensors: dict[str, torch.Tensor]) -> Non
                 raise CheckpointError(f"tensor {ckpt_name} has shape {tuple(value.shape)}, "
                                       f"the config implies {tuple(expected[name].shape)}")
             expected[name].copy_(value)
+
+
+def load_mtp(model_config: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+             load_format: str = "auto", seed: int = 0) -> MTPModule:
+    """The MTP layer, ready to draft: its `mtp.0.*` tensors (from `load_model`) loaded, or dummy
+    weights for `load_format="dummy"`; cast to `dtype` except the fp32 islands; projections packed."""
+    mtp = MTPModule(model_config).to(device)
+    if load_format == "dummy":
+        init_dummy_weights(mtp, seed + 1, model_config.hf_config)
+    elif not tensors:
+        raise CheckpointError("speculative decoding needs the MTP layer, but the checkpoint has no mtp.0.* tensors")
+    else:
+        load_mtp_weights(mtp, {k: v.to(device) for k, v in tensors.items()})
+    for name, p in mtp.named_parameters():
+        if not any(part in name for part in KEEP_FP32):
+            p.data = p.data.to(dtype)
+    pack_projections(mtp)  # after the dtype cast, which would undo it
+    return mtp.eval()

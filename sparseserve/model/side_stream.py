@@ -114,7 +114,7 @@ class SideStreams:
     def mode(self, mode: str) -> None:
         if mode not in self.MODES:
             raise ValueError(f"side-stream mode must be one of {self.MODES}, got {mode!r} "
-                             "(SPARSESERVE_SIDE_STREAM, if set, must be one of them too)")
+                             "(LLM(side_stream=...) also takes 'auto')")
         self._mode = mode
 
     def for_step(self, device: torch.device, num_tokens: int) -> SideStream:

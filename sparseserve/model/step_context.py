@@ -16,11 +16,11 @@ from .side_stream import SideStream, SideWork
 from .state import ModelState, StateLayout
 
 
-# (scores [T, E] fp32, lengths [T] int32, k, max_seq_len host int) -> int32 [T, k] entry ids (-1 = none)
-TopKFn = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+# (scores [T, E] fp32, lengths [T] int32, k) -> int32 [T, k] entry ids (-1 = none)
+TopKFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
-def default_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, max_seq_len: int) -> torch.Tensor:
+def default_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     return topk_indices(scores, lengths, k)
 
 

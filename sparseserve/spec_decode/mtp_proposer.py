@@ -16,10 +16,10 @@ import torch
 
 from ..model.batch import SequenceChunk
 from ..model.deepseek_v4 import DeepseekV4ForCausalLM
+from ..model.host_copy import to_device
 from ..model.mtp import MTPModule
 from ..model.state import ModelState
-from ..worker.host_copy import to_device
-from ..worker.sampler import SamplingTensors, filtered_probs, uniform_noise
+from ..sample.sampler import SamplingTensors, filtered_probs, uniform_noise
 
 DRAFT_SALT = 0x5BD1E995
 

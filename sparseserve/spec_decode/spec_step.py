@@ -1,27 +1,69 @@
-"""The speculative parts of a runner step: verify the drafts that were fed to the target,
-then let the MTP drafter catch up on the step's positions and propose the next drafts."""
+"""Speculative decoding as the model runner owns it: verify the drafts that a step fed to the
+target, then let the MTP drafter catch up on the step's positions and propose the next drafts.
+
+`MTPSpeculator` is built by the runner (with the MTP layer, its own state and the runner's MTP
+forward) and called after each step's sampling; it reads the runner only through `RunnerView`."""
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Protocol
 
 import torch
 
-from ..engine.scheduler import SchedulerOutput
 from ..model.batch import SequenceChunk
-from ..worker.host_copy import to_device
-from ..worker.model_runner import SampledToken
-from ..worker.sampler import filtered_probs, uniform_noise
-from .mtp_proposer import DraftRequest, MTPProposer
+from ..model.deepseek_v4 import DeepseekV4ForCausalLM
+from ..model.host_copy import to_device
+from ..model.mtp import MTPModule
+from ..model.state import ModelState
+from ..sample.sampler import SamplingTensors, filtered_probs, uniform_noise
+from ..step_types import RunnerOutput, SampledToken, SchedulerOutput
+from .mtp_proposer import DraftRequest, MTPForward, MTPProposer
 from .rejection_sampler import verify
 
 ACCEPT_SALT = 0x68E31DA4
 
 
-def fused_greedy_step(runner, sched: SchedulerOutput, chunks: list[SequenceChunk], logits: torch.Tensor,
-                      out) -> bool:
+class RunnerView(Protocol):
+    """What speculation reads from the runner that owns it."""
+
+    last_streams: torch.Tensor | None  # the last forward's residual streams (every token's rows)
+
+    def sampling_tensors(self, reqs) -> SamplingTensors: ...
+
+    def sampled_tokens(self, logits: torch.Tensor, tokens: torch.Tensor, reqs) -> list[SampledToken]: ...
+
+
+class MTPSpeculator:
+    """The MTP drafter and draft verification of one runner."""
+
+    def __init__(self, mtp: MTPModule, target: DeepseekV4ForCausalLM, state: ModelState, num_tokens: int,
+                 forward: MTPForward) -> None:
+        self.k = num_tokens
+        self.state = state  # the MTP layer's own window state
+        self.proposer = MTPProposer(mtp, target, state, num_tokens, forward)
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request_id -> [k, V] q of its pending drafts
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is kept for a request's pending drafts (finished, aborted or preempted)."""
+        self.draft_probs.pop(request_id, None)
+
+    def finish_step(self, runner: RunnerView, sched: SchedulerOutput, chunks: list[SequenceChunk],
+                    logits: torch.Tensor, verify_rows: list[tuple[int, int]], out: RunnerOutput) -> None:
+        """After a step's sampling: accept drafts, emit tokens and propose the next drafts into `out`."""
+        if len(verify_rows) == len(chunks) and fused_greedy_step(self, runner, sched, chunks, logits, out):
+            return
+        if verify_rows:
+            verify_drafts(self, runner, sched, verify_rows, logits, out)
+        draft_next(self, runner, sched, chunks, out)
+
+
+def fused_greedy_step(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutput,
+                      chunks: list[SequenceChunk], logits: torch.Tensor, out: RunnerOutput) -> bool:
     """A step where every request is greedy and verifies all k drafts: acceptance, the MTP layer's
     catch-up and the next k drafts are computed on the device from the step's logits, and the host
     reads everything back once (the general path waits after verifying and again after drafting).
     Returns False, having done nothing, when the step is not of that kind."""
-    proposer = runner.proposer
+    proposer = spec.proposer
     if not isinstance(proposer, MTPProposer):
         return False
     k = proposer.k
@@ -49,12 +91,12 @@ def fused_greedy_step(runner, sched: SchedulerOutput, chunks: list[SequenceChunk
         out.sampled[req.request_id] = [SampledToken(t) for t in host[n][1:a + 2]]
         out.num_accepted[req.request_id] = a
         out.drafts[req.request_id] = host[n][1 + q:]
-        runner.draft_probs.pop(req.request_id, None)
+        spec.forget(req.request_id)
     return True
 
 
-def verify_drafts(runner, sched: SchedulerOutput, verify_rows: list[tuple[int, int]], logits: torch.Tensor,
-                  out) -> None:
+def verify_drafts(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutput,
+                  verify_rows: list[tuple[int, int]], logits: torch.Tensor, out: RunnerOutput) -> None:
     """Accept a prefix of each request's drafts and draw its next token (lossless)."""
     device = logits.device
     k = max(sched.chunks[i].num_draft for i, _ in verify_rows)
@@ -74,7 +116,7 @@ def verify_drafts(runner, sched: SchedulerOutput, verify_rows: list[tuple[int, i
         accepted_t = (drafts == target_greedy[:, :k]).long().cumprod(dim=1).sum(dim=1)
         tokens_t = target_greedy
     else:
-        accepted_t, tokens_t = _rejection_sample(runner, reqs, logits[rows_t], drafts, k)
+        accepted_t, tokens_t = _rejection_sample(spec, runner, reqs, logits[rows_t], drafts, k)
     host = torch.cat([accepted_t.unsqueeze(1), tokens_t], dim=1).tolist()  # the step's one sync
     want_lp = any(r.params.logprobs is not None for r in reqs)
     for n, req in enumerate(reqs):
@@ -87,10 +129,10 @@ def verify_drafts(runner, sched: SchedulerOutput, verify_rows: list[tuple[int, i
             records = [SampledToken(t) for t in emitted]
         out.sampled[req.request_id] = records
         out.num_accepted[req.request_id] = a
-        runner.draft_probs.pop(req.request_id, None)
+        spec.forget(req.request_id)
 
 
-def _rejection_sample(runner, reqs, target_logits: torch.Tensor, drafts: torch.Tensor,
+def _rejection_sample(spec: MTPSpeculator, runner: RunnerView, reqs, target_logits: torch.Tensor, drafts: torch.Tensor,
                       k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled (or mixed) requests: rejection sampling against each request's draft distribution."""
     device = target_logits.device
@@ -98,7 +140,7 @@ def _rejection_sample(runner, reqs, target_logits: torch.Tensor, drafts: torch.T
     st = runner.sampling_tensors(reqs)
     flat_st = _repeat_rows(st, k + 1)
     target_probs = filtered_probs(target_logits.view(-1, vocab), flat_st).view(len(reqs), k + 1, vocab)
-    draft_probs = torch.stack([_draft_q(runner, r, k, vocab, device) for r in reqs])
+    draft_probs = torch.stack([_draft_q(spec, r, k, vocab, device) for r in reqs])
     counters = st.counters.unsqueeze(1) + torch.arange(k + 1, device=device).unsqueeze(0)
     accept_u = uniform_noise((st.seeds ^ ACCEPT_SALT).repeat_interleave(k), counters[:, :k].reshape(-1), 1)
     accept_u = accept_u.view(len(reqs), k)
@@ -108,9 +150,7 @@ def _rejection_sample(runner, reqs, target_logits: torch.Tensor, drafts: torch.T
     return result.num_accepted, result.tokens
 
 
-def _repeat_rows(st, times: int):
-    from dataclasses import replace
-
+def _repeat_rows(st: SamplingTensors, times: int) -> SamplingTensors:
     def rep(t: torch.Tensor) -> torch.Tensor:
         return t.repeat_interleave(times)
 
@@ -119,8 +159,8 @@ def _repeat_rows(st, times: int):
                    min_p=rep(st.min_p), seeds=rep(st.seeds), counters=counters.reshape(-1))
 
 
-def _draft_q(runner, req, k: int, vocab: int, device) -> torch.Tensor:
-    q = runner.draft_probs.get(req.request_id)
+def _draft_q(spec: MTPSpeculator, req, k: int, vocab: int, device) -> torch.Tensor:
+    q = spec.draft_probs.get(req.request_id)
     if q is None:  # greedy drafts: q is one-hot on each draft
         q = torch.zeros(k, vocab, device=device)
         for j, d in enumerate(req.draft_token_ids[:k]):
@@ -130,7 +170,8 @@ def _draft_q(runner, req, k: int, vocab: int, device) -> torch.Tensor:
     return q[:k]
 
 
-def draft_next(runner, sched: SchedulerOutput, chunks: list[SequenceChunk], out) -> None:
+def draft_next(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutput, chunks: list[SequenceChunk],
+               out: RunnerOutput) -> None:
     """Run the MTP layer over the step's positions and propose drafts from the last accepted one."""
     streams = runner.last_streams
     requests = []
@@ -149,10 +190,10 @@ def draft_next(runner, sched: SchedulerOutput, chunks: list[SequenceChunk], out)
         # Drafts are the tokens after the ones just emitted.
         st.counters = st.counters + to_device([len(out.sampled[r.request_id]) for r in drafting_reqs],
                                               st.counters.device)
-    drafts, probs, drafting = runner.proposer.propose(requests, streams, st)
+    drafts, probs, drafting = spec.proposer.propose(requests, streams, st)
     draft_list = drafts.tolist()
     for n, i in enumerate(drafting):
         req = sched.chunks[i].request
         out.drafts[req.request_id] = draft_list[n]
         if probs is not None:
-            runner.draft_probs[req.request_id] = probs[n]
+            spec.draft_probs[req.request_id] = probs[n]

@@ -117,8 +117,7 @@ class StaticBatch:
         self.batch = BatchMetadata(
             block_table=template.block_table.clone(), num_entries=dict(template.num_entries),
             emit_tokens={r: t.clone() for r, t in template.emit_tokens.items()},
-            emit_all_tokens=template.emit_all_tokens,
-            max_seq_len=template.max_seq_len, **views)
+            emit_all_tokens=template.emit_all_tokens, **views)
 
     def fill(self, src: BatchMetadata) -> None:
         if self.copied is not None:
@@ -130,7 +129,6 @@ class StaticBatch:
         if self.flat.is_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record()
-        self.batch.max_seq_len = src.max_seq_len
 
 
 @dataclass
@@ -230,7 +228,7 @@ class CudaGraphRunner:
         key = GraphKey(batch_size, self.query_len)
         static = StaticBatch(self._template(batch_size, dummy_len))
         topk_fn, topk_path = self.topk_for(batch_size * self.query_len) if self.topk_for else (None, "none")
-        logger.debug("Capturing CUDA graph: %s, batch=%d, query_len=%d, topk_path=%s, dummy max_seq_len=%d",
+        logger.debug("Capturing CUDA graph: %s, batch=%d, query_len=%d, topk_path=%s, dummy length=%d",
                      self.name, batch_size, self.query_len, topk_path, dummy_len)
         outputs = tuple(o[: self._rows(batch_size)] for o in self.outputs)
         hidden = self.hidden[: batch_size * self.query_len] if self.hidden is not None else None
@@ -314,8 +312,8 @@ class CudaGraphRunner:
                 continue
             if short.kernels != long.kernels:
                 diff = "\n".join(difflib.unified_diff(short.kernels, long.kernels,
-                                                      f"capture at max_seq_len={self.short_len}",
-                                                      f"capture at max_seq_len={long_len}", lineterm="", n=1))
+                                                      f"capture at dummy length {self.short_len}",
+                                                      f"capture at dummy length {long_len}", lineterm="", n=1))
                 problems.append(f"{name} (topk_path={short.topk_path}) recorded different kernels "
                                 f"when captured at other lengths: a host branch on data was frozen into the "
                                 f"capture.\n{diff}")

@@ -1,53 +1,35 @@
 """Runs the model for a scheduled step: metadata -> forward -> logits -> samples.
 
-Owns the model, its state (the KV cache tensors) and the device. Knows nothing of the
-scheduler's policies; it receives chunks and returns what was sampled.
+Owns the model, its state (the KV cache tensors), the device and, with speculation on, the
+`MTPSpeculator` it builds from the MTP layer. Knows nothing of the scheduler's policies; it
+receives a `SchedulerOutput` and returns a `RunnerOutput` (sparseserve/step_types.py).
 """
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ModelConfig
-from ..engine.request import PENDING_TOKEN_ID
-from ..engine.scheduler import SchedulerOutput
+from ..config import SIDE_STREAM_MODES, ModelConfig
 from ..kernels.argmax import greedy_tokens
 from ..kernels.topk import IndexerTopK
 from ..model.batch import BlockTableCache, SequenceChunk, build_batch
 from ..model.deepseek_v4 import DeepseekV4ForCausalLM
+from ..model.host_copy import to_device, to_host
+from ..model.mtp import MTPModule
 from ..model.state import ModelState, StateLayout
 from ..model.step_context import TopKFn, default_topk
+from ..sample.sampler import SamplingTensors, sample, token_logprobs
+from ..spec_decode.spec_step import MTPSpeculator
+from ..step_types import PENDING_TOKEN_ID, RunnerOutput, SampledToken, SchedulerOutput
 from .cuda_graph import (BufferSpec, CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes,
                          logits_mode, pad_chunks, pick_bucket, set_positions)
-from .host_copy import to_device, to_host
-from .sampler import SamplingTensors, sample, token_logprobs
-from .sm_carveout import apply_sm_carveout
 from .watchdog import StepWatchdog
 
 logger = logging.getLogger("sparseserve")
-
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    rank: int | None = None
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class RunnerOutput:
-    # request_id -> the tokens this step emits (one, or accepted drafts plus the next token)
-    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
-    num_accepted: dict[str, int] = field(default_factory=dict)  # request_id -> accepted drafts
-    drafts: dict[str, list[int]] = field(default_factory=dict)  # request_id -> drafts for the next step
-    # request_id -> [(position of the predicted prompt token, logprob, rank, top)]
-    prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
 
 
 def is_run(values: list[int]) -> bool:
@@ -83,14 +65,14 @@ class RunnerOptions:
     cuda_graph_sizes: list[int] | None = None
     topk_backend: str = "auto"
     step_timeout_s: float = 60.0
-    debug_topk_skip_reset_when_short: bool = False  # TEST ONLY: the historical top-k bug
     num_speculative_tokens: int = 0
+    side_stream: str = "auto"  # one of SIDE_STREAM_MODES (EngineConfig.side_stream)
 
 
 class ModelRunner:
     def __init__(self, model: DeepseekV4ForCausalLM, model_config: ModelConfig, device: torch.device,
                  dtype: torch.dtype, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_size: int, options: RunnerOptions | None = None) -> None:
+                 block_size: int, options: RunnerOptions | None = None, mtp: MTPModule | None = None) -> None:
         self.model = model
         self.model_config = model_config
         self.device = device
@@ -123,21 +105,20 @@ class ModelRunner:
         # both modes compute the same function (docs/design.md, invariant 5).
         k = self.options.num_speculative_tokens
         self.query_lens = [1] + ([1 + k] if k else [])
-        # Captured graphs use the side stream, except with speculation: its graphs (verify, drafter)
-        # have not yet been tested and measured with it on the GPU. (The MTP=1 audit failures that
-        # first kept it off there came from the cuBLAS workspace, not from the side stream; see
-        # CudaGraphRunner.capture.) SPARSESERVE_SIDE_STREAM=graphs|always|never overrides this.
-        self.model.side_streams.mode = os.environ.get("SPARSESERVE_SIDE_STREAM") or ("never" if k else "graphs")
+        # Captured graphs use the side stream ("auto" = "graphs"), except with speculation: its graphs
+        # (verify, drafter) have not been measured with it on the GPU, so "auto" keeps them on one stream.
+        mode = self.options.side_stream
+        if mode not in SIDE_STREAM_MODES:
+            raise ValueError(f"side_stream must be one of {SIDE_STREAM_MODES}, got {mode!r}")
+        self.model.side_streams.mode = ("never" if k else "graphs") if mode == "auto" else mode
         self.pad_like_graphs = device.type == "cuda"
-        carveout = apply_sm_carveout(device)
-        if carveout:
-            logger.info("cuBLASLt GEMMs leave %d SMs free (SPARSESERVE_SM_CARVEOUT)", carveout)
         self._topk: dict[int, IndexerTopK] = {}
         self.graphs: dict[int, CudaGraphRunner] = {}  # target model, by query length
         self.mtp_graphs: dict[int, CudaGraphRunner] = {}  # the MTP drafter, by query length
-        self.mtp = None  # MTPModule when speculative decoding is on (set by the engine)
-        self.proposer = None
-        self.draft_probs: dict[str, torch.Tensor] = {}  # request_id -> [k, V] q of its pending drafts
+        if k and mtp is None:
+            raise ValueError("num_speculative_tokens > 0 needs the MTP layer (mtp=...)")
+        self.mtp = mtp if k else None
+        self.speculator: MTPSpeculator | None = None  # built with the state (allocate_state)
         self.last_streams: torch.Tensor | None = None
         # The last launched step's sampled tokens (device) and each request's row among them:
         # the next step reads its pending input tokens from there.
@@ -150,12 +131,11 @@ class ModelRunner:
         if max_rows not in self._topk:
             width = max(self.max_model_len // r for r in self.csa_rates)
             self._topk[max_rows] = IndexerTopK(
-                max_rows, width, self.model_config.hf_config.index_topk, self.options.topk_backend, self.device,
-                _debug_skip_reset_when_short=self.options.debug_topk_skip_reset_when_short)
+                max_rows, width, self.model_config.hf_config.index_topk, self.options.topk_backend, self.device)
         topk = self._topk[max_rows]
 
-        def run(scores: torch.Tensor, lengths: torch.Tensor, k: int, max_seq_len: int) -> torch.Tensor:
-            return topk(scores, lengths, max_seq_len)
+        def run(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+            return topk(scores, lengths)
 
         return run, topk.path
 
@@ -193,11 +173,14 @@ class ModelRunner:
     def allocate_state(self, num_blocks: int) -> None:
         self.state = ModelState(self.model_config, self._layout(num_blocks), self.device, self.dtype)
         if self.mtp is not None:
-            from ..spec_decode.mtp_proposer import MTPProposer
-
             mtp_state = ModelState(self.mtp.config, self._layout(0), self.device, self.dtype)
-            self.proposer = MTPProposer(self.mtp, self.model, mtp_state, self.options.num_speculative_tokens,
-                                        self.mtp_forward)
+            self.speculator = MTPSpeculator(self.mtp, self.model, mtp_state, self.options.num_speculative_tokens,
+                                            self.mtp_forward)
+
+    def forget(self, request_id: str) -> None:
+        """Drop per-request speculation state (the request finished, was aborted or preempted)."""
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def graph_sizes_for(self, query_len: int) -> list[int]:
         """The buckets a graph of this query length is captured for (its tokens fit one step's staging rows)."""
@@ -210,7 +193,7 @@ class ModelRunner:
             outputs[1].copy_(streams)
 
     def _mtp_step(self, batch, topk, hidden, outputs) -> None:
-        outputs[0].copy_(self.mtp(batch, hidden, self.proposer.state, self.model))
+        outputs[0].copy_(self.mtp(batch, hidden, self.speculator.state, self.model))
 
     def _new_graph_runners(self, pool_per_runner: bool = False) -> list[CudaGraphRunner]:
         hf = self.model_config.hf_config
@@ -221,11 +204,11 @@ class ModelRunner:
         pool = None if pool_per_runner else torch.cuda.graph_pool_handle()  # None: each runner makes its own
         runners = []
         for q in self.query_lens:
-            outputs = [logits, streams] if self.proposer is not None else [logits]
+            outputs = [logits, streams] if self.speculator is not None else [logits]
             runners.append(CudaGraphRunner("target", self._target_step, outputs, rates=self.model_config.rates,
                                            sizes=self.graph_sizes_for(q), query_len=q, num_entries=self.decode_entries,
                                            topk_for=self.topk_for, pool=pool, **common))
-        if self.proposer is not None:
+        if self.speculator is not None:
             for q in self.query_lens:
                 runners.append(CudaGraphRunner("mtp", self._mtp_step, [streams], rates=self.mtp.config.rates,
                                                sizes=self.graph_sizes_for(q), query_len=q, num_entries={},
@@ -359,15 +342,8 @@ class ModelRunner:
                 lp = [t.tolist() for t in step.host_logprobs]
                 for req, st in zip(step.sample_reqs, self._records(step.sample_reqs, tokens, lp)):
                     out.sampled[req.request_id] = [st]
-        if self.proposer is not None:
-            from ..spec_decode.spec_step import draft_next, fused_greedy_step, verify_drafts
-
-            sched, chunks, logits = step.sched, step.chunks, step.logits
-            if len(step.verify) == len(chunks) and fused_greedy_step(self, sched, chunks, logits, out):
-                return out
-            if step.verify:
-                verify_drafts(self, sched, step.verify, logits, out)
-            draft_next(self, sched, chunks, out)
+        if self.speculator is not None:
+            self.speculator.finish_step(self, step.sched, step.chunks, step.logits, step.verify, out)
         return out
 
     def _pending_fix(self, dst: list[int], src: list[int]) -> Callable[[torch.Tensor], None] | None:
@@ -437,7 +413,7 @@ class ModelRunner:
             streams = self.model(batch, self.state, topk=topk_fn)
             logits = self.model.compute_logits(batch.logits_streams(streams))
             mode = f"eager step, topk_path={path}"
-        self.last_streams = streams if self.proposer is not None else None
+        self.last_streams = streams if self.speculator is not None else None
 
         def describe() -> str:  # only called when a step is reported
             lengths = [c.start_pos + len(c.token_ids) for c in chunks]
@@ -469,7 +445,7 @@ class ModelRunner:
         rows = batch.num_tokens
         if hidden.shape[0] < rows:
             hidden = torch.cat([hidden[:num_tokens], hidden.new_zeros(rows - num_tokens, *hidden.shape[1:])])
-        return self.mtp(batch, hidden[:rows], self.proposer.state, self.model)
+        return self.mtp(batch, hidden[:rows], self.speculator.state, self.model)
 
     def sampling_tensors(self, reqs) -> SamplingTensors:
         def t(values, dtype):

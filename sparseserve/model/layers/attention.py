@@ -239,7 +239,7 @@ class Attention(nn.Module):
         scores = indexer_scores(iq, x_proj[2], state.index_pool, batch.block_table, batch.token_seq,
                                 batch.positions, self.rate, ctx.layout.entries_per_block(self.rate),
                                 idx.softmax_scale, rate_addr.num_entries, weights_scale=idx.weights_scale)
-        chosen = ctx.topk(scores, rate_addr.visible_counts, idx.topk, batch.max_seq_len)
+        chosen = ctx.topk(scores, rate_addr.visible_counts, idx.topk)
         return entry_pool_rows(chosen, batch.token_seq, batch.block_table,
                                ctx.layout.entries_per_block(self.rate), ctx.layout.comp_base(), prefix=ctx.window_rows)
 

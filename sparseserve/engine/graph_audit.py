@@ -1,5 +1,6 @@
 """Replay half of the graph audit: every captured graph, replayed on random realistic
-decode (and speculative verify) batches, must give the eager step's logits.
+decode (and speculative verify) batches, must give the eager step's logits. It lives with
+the engine because it takes its batches' blocks and slots from the engine's cache manager.
 
 Lengths are spread over [2, max_model_len] and include the places where behaviour could
 switch: compress-window boundaries and the top-k reach (index_topk * rate). Because state
@@ -13,11 +14,11 @@ import random
 
 import torch
 
-from ..engine.kv_cache import KVCacheManager
-from ..engine.request import Request
 from ..model.batch import SequenceChunk
 from ..sampling_params import SamplingParams
-from .cuda_graph import GraphCaptureError, logits_mode
+from ..worker.cuda_graph import GraphCaptureError, logits_mode
+from .kv_cache import KVCacheManager
+from .request import Request
 
 logger = logging.getLogger("sparseserve")
 

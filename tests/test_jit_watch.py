@@ -52,12 +52,12 @@ def test_watches_the_engine_kernels():
     kernels are interpreted functions with no cache, and only the Gluon ones are JIT functions)."""
     from triton.runtime.jit import JITFunction
 
-    from sparseserve.kernels.attention import hopper, triton_kernel
+    from sparseserve.kernels.attention import hopper, hopper_split, triton_kernel
 
     kernels = engine_kernels()
     ids = {id(k) for k in kernels}
     assert len(kernels) == len(ids) and all(isinstance(k, JITFunction) for k in kernels)
-    for module in (triton_kernel, hopper):
+    for module in (triton_kernel, hopper, hopper_split):
         for value in vars(module).values():
             if isinstance(value, JITFunction):
                 assert id(value) in ids, value

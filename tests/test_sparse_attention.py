@@ -23,7 +23,7 @@ from sparseserve.kernels.attention import (
     sparse_mqa_attention_ref,
     sparse_mqa_attention_triton,
 )
-from sparseserve.kernels.attention import hopper as hopper_mod
+from sparseserve.kernels.attention import hopper_common as hopper_mod
 from sparseserve.kernels.attention import select as select_mod
 from sparseserve.kernels.attention import triton_kernel as triton_mod
 
@@ -169,6 +169,9 @@ SELECTION_CELLS = [
     (FLASH, 16, CSA_FLASH, "hopper", 64, 8, True),
     (FLASH, 64, CSA_FLASH, "hopper", 64, 2, True),
     (FLASH, 64, HCA_128K, "hopper", 64, 2, True),
+    (FLASH, 32, HCA_4K, "hopper", 64, 4, False),  # one-tile splits of a short list
+    (FLASH, 64, HCA_4K, "hopper", 64, 1, True),  # a short list is not cut into 2 + 1 tiles
+    (PRO, 32, HCA_4K, "hopper", 64, 1, True),
     (FLASH, 256, CSA_FLASH, "hopper", 64, 1, True),
     (FLASH, 256, HCA_4K, "hopper", 64, 1, True),
     (FLASH, 4096, CSA_FLASH, "hopper", 64, 1, True),  # prefill
@@ -230,7 +233,7 @@ def test_hopper_output_store_by_tma_only_where_its_descriptor_fits():
     """The TMA store writes what a unit stores: out with one split, the 16-bit partial outputs with splits, each
     viewed as [rows, 512]; it needs that tensor contiguous and 16-bit (strided views store from registers, with out
     passed as an unread placeholder)."""
-    if not hopper_mod._HAVE_GLUON:
+    if not hopper_mod.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     out = torch.zeros(3, 128, 512, dtype=torch.bfloat16)
     parts = torch.zeros(3, 4, 128, 512, dtype=torch.bfloat16)

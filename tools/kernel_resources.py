@@ -177,17 +177,24 @@ def _gluon_attention_row(fn, constexprs: dict, num_warps: int, types: dict | Non
 def _desc_type(tma: bool) -> str:
     """A descriptor argument's type: the TMA descriptor that `hopper.box_descriptor` builds (bf16, 64 x 64 boxes,
     128-byte swizzle), or the tensor itself (a placeholder the kernel does not read)."""
-    from sparseserve.kernels.attention.hopper import tile_layout
+    from sparseserve.kernels.attention.hopper_common import tile_layout
     return f"tensordesc<bf16[64,64],{tile_layout()!r}>" if tma else "*bf16"
 
 
 def hopper_attention_rows() -> list[dict]:
     """The Hopper attention kernel as `launch_hopper_attention` builds it: one split and splits with a band, one-tile
     splits without (small decode batches), q by TMA (contiguous) and by cp.async (strided)."""
-    from sparseserve.kernels.attention import hopper
+    from sparseserve.kernels.attention import hopper, hopper_split
 
     rows = []
-    for splits, band in ((1, True), (4, True), (16, False)):
+    for splits, band in ((4, True), (16, False)):
+        gather, s, o, tile, p = hopper_split._layouts()
+        constexprs = dict(NUM_SPLITS=splits, BLOCK_N=64, OUT_TMA=True, BAND=band, gather_layout=gather, s_layout=s,
+                          o_layout=o, tile_smem=tile, p_smem_layout=p, PDL=1)
+        types = {"out_desc": _desc_type(True), "part_acc_ptr": "*bf16"}
+        rows.append(_gluon_attention_row(hopper_split._sparse_mqa_split_kernel, constexprs, 8, types,
+                                         kernel="sparse_mqa_split", splits=splits, band=band))
+    for splits, band in ((1, True),):
         for q_tma in (True, False):
             constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=hopper.WORKER_REGS, OUT_TMA=True, Q_TMA=q_tma,
                               BAND=band, PDL=1)

@@ -290,12 +290,12 @@ def kernel_report() -> list[dict]:
     """Registers, spills and shared memory of every compiled variant (best effort: the cache
     layout is Triton-internal)."""
     from sparseserve.kernels import indexer as idx_mod
-    from sparseserve.kernels.attention import hopper as hopper_mod, triton_kernel as attn_mod
+    from sparseserve.kernels.attention import hopper, hopper_common, hopper_split, triton_kernel as attn_mod
 
     rows = []
     kernels = [attn_mod._sparse_mqa_fwd_kernel, attn_mod._sparse_mqa_merge_kernel, idx_mod._indexer_scores_kernel]
-    if hopper_mod._HAVE_GLUON:
-        kernels.append(hopper_mod._sparse_mqa_hopper_kernel)
+    if hopper_common.HAVE_GLUON:
+        kernels += [hopper._sparse_mqa_hopper_kernel, hopper_split._sparse_mqa_split_kernel]
     for fn in kernels:
         try:
             for entry in getattr(fn, "device_caches", {}).values():

@@ -1,8 +1,8 @@
-"""Hopper (sm_90) kernel of gathered-row MQA with a sink, written in Gluon: the 64-head shapes of V4.
+"""Hopper (sm_90) kernel of gathered-row MQA with a sink, written in Gluon: the 64-head shapes of V4, unsplit calls.
 
 Same contract as `reference.sparse_mqa_attention_ref` (the plain-PyTorch reference and CPU path); `select.py` sends
-a call here when the shapes fit (`hopper_supported`: D = 512, heads in blocks of 64, 16-bit) and there are enough
-(token, 64-head) programs; every other shape, GPUs other than Hopper and the CPU interpreter take the portable
+a call here when the shapes fit (`hopper_supported`: D = 512, heads in blocks of 64, 16-bit), there are enough
+(token, 64-head) programs and the row list is not split (split calls take `hopper_split.py`); every other shape, GPUs other than Hopper and the CPU interpreter take the portable
 Triton kernel (`triton_kernel.py`).
 
 Why a kernel of its own. Triton's pipeliner leaves the indirect row gather of a 64-head tile as a synchronous load,
@@ -34,101 +34,21 @@ Roofline: bytes = 2*L*D + 4*H*D per token, FLOPs = 4*H*L*D.
 """
 from __future__ import annotations
 
-import torch
-
-from ..dispatch import capability, enabled_on
 from ..pdl import pdl_args
+from .hopper_common import HEAD_BLOCK, HAVE_GLUON, out_descriptor, q_descriptor
 
-try:  # Gluon ships with triton >= 3.5; the stacks we support (3.6, 3.9) have it
+WORKER_REGS = 168  # registers of each output warpgroup (setmaxnreg); the score warpgroup gets the rest, also 168
+
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    _HAVE_GLUON = True
-except ImportError:  # pragma: no cover - an older Triton: the Triton kernel serves every shape
-    _HAVE_GLUON = False
 
-HEAD_BLOCK = 64  # heads per unit: the M of both wgmma products
-HEAD_DIM = 512
-WORKER_REGS = 168  # registers of each output warpgroup (setmaxnreg); the score warpgroup gets the rest, also 168
-
-
-if _HAVE_GLUON:
-    # Renamed between the supported versions (3.6 -> 3.9).
-    _async_gather = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared  # (smem, pointers, mask)
-    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # (desc, coord, smem)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (desc, coord, barrier, smem)
-
-    @gluon.jit
-    def wait_for_prior_grid(PDL: gl.constexpr):
-        """Gluon twin of kernels/pdl.py's wait (a Gluon kernel cannot call a @triton.jit function)."""
-        if PDL >= 1:
-            gdc_wait()
-        if PDL == 2:
-            gdc_launch_dependents()
-
-    @gluon.jit
-    def _issue_q(q_smem, q_ptr, unit, units_per_token, stride_qt, stride_qh, offs_qh, offs_d,
-                 NUM_SPLITS: gl.constexpr):
-        """cp.async of the unit's 64 query heads (columns offs_d) into q_smem, as its own commit group."""
-        tok = (unit // units_per_token).to(gl.int64)
-        hb = (unit % units_per_token) // NUM_SPLITS
-        heads = (hb * 64 + offs_qh).to(gl.int64)
-        q_rows = q_ptr + tok * stride_qt + gl.expand_dims(heads * stride_qh, 1)
-        _async_gather(q_smem, q_rows + gl.expand_dims(offs_d, 0))
-        _cp.commit_group()
-
-    @gluon.jit
-    def _unit_sink(sinks_ptr, unit, units_per_token, offs_h, NUM_SPLITS: gl.constexpr):
-        """The unit's 64-head block and its heads' sink logits in base 2 (offs_h: 0..63 in the wanted layout): the
-        running max a unit starts from, so the sink is in the denominator from the start."""
-        hb = (unit % units_per_token) // NUM_SPLITS
-        return hb, gl.load(sinks_ptr + hb * 64 + offs_h).to(gl.float32) * 1.4426950408889634
-
-    @gluon.jit
-    def _unit_row_sum(row_sums, m_i, m_sink, split):
-        """A unit's softmax denominator: its rows' exponentials summed, plus the sink's (exp2(sink - max)) in split 0
-        only (the merge adds the splits)."""
-        return (split == 0).to(gl.float32) * gl.exp2(m_sink - m_i) + row_sums
-
-    @gluon.jit
-    def _unit_span(band_ptr, unit, num_units, units_per_token, num_rows, NUM_SPLITS: gl.constexpr,
-                   BLOCK_N: gl.constexpr, BAND: gl.constexpr):
-        """[start, end) of the rows a unit walks: its valid band from the pre-pass (BAND), or else (every split is
-        one tile) its split's whole segment, holes and all; (0, 0) past the last unit."""
-        live = unit < num_units
-        if BAND:
-            idx = (unit // units_per_token) * NUM_SPLITS + unit % NUM_SPLITS
-            start = gl.load(band_ptr + idx * 2, mask=live, other=0)
-            end = gl.load(band_ptr + idx * 2 + 1, mask=live, other=0)
-        else:
-            start = gl.where(live, gl.minimum((unit % NUM_SPLITS) * BLOCK_N, num_rows), 0)
-            end = gl.where(live, gl.minimum(start + BLOCK_N, num_rows), 0)
-        return start, end
-
-    @gluon.jit
-    def _next_tile(unit, tile, start, end, band_ptr, num_units, units_per_token, num_rows, num_programs,
-                   NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, BAND: gl.constexpr):
-        """The tile after (unit, tile) in this program's stream: every unit has at least one tile (an empty unit's
-        one tile is all holes, so it still writes its result), then the program's next unit (unit + num_programs)."""
-        if tile + 1 < gl.maximum(gl.cdiv(end - start, BLOCK_N), 1):
-            tile = tile + 1
-        else:
-            unit = unit + num_programs
-            tile = 0
-            start, end = _unit_span(band_ptr, unit, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N, BAND)
-        return unit, tile, start, end
-
-    @gluon.jit
-    def _tile_ids(rows_ptr, stride_rt, unit, tile, start, end, units_per_token, offs, BLOCK_N: gl.constexpr):
-        """Row ids of one tile (-1 past the span's end and past the last unit)."""
-        tok = (unit // units_per_token).to(gl.int64)
-        pos = start + tile * BLOCK_N + offs
-        return gl.load(rows_ptr + tok * stride_rt + pos, mask=pos < end, other=-1)
+    from .hopper_common import (
+        async_gather, cta_barrier, issue_q, next_tile, rows_scaled, store_ml, tile_ids, tma_load_async,
+        tma_store_async, unit_row_sum, unit_sink, unit_span, wait_for_prior_grid)
 
     @gluon.jit
     def _unit_empty(rows_ptr, stride_rt, unit, start, end, units_per_token, BLOCK_N: gl.constexpr,
@@ -142,25 +62,11 @@ if _HAVE_GLUON:
         else:
             chunk: gl.constexpr = gl.BlockedLayout([16], [32], [4], [0])
             offs = gl.arange(0, 16, layout=chunk)
-            top = gl.max(_tile_ids(rows_ptr, stride_rt, unit, 0, start, end, units_per_token, offs, BLOCK_N), 0)
+            top = gl.max(tile_ids(rows_ptr, stride_rt, unit, 0, start, end, units_per_token, offs, BLOCK_N), 0)
             for c in gl.static_range(1, BLOCK_N // 16):
-                ids = _tile_ids(rows_ptr, stride_rt, unit, 0, start, end, units_per_token, offs + c * 16, BLOCK_N)
+                ids = tile_ids(rows_ptr, stride_rt, unit, 0, start, end, units_per_token, offs + c * 16, BLOCK_N)
                 top = gl.maximum(top, gl.max(ids, 0))
             return top < 0
-
-    @gluon.jit
-    def _rows_scaled(acc, l, offs_rows):
-        """acc with row i multiplied by 1 / l[i] (offs_rows: a vector in acc's row layout). One reciprocal per row:
-        a division per element compiles to four instructions (div.full.f32's range checks)."""
-        return acc * gl.expand_dims(gl.convert_layout(1.0 / l, offs_rows.type.layout), 1)
-
-    @gluon.jit
-    def _store_ml(part_ml_ptr, part, heads, num_heads, offs_sh, m_i, l_i, empty):
-        """A split's (max, sum) into part_ml [T, S, 2, H]; an empty split's is (-inf, 0), weight 0 in the merge,
-        which then never reads its output (so the unit does not write it)."""
-        ml = part_ml_ptr + part * 2 * num_heads + heads + offs_sh
-        gl.store(ml, gl.where(empty, float("-inf"), m_i))
-        gl.store(ml + num_heads, gl.where(empty, 0.0, l_i))
 
     @gluon.jit
     def _store_unit(out_ptr, part_acc_ptr, acc, l_i, tok, split, heads, num_heads, stride_ot, stride_oh, empty,
@@ -169,14 +75,14 @@ if _HAVE_GLUON:
         its heads' columns offs_od (one split), or its split's normalised partial [T, S, H, 512] (none where its span
         is empty)."""
         if NUM_SPLITS == 1:
-            out = _rows_scaled(acc, l_i, offs_oh)
+            out = rows_scaled(acc, l_i, offs_oh)
             out_rows = out_ptr + tok * stride_ot + gl.expand_dims((heads + offs_oh).to(gl.int64) * stride_oh, 1)
             gl.store(out_rows + gl.expand_dims(offs_od, 0), out.to(out_ptr.dtype.element_ty))
         else:
             if not (empty & (split > 0)):
                 part = tok * NUM_SPLITS + split
                 acc_rows = part_acc_ptr + (part * num_heads + heads + gl.expand_dims(offs_oh, 1)) * 512
-                acc = _rows_scaled(acc, gl.where(l_i > 0, l_i, 1.0), offs_oh)
+                acc = rows_scaled(acc, gl.where(l_i > 0, l_i, 1.0), offs_oh)
                 gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc.to(part_acc_ptr.dtype.element_ty))
 
     @gluon.jit
@@ -189,11 +95,11 @@ if _HAVE_GLUON:
             row0 = tok * num_heads + ((unit % units_per_token) // NUM_SPLITS) * 64
             mbarrier.expect(q_ready, 64 * 512 * 2)
             for c in gl.static_range(4):
-                _tma_load(q_desc, [row0, c * 64], q_ready, q_lo.slice(c * 64, 64, dim=1))
-                _tma_load(q_desc, [row0, 256 + c * 64], q_ready, q_hi.slice(c * 64, 64, dim=1))
+                tma_load_async(q_desc, [row0, c * 64], q_ready, q_lo.slice(c * 64, 64, dim=1))
+                tma_load_async(q_desc, [row0, 256 + c * 64], q_ready, q_hi.slice(c * 64, 64, dim=1))
         else:
-            _issue_q(q_lo, q_ptr, unit, units_per_token, stride_qt, stride_qh, offs_qh, offs_lo, NUM_SPLITS)
-            _issue_q(q_hi, q_ptr, unit, units_per_token, stride_qt, stride_qh, offs_qh, offs_lo + 256, NUM_SPLITS)
+            issue_q(q_lo, q_ptr, unit, units_per_token, stride_qt, stride_qh, offs_qh, offs_lo, NUM_SPLITS)
+            issue_q(q_hi, q_ptr, unit, units_per_token, stride_qt, stride_qh, offs_qh, offs_lo + 256, NUM_SPLITS)
 
     @gluon.jit
     def _score_partition(
@@ -218,14 +124,14 @@ if _HAVE_GLUON:
 
         cu = gl.program_id(0)
         ct = 0
-        c_start, c_end = _unit_span(band_ptr, cu, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N, BAND)
+        c_start, c_end = unit_span(band_ptr, cu, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N, BAND)
         _load_q(q_desc, q_lo, q_hi, q_ready, q_ptr, cu, num_heads, units_per_token, stride_qt, stride_qh, offs_qh,
                 offs_lo, NUM_SPLITS, Q_TMA)
-        hb, m_sink = _unit_sink(sinks_ptr, cu, units_per_token, offs_sh, NUM_SPLITS)
+        hb, m_sink = unit_sink(sinks_ptr, cu, units_per_token, offs_sh, NUM_SPLITS)
         m_i = m_sink
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=vec_layout)
         s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-        r_s = _tile_ids(rows_ptr, stride_rt, cu, ct, c_start, c_end, units_per_token, offs_s, BLOCK_N)
+        r_s = tile_ids(rows_ptr, stride_rt, cu, ct, c_start, c_end, units_per_token, offs_s, BLOCK_N)
 
         j = 0  # tiles done: ring slot and p buffer j % 2, use count j // 2
         uc = 0  # units done: the parity of l_ready / l_free
@@ -236,7 +142,7 @@ if _HAVE_GLUON:
                     mbarrier.wait(q_ready, uc & 1)
                 else:  # (this partition's only cp.async)
                     _cp.wait_group(0)
-                    _cta_barrier()
+                    cta_barrier()
             mbarrier.wait(kv_ready.index(b), (j // 2) & 1)
             fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads the async one
             s = warpgroup_mma(q_lo, kv_lo.index(b).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -247,15 +153,15 @@ if _HAVE_GLUON:
             # The next tile's ids (for its mask), fetched under this QK^T.
             nt_u = gl.where(last, nu, cu)
             nt_t = gl.where(last, 0, ct + 1)
-            nt_start, nt_end = _unit_span(band_ptr, nt_u, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N,
+            nt_start, nt_end = unit_span(band_ptr, nt_u, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N,
                                           BAND)
             nt_start = gl.where(last, nt_start, c_start)
             nt_end = gl.where(last, nt_end, c_end)
-            r_next = _tile_ids(rows_ptr, stride_rt, nt_u, nt_t, nt_start, nt_end, units_per_token, offs_s, BLOCK_N)
-            hb_next, m_sink_next = _unit_sink(sinks_ptr, nu, units_per_token, offs_sh, NUM_SPLITS)  # (cached reads)
+            r_next = tile_ids(rows_ptr, stride_rt, nt_u, nt_t, nt_start, nt_end, units_per_token, offs_s, BLOCK_N)
+            hb_next, m_sink_next = unit_sink(sinks_ptr, nu, units_per_token, offs_sh, NUM_SPLITS)  # (cached reads)
             s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
             if last & (nu < num_units):  # q is free: load the next unit's, under this softmax
-                _cta_barrier()  # every warp's QK^T is done with q
+                cta_barrier()  # every warp's QK^T is done with q
                 _load_q(q_desc, q_lo, q_hi, q_ready, q_ptr, nu, num_heads, units_per_token, stride_qt, stride_qh,
                         offs_qh, offs_lo, NUM_SPLITS, Q_TMA)
 
@@ -270,20 +176,20 @@ if _HAVE_GLUON:
             p_smem.index(b).store(p.to(dtype))
             alpha_smem.index(b).store(alpha)
             fence_async_shared()  # p is read by wgmma (async proxy)
-            _cta_barrier()  # every warp's part is written before the one arrival
+            cta_barrier()  # every warp's part is written before the one arrival
             mbarrier.arrive(p_ready.index(b))
 
             if last:
                 split = cu % NUM_SPLITS
-                l_fin = _unit_row_sum(l_i, m_i, m_sink, split)
+                l_fin = unit_row_sum(l_i, m_i, m_sink, split)
                 if NUM_SPLITS > 1:
                     tok = (cu // units_per_token).to(gl.int64)
-                    empty = _unit_empty(rows_ptr, stride_rt, cu, c_start, c_end, units_per_token, BLOCK_N, BAND)
-                    _store_ml(part_ml_ptr, tok * NUM_SPLITS + split, hb * BLOCK_H, num_heads, offs_sh, m_i, l_fin,
-                              empty & (split > 0))
+                    store_ml(part_ml_ptr, tok * NUM_SPLITS + split, hb * BLOCK_H, num_heads, offs_sh, m_i, l_fin,
+                              _unit_empty(rows_ptr, stride_rt, cu, c_start, c_end, units_per_token, BLOCK_N, BAND)
+                              & (split > 0))
                 mbarrier.wait(l_free, (uc + 1) & 1, pred=uc >= 1)
                 l_smem.store(l_fin)
-                _cta_barrier()
+                cta_barrier()
                 mbarrier.arrive(l_ready)
                 cu = nu
                 ct = 0
@@ -305,7 +211,7 @@ if _HAVE_GLUON:
         """cp.async of one column half ([64 rows, 256]) of rows r into dst; -1 rows masked (no traffic, land as
         zeros). Each thread's copies arrive on `ready` when they have landed."""
         row_ptr = kv_ptr + gl.expand_dims(r.to(gl.int64) * stride_kv, 1)
-        _async_gather(dst, row_ptr + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(r >= 0, 1))
+        async_gather(dst, row_ptr + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(r >= 0, 1))
         _cp.mbarrier_arrive(ready, increment_count=False)
         _cp.commit_group()  # also a group, so that the program's last wait_group covers it
 
@@ -317,8 +223,8 @@ if _HAVE_GLUON:
         row_ptr = kv_ptr + gl.expand_dims(r.to(gl.int64) * stride_kv, 1)
         for c in gl.static_range(4):
             tma.store_wait(3 - c)
-            _cta_barrier()  # the issuing thread has seen box c read
-            _async_gather(slot.slice(c * 64, 64, dim=1), row_ptr + gl.expand_dims(offs_d + c * 64, 0),
+            cta_barrier()  # the issuing thread has seen box c read
+            async_gather(slot.slice(c * 64, 64, dim=1), row_ptr + gl.expand_dims(offs_d + c * 64, 0),
                           mask=gl.expand_dims(r >= 0, 1))
         _cp.mbarrier_arrive(ready, increment_count=False)
         _cp.commit_group()
@@ -350,18 +256,18 @@ if _HAVE_GLUON:
 
         cu = gl.program_id(0)
         ct = 0
-        c_start, c_end = _unit_span(band_ptr, cu, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N, BAND)
+        c_start, c_end = unit_span(band_ptr, cu, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N, BAND)
         # The stream's first two tiles, one per ring slot; `g*` is the next tile to gather.
         gu = cu
         gt = 0
         g_start = c_start
         g_end = c_end
         for slot in gl.static_range(2):
-            r = _tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
+            r = tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
             _gather_cols(kv_mine.index(slot), kv_ptr, stride_kv, r, offs_d, kv_ready.index(slot))
-            gu, gt, g_start, g_end = _next_tile(gu, gt, g_start, g_end, band_ptr, num_units, units_per_token,
+            gu, gt, g_start, g_end = next_tile(gu, gt, g_start, g_end, band_ptr, num_units, units_per_token,
                                                 num_rows, num_programs, NUM_SPLITS, BLOCK_N, BAND)
-        r_ahead = _tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
+        r_ahead = tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
         acc = gl.zeros([BLOCK_H, DH], gl.float32, layout=o_layout)
 
         j = 0
@@ -374,7 +280,7 @@ if _HAVE_GLUON:
             # A unit's first tile overwrites acc (use_acc false).
             acc = warpgroup_mma(p_smem.index(b), kv_mine.index(b), acc, use_acc=ct > 0, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            _cta_barrier()  # every warp's PV is done with p and with my columns of the slot
+            cta_barrier()  # every warp's PV is done with p and with my columns of the slot
             mbarrier.arrive(p_free.index(b))
             n_tiles = gl.maximum(gl.cdiv(c_end - c_start, BLOCK_N), 1)
             last = ct + 1 >= n_tiles
@@ -382,7 +288,7 @@ if _HAVE_GLUON:
             if last:
                 mbarrier.wait(l_ready, uc & 1)
                 l_fin = l_smem.load(row_layout)
-                _cta_barrier()
+                cta_barrier()
                 mbarrier.arrive(l_free)
                 tok = (cu // units_per_token).to(gl.int64)
                 split = cu % NUM_SPLITS
@@ -399,13 +305,13 @@ if _HAVE_GLUON:
                         # row ids (no band) stores zeros, which the merge, seeing max -inf, never reads.
                         skip = (c_end <= c_start) & (split > 0)
                     if not skip:
-                        out = _rows_scaled(acc, gl.where(l_fin > 0, l_fin, 1.0), offs_oh)
+                        out = rows_scaled(acc, gl.where(l_fin > 0, l_fin, 1.0), offs_oh)
                         kv_mine.index(b).store(out.to(dtype))
                         fence_async_shared()  # generic-proxy writes, read by the TMA engine
-                        _cta_barrier()
+                        cta_barrier()
                         for c in gl.static_range(DH // 64):
-                            _tma_store(out_desc, [row0, HALF * DH + c * 64], kv_mine.index(b).slice(c * 64, 64, dim=1))
-                        r_c = _tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_gc, BLOCK_N)
+                            tma_store_async(out_desc, [row0, HALF * DH + c * 64], kv_mine.index(b).slice(c * 64, 64, dim=1))
+                        r_c = tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_gc, BLOCK_N)
                         _gather_cols_after_store(kv_mine.index(b), kv_ptr, stride_kv, r_c, offs_dc, kv_ready.index(b))
                         regathered = True
                 else:
@@ -415,13 +321,13 @@ if _HAVE_GLUON:
             # The score warpgroup finished this slot's QK^T before p_ready: my columns of it are free.
             if not regathered:
                 _gather_cols(kv_mine.index(b), kv_ptr, stride_kv, r_ahead, offs_d, kv_ready.index(b))
-            gu, gt, g_start, g_end = _next_tile(gu, gt, g_start, g_end, band_ptr, num_units, units_per_token,
+            gu, gt, g_start, g_end = next_tile(gu, gt, g_start, g_end, band_ptr, num_units, units_per_token,
                                                 num_rows, num_programs, NUM_SPLITS, BLOCK_N, BAND)
-            r_ahead = _tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
+            r_ahead = tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
             if last:
                 cu = cu + num_programs
                 ct = 0
-                c_start, c_end = _unit_span(band_ptr, cu, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N,
+                c_start, c_end = unit_span(band_ptr, cu, num_units, units_per_token, num_rows, NUM_SPLITS, BLOCK_N,
                                             BAND)
                 uc = uc + 1
             else:
@@ -464,7 +370,7 @@ if _HAVE_GLUON:
         mbarrier.init(l_free, count=2)
         mbarrier.init(q_ready, count=1)  # Q_TMA: the issuing thread's expect; the bytes complete the phase
         fence_async_shared()
-        _cta_barrier()
+        cta_barrier()
         gl.warp_specialize([
             (_score_partition, (q_ptr, rows_ptr, band_ptr, sinks_ptr, part_ml_ptr, num_heads, num_units,
                                 units_per_token, num_rows, stride_qt, stride_qh, stride_rt, qk_scale, q_desc,
@@ -479,54 +385,6 @@ if _HAVE_GLUON:
                                  out_desc, kv_hi, p_smem, alpha_smem, l_smem,
                                  kv_ready, p_ready, p_free, l_ready, l_free, NUM_SPLITS, 1, OUT_TMA, BAND)),
         ], [4, 4], [WORKER_REGS, WORKER_REGS])
-
-
-def hopper_supported(q: torch.Tensor, kv_pool: torch.Tensor) -> bool:
-    """Whether this kernel can serve the call: Hopper, D = 512, heads in blocks of 64, 16-bit, rows that 16-byte
-    cp.async can read; and not turned off (SPARSESERVE_DISABLE_KERNELS=attention_hopper)."""
-    if not _HAVE_GLUON or q.device.type != "cuda" or q.dim() != 3 or not enabled_on("attention_hopper", q.device):
-        return False
-    _, num_heads, head_dim = q.shape
-    return (capability(q.device)[0] == 9 and head_dim == HEAD_DIM and num_heads % HEAD_BLOCK == 0
-            and q.dtype in (torch.bfloat16, torch.float16) and kv_pool.dtype == q.dtype
-            and kv_pool.shape[-1] == HEAD_DIM and cp_async_aligned(q) and cp_async_aligned(kv_pool))
-
-
-def cp_async_aligned(t: torch.Tensor) -> bool:
-    """Whether 16-byte cp.async copies can read t's rows: 16-byte-aligned start, unit last stride, and the
-    other strides multiples of 16 elements (what Triton's argument specialisation can prove; otherwise the
-    kernel does not compile, so such a view takes the Triton kernel instead)."""
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(stride % 16 == 0 for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1))
-
-
-def tile_layout():
-    """The shared-memory layout of q, the ring slots and the TMA boxes: 128-byte swizzle, 16-bit."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
-
-def box_descriptor(t: torch.Tensor):
-    """A TMA descriptor of a contiguous [..., 512] tensor as [rows, 512] in 64 x 64 boxes (the tile layout)."""
-    return TensorDescriptor.from_tensor(t.view(-1, HEAD_DIM), [HEAD_BLOCK, 64], tile_layout())
-
-
-def out_descriptor(out: torch.Tensor, part_acc: torch.Tensor, num_splits: int):
-    """(out_desc, OUT_TMA): a TMA descriptor of what the units store (out as [tokens * heads, 512] with one split;
-    the 16-bit partials as [tokens * splits * heads, 512] with splits) when that is contiguous and 16-bit; otherwise
-    out itself, a placeholder the kernel does not read, and stores from registers. (Built per launch on the host;
-    a captured graph keeps it, as it keeps the target's address.)"""
-    target = out if num_splits == 1 else part_acc
-    if target.dtype in (torch.bfloat16, torch.float16) and target.is_contiguous():
-        return box_descriptor(target), True
-    return out, False
-
-
-def q_descriptor(q: torch.Tensor):
-    """(q_desc, Q_TMA): a TMA descriptor of q as [tokens * heads, 512] where q is contiguous (each unit's 64 heads
-    are then one 64-row block), else q itself, a placeholder the kernel does not read, and cp.async."""
-    if q.is_contiguous():
-        return box_descriptor(q), True
-    return q, False
 
 
 def launch_hopper_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale: float,

@@ -8,15 +8,21 @@ The table, first matching row wins (`wide` = tokens x heads / 64, the (token, 64
 
 | row | when                                               | kernel | heads/program | rows/tile | row splits          |
 |-----|----------------------------------------------------|--------|---------------|-----------|---------------------|
-| 1   | Hopper shapes (`hopper_supported`), wide >= 8      | hopper | 64            | 64        | fill one wave, <= 16, >= 32 rows each |
+| 1   | Hopper shapes (`hopper_supported`), wide >= 8      | hopper | 64            | 64        | fill one wave, <= 16, >= 32 rows each; a list of <= 3 tiles only into one-tile splits |
 | 2   | heads >= 64, wide >= 3/4 of the SMs, D <= 128      | triton | 64            | 64        | none                |
 | 3   | heads >= 64, wide >= 8 x the SMs (D > 128)         | triton | 64            | 64        | none                |
 | 4   | heads >= 64, wide >= 3/4 of the SMs (D > 128)      | triton | 64            | 32        | none                |
 | 5   | otherwise (small batches, few heads)               | triton | 16            | 64        | up to 2 programs per SM, <= 8, >= 64 rows each |
 
+The Hopper kernel is two Gluon kernels sharing `hopper_common.py`: unsplit calls (prefill, decode batches that fill
+the chip) run the role-split kernel (`hopper.py`), split calls the lockstep kernel (`hopper_split.py`), whose short
+units do not pay for the roles' hand-overs (docs/performance.md: each is the faster one on its calls).
+
 Why: with many programs a 64-row KV tile feeds an M = 64 product and is read once for all heads; with few, the
 rows are split across programs (flash-decoding) and merged, so small decode batches still spread over the chip.
-Hopper splits of exactly one tile skip the band pre-pass (`needs_band_prepass`). The measurements behind each row
+Hopper splits of exactly one tile skip the band pre-pass (`needs_band_prepass`). A list of at most three tiles
+(HCA at 4K) is split only where the splits become single tiles: cutting 3 tiles into 2 + 1 saves less than the
+partials' traffic and the merge cost (batch 64: 1.15x slower than unsplit). The measurements behind each row
 are in docs/performance.md ("Attention").
 """
 from __future__ import annotations
@@ -57,6 +63,8 @@ def attention_config(num_tokens: int, num_heads: int, num_rows: int, head_dim: i
     wide = num_tokens * triton.cdiv(num_heads, 64)
     if hopper and num_heads % 64 == 0 and head_dim == 512 and wide >= HOPPER_MIN_PROGRAMS:
         splits = _splits(wide, num_rows, HOPPER_SPLIT_MAX, HOPPER_SPLIT_MIN_ROWS, num_sms)
+        if triton.cdiv(num_rows, 64) <= 3 and triton.cdiv(triton.cdiv(num_rows, splits), 64) > 1:
+            splits = 1  # a short list splits only into one-tile splits (see the table)
         return AttnConfig("hopper", 64, 64, 4, 2, splits, band_prepass=True)
     if num_heads >= 64 and 4 * wide >= 3 * num_sms:
         if head_dim <= 128 or wide >= 8 * num_sms:

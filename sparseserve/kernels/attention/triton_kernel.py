@@ -21,7 +21,9 @@ import triton.language as tl
 from ..dispatch import num_sms
 from ..pdl import pdl_args, wait_for_prior_grid
 from ..rope import apply_rope
-from .hopper import hopper_supported, launch_hopper_attention
+from .hopper import launch_hopper_attention
+from .hopper_common import hopper_supported
+from .hopper_split import launch_split_attention
 from .select import MERGE_COLS, MERGE_HEADS, AttnConfig, attention_config, needs_band_prepass, split_length
 
 _LOG2E = 1.4426950408889634
@@ -247,8 +249,10 @@ def sparse_mqa_attention_triton(
             rows, band, num_rows, rows_per_split, rows.stride(0), NUM_SPLITS=splits, SCAN=scan, num_warps=4,
             **pdl_args(rows.device))
     if hopper:
-        launch_hopper_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, float(scale) * _LOG2E,
-                                splits, cfg.max_programs or num_sms(q.device))
+        # Unsplit calls take the role-split kernel, split ones the lockstep kernel (select.py says why).
+        launch = launch_split_attention if splits > 1 else launch_hopper_attention
+        launch(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, float(scale) * _LOG2E, splits,
+               cfg.max_programs or num_sms(q.device))
     else:
         _sparse_mqa_fwd_kernel[(num_tokens * head_blocks * splits,)](
             q, kv_pool, rows, rows if band is None else band, sinks, out, part_acc, part_ml,

@@ -17,7 +17,6 @@ from HBM). The plain-PyTorch reference is timed in the same process (1 warm-up +
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
@@ -32,7 +31,7 @@ import triton.testing
 from benchmarks import result_file
 from benchmarks.ceilings import READ_BLOCK, read_sum
 from sparseserve.kernels.indexer import IndexerConfig, indexer_config, indexer_scores_ref, indexer_scores_triton
-from sparseserve.kernels.sparse_attention import (
+from sparseserve.kernels.attention import (
     AttnConfig,
     attention_config,
     engine_attention_config,
@@ -209,7 +208,8 @@ def indexer_prefill_case(tokens: int, gen: torch.Generator) -> dict:
 def attn_sweep_configs(prefill: bool) -> list[AttnConfig]:
     """Configs timed by --sweep besides the chosen one. (The wider sweep that chose the
     heuristics is in git history: `git show 4cb78d2:benchmarks/results/kernels.json`, "tuning_sweep".)"""
-    A = AttnConfig  # (block_h, block_n, warps, stages, splits, dv_split)
+    def A(*a):  # noqa: E306 - (block_h, block_n, warps, stages, splits) of the Triton kernel
+        return AttnConfig("triton", *a, band_prepass=a[0] == 64)
     if prefill:
         return [A(64, 32, 8, 3), A(64, 64, 8, 1), A(64, 128, 8, 1)]
     return [A(64, 64, 8, 2), A(64, 32, 8, 2), A(16, 64, 4, 2, 2), A(16, 64, 4, 3, 1)]
@@ -229,10 +229,9 @@ def warm(part: int, nparts: int) -> None:
         cfgs = set(attn_sweep_configs(True) + attn_sweep_configs(False))
         for T in (1, 8, 64, 256, 4096):  # heuristic choices
             for L in (160, 384, 640, 1152):
-                for pf in (False, True):
-                    cfgs.add(attention_config(T, heads, L, D, torch.cuda.get_device_properties(0).multi_processor_count, pf))
-                cfgs.add(attention_config(T, heads, L, D, torch.cuda.get_device_properties(0).multi_processor_count,
-                                          wgmma=torch.cuda.get_device_capability()[0] == 9))
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                cfgs.add(attention_config(T, heads, L, D, sms))
+                cfgs.add(attention_config(T, heads, L, D, sms, hopper=torch.cuda.get_device_capability()[0] == 9))
         jobs += [("attn", heads, c) for c in sorted(cfgs, key=repr)]
     icfgs = set(indexer_sweep_configs())
     for T, E in [(b, c // 4) for b in BATCHES for c in CONTEXTS] + [(p, p // 4) for p in PREFILLS]:
@@ -291,14 +290,13 @@ def same_size_read_us(nbytes: int) -> float:
 def kernel_report() -> list[dict]:
     """Registers, spills and shared memory of every compiled variant (best effort: the cache
     layout is Triton-internal)."""
-    from sparseserve.kernels import indexer as idx_mod, sparse_attention as attn_mod
+    from sparseserve.kernels import indexer as idx_mod
+    from sparseserve.kernels.attention import hopper, hopper_common, hopper_split, triton_kernel as attn_mod
 
     rows = []
-    from sparseserve.kernels import sparse_attention_wgmma as wgmma_mod
-
     kernels = [attn_mod._sparse_mqa_fwd_kernel, attn_mod._sparse_mqa_merge_kernel, idx_mod._indexer_scores_kernel]
-    if wgmma_mod._HAVE_GLUON:
-        kernels.append(wgmma_mod._sparse_mqa_wgmma_kernel)
+    if hopper_common.HAVE_GLUON:
+        kernels += [hopper._sparse_mqa_hopper_kernel, hopper_split._sparse_mqa_split_kernel]
     for fn in kernels:
         try:
             for entry in getattr(fn, "device_caches", {}).values():
@@ -378,31 +376,12 @@ def run(args) -> dict:
         ref_fn = lambda: sparse_mqa_attention_ref(*case["args"])  # noqa: E731
         meta["rel_err_vs_bf16_ref"] = _check_close(launch(case["args"]), ref_fn(), 2e-2, repr(meta))
         t = timed(case, launch)
-        if cfg.wgmma:
-            # Same-run baseline: the Triton kernel with the config it takes when the wgmma kernel is off.
+        if cfg.kernel == "hopper":
+            # Same-run baseline: the Triton kernel with the config it takes when the Hopper kernel is off.
             alt = attention_config(q.shape[0], q.shape[1], rows.shape[1], D, num_sms)
             _check_close(sparse_mqa_attention_triton(*case["args"], alt), ref_fn(), 2e-2, repr(meta) + repr(alt))
             meta["triton_config"] = repr(alt)
             meta["triton_time_us"] = round(timed(case, lambda a, c=alt: sparse_mqa_attention_triton(*a, c)), 2)
-            if cfg.pair:  # and the wgmma kernel it replaces on these shapes
-                one = dataclasses.replace(cfg, pair=False)
-                meta["wgmma_config"] = repr(one)
-                meta["wgmma_time_us"] = round(timed(case, lambda a, c=one: sparse_mqa_attention_triton(*a, c)), 2)
-            if cfg.roles:  # and the kernel it replaces (the wgmma or tile-pair kernel)
-                prev = attention_config(q.shape[0], q.shape[1], rows.shape[1], D, num_sms, wgmma=True, roles=False)
-                _check_close(sparse_mqa_attention_triton(*case["args"], prev), ref_fn(), 2e-2, repr(meta) + repr(prev))
-                meta["replaced_config"] = repr(prev)
-                meta["replaced_time_us"] = round(timed(case, lambda a, c=prev: sparse_mqa_attention_triton(*a, c)), 2)
-        else:
-            # Both policies of the small-batch path (pipelined cp.async vs register prefetch) on
-            # every case, so the default can be set per regime from one run.
-            for pf in (False, True):
-                alt = attention_config(q.shape[0], q.shape[1], rows.shape[1], D, num_sms, pf)
-                if alt != cfg:
-                    out_alt = sparse_mqa_attention_triton(*case["args"], alt)
-                    _check_close(out_alt, ref_fn(), 2e-2, repr(meta) + repr(alt))
-                    meta["alt_config"] = repr(alt)
-                    meta["alt_time_us"] = round(timed(case, lambda a, c=alt: sparse_mqa_attention_triton(*a, c)), 2)
         if "sets" in case and DEV == "cuda":  # decode: what HBM delivers at this size, measured in the same run
             copy_us = same_size_copy_us(case["bytes"])
             meta["copy_same_bytes_us"] = round(copy_us, 2)

@@ -28,13 +28,3 @@ def triton_interpret() -> bool:
     """Whether Triton runs its interpreter (TRITON_INTERPRET set to anything but 0)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
 
-
-def env_count(name: str, default: int) -> int:
-    """A positive whole-number tuning knob `name` from the environment, or `default` when unset.
-    Only the attention kernel's remaining split and merge thresholds use it."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{name} must be a whole number >= 1, got {raw!r}; unset it for the default {default}")
-    return int(raw)

@@ -6,15 +6,11 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
 
 from sparseserve import envs
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "sparseserve"
-# The attention kernel's split and merge thresholds leave with the attention rework (issue 39,
-# item 4); until then they are the only reads outside envs.py, through envs.env_count.
-PENDING = {"sparseserve/kernels/sparse_attention.py"}
 
 
 def _environment_reads(tree: ast.AST) -> list[str]:
@@ -37,7 +33,7 @@ def test_no_module_but_envs_reads_a_sparseserve_variable():
     offenders = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel == "sparseserve/envs.py" or rel in PENDING:
+        if rel == "sparseserve/envs.py":
             continue
         reads = _environment_reads(ast.parse(path.read_text(), rel))
         if reads:
@@ -67,8 +63,5 @@ def test_readers(monkeypatch):
     assert envs.disabled_kernels() == {"moe", "gemv"}
     monkeypatch.setenv("SPARSESERVE_LOGGING_LEVEL", "debug")
     assert envs.logging_level() == "DEBUG"
-    monkeypatch.setenv("SPARSESERVE_TEST_COUNT", "0")
-    with pytest.raises(ValueError, match="SPARSESERVE_TEST_COUNT must be a whole number >= 1"):
-        envs.env_count("SPARSESERVE_TEST_COUNT", 3)
-    monkeypatch.delenv("SPARSESERVE_TEST_COUNT")
-    assert envs.env_count("SPARSESERVE_TEST_COUNT", 3) == 3
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not envs.triton_interpret()

@@ -52,12 +52,12 @@ def test_watches_the_engine_kernels():
     kernels are interpreted functions with no cache, and only the Gluon ones are JIT functions)."""
     from triton.runtime.jit import JITFunction
 
-    from sparseserve.kernels import sparse_attention, sparse_attention_wgmma_roles
+    from sparseserve.kernels.attention import hopper, hopper_split, triton_kernel
 
     kernels = engine_kernels()
     ids = {id(k) for k in kernels}
     assert len(kernels) == len(ids) and all(isinstance(k, JITFunction) for k in kernels)
-    for module in (sparse_attention, sparse_attention_wgmma_roles):
+    for module in (triton_kernel, hopper, hopper_split):
         for value in vars(module).values():
             if isinstance(value, JITFunction):
                 assert id(value) in ids, value
@@ -67,20 +67,19 @@ def test_watches_the_engine_kernels():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon attention kernels need a Hopper GPU")
 def test_a_gluon_kernel_builds_inside_the_watch_gpu():
-    """Session 23: inside the old hook-based watch the wgmma attention kernel failed to build (TypeError: a
-    BlockedLayout is not JSON serializable), so `bench throughput` crashed on the H200."""
-    from sparseserve.kernels import sparse_attention_wgmma
-    from sparseserve.kernels.sparse_attention import AttnConfig, sparse_mqa_attention_ref, sparse_mqa_attention_triton
+    """A Gluon kernel builds inside the watch (a hook-based watch made the Hopper attention kernel fail to build:
+    a BlockedLayout is not JSON serializable), and the watch counts the build."""
+    from sparseserve.kernels.attention import AttnConfig, hopper, sparse_mqa_attention_ref, sparse_mqa_attention_triton
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(37, 64, 512, device="cuda", generator=gen).bfloat16()
     kv = torch.randn(777, 512, device="cuda", generator=gen).bfloat16()
     rows = torch.randint(0, 777, (37, 93), device="cuda", generator=gen, dtype=torch.int32)
     sinks = torch.randn(64, device="cuda", generator=gen)
-    cfg = AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True, max_programs=3)
+    cfg = AttnConfig("hopper", 64, 64, 4, 2, 1, band_prepass=True, max_programs=3)
     # Forget the kernel's compiled specialisations (an earlier test may have built this one), so that the build
     # happens inside the watch (from Triton's disk cache: quick).
-    for device_cache in sparse_attention_wgmma._sparse_mqa_wgmma_kernel.device_caches.values():
+    for device_cache in hopper._sparse_mqa_hopper_kernel.device_caches.values():
         for cache in device_cache:
             if isinstance(cache, dict):
                 cache.clear()
@@ -89,7 +88,7 @@ def test_a_gluon_kernel_builds_inside_the_watch_gpu():
         torch.cuda.synchronize()
     ref = sparse_mqa_attention_ref(q, kv, rows, sinks, 512 ** -0.5)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
-    assert "_sparse_mqa_wgmma_kernel" in builds.kernels, builds.summary()
+    assert "_sparse_mqa_hopper_kernel" in builds.kernels, builds.summary()
 
 
 def test_throughput_report_warns_only_when_the_timed_run_built_kernels():

@@ -16,13 +16,26 @@ import torch
 if not torch.cuda.is_available():  # as in conftest.py: the interpreter only where there is no GPU
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU runs)
 
-from sparseserve.kernels.sparse_attention import (
+from sparseserve.kernels.attention import (
     AttnConfig,
     attention_config,
     sparse_mqa_attention,
     sparse_mqa_attention_ref,
     sparse_mqa_attention_triton,
 )
+from sparseserve.kernels.attention import hopper_common as hopper_mod
+from sparseserve.kernels.attention import select as select_mod
+from sparseserve.kernels.attention import triton_kernel as triton_mod
+
+
+def T16(block_n: int, warps: int, stages: int, splits: int = 1, band: bool = False) -> AttnConfig:
+    """A config of the portable Triton kernel with 16-head programs."""
+    return AttnConfig("triton", 16, block_n, warps, stages, splits, band_prepass=band)
+
+
+def HOP(splits: int = 1, max_programs: int = 0) -> AttnConfig:
+    """A config of the Hopper kernel."""
+    return AttnConfig("hopper", 64, 64, 4, 2, splits, band_prepass=True, max_programs=max_programs)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # CPU tests feed CPU tensors to the kernels: they need the interpreter.
@@ -54,18 +67,14 @@ CPU_CASES = [
     # (T, H, D, L, config): L around tile boundaries (16/32/64), splits that leave empty splits
     (5, 4, 32, 40, None),
     (4, 16, 64, 64, None),
-    (3, 16, 32, 65, AttnConfig(16, 16, 4, 2, 1)),
-    (4, 4, 64, 130, AttnConfig(16, 32, 4, 2, 3)),
-    (3, 16, 64, 33, AttnConfig(16, 16, 4, 2, 4)),  # 4 splits of 16 rows over 33: one split empty
-    (2, 16, 32, 70, AttnConfig(16, 16, 4, 2, 16)),  # 16 splits of 16 rows over 70: eleven empty
-    (2, 32, 32, 48, AttnConfig(16, 16, 4, 2, 2)),  # two head blocks
-    (4, 16, 64, 50, AttnConfig(16, 16, 4, 2, 1, 2)),  # output columns split in two programs
-    (3, 4, 32, 70, AttnConfig(16, 32, 4, 2, 2, 2)),  # column split with row splits
-    (4, 16, 64, 50, AttnConfig(16, 16, 4, 1, 1, 1, True)),  # register-prefetch loop
-    (3, 16, 32, 70, AttnConfig(16, 16, 4, 1, 3, 2, True)),  # prefetch + row and column splits
-    (3, 16, 64, 33, AttnConfig(16, 16, 4, 2, 4, band_prepass=True)),  # bands from the pre-pass, an empty split
-    (3, 4, 32, 70, AttnConfig(16, 32, 4, 2, 2, 2, band_prepass=True)),  # pre-pass with row and column splits
-    (3, 16, 32, 70, AttnConfig(16, 16, 4, 1, 3, 1, True, band_prepass=True)),  # pre-pass + prefetch
+    (3, 16, 32, 65, T16(16, 4, 2)),
+    (4, 4, 64, 130, T16(32, 4, 2, 3)),
+    (3, 16, 64, 33, T16(16, 4, 2, 4)),  # 4 splits of 16 rows over 33: one split empty
+    (2, 16, 32, 70, T16(16, 4, 2, 16)),  # 16 splits of 16 rows over 70: eleven empty
+    (2, 32, 32, 48, AttnConfig("triton", 16, 16, 4, 2, 2)),  # two head blocks
+    (3, 16, 64, 33, T16(16, 4, 2, 4, band=True)),  # bands from the pre-pass, an empty split
+    (3, 4, 32, 70, T16(32, 4, 2, 2, band=True)),  # pre-pass with row splits
+    (3, 64, 32, 70, AttnConfig("triton", 64, 32, 4, 2, 1, band_prepass=True)),  # 64-head programs
 ]
 
 
@@ -95,7 +104,7 @@ def test_attention_extreme_logits_and_sinks_cpu():
     kv = torch.randn(pool, D, generator=gen)
     rows = _make_rows(T, L, pool, gen)
     sinks = torch.linspace(-60, 60, H)
-    for cfg in (AttnConfig(16, 16, 4, 2, 1), AttnConfig(16, 16, 4, 2, 3)):
+    for cfg in (T16(16, 4, 2), T16(16, 4, 2, 3)):
         out = sparse_mqa_attention_triton(q, kv, rows, sinks, 1.0, cfg)
         ref = sparse_mqa_attention_ref(q, kv, rows, sinks, 1.0)
         assert torch.isfinite(out).all()
@@ -103,9 +112,8 @@ def test_attention_extreme_logits_and_sinks_cpu():
 
 
 @cpu_interp
-@pytest.mark.parametrize("cfg", [None, AttnConfig(16, 16, 4, 2, 1), AttnConfig(16, 16, 4, 2, 4),
-                                 AttnConfig(16, 16, 4, 1, 3, 2, True), AttnConfig(16, 16, 4, 2, 1, band_prepass=True),
-                                 AttnConfig(16, 16, 4, 2, 4, band_prepass=True)])
+@pytest.mark.parametrize("cfg", [None, T16(16, 4, 2), T16(16, 4, 2, 4), T16(16, 4, 2, 3), T16(16, 4, 2, 1, band=True),
+                                 T16(16, 4, 2, 4, band=True)])
 def test_attention_bands_of_valid_rows_cpu(cfg):
     """Lists shaped like the model's: holes before a sequence's first window row and after its
     last entry. The kernel streams only the tiles between the first and last valid row, so the
@@ -144,58 +152,75 @@ def test_attention_strided_inputs_cpu():
     assert _rel(out, ref) < 1e-5
 
 
-def test_attention_config_is_static():
-    """Configs depend on shapes only and cover both the direct and the split path."""
-    big = attention_config(4096, 64, 640, 512, 132)
-    assert big.num_splits == 1 and big.block_h == 64
-    small = attention_config(8, 64, 640, 512, 132)
-    assert small.num_splits >= 1
-    assert attention_config(8, 64, 640, 512, 132) == small
+# The selection table, cell by cell: (model heads, batch or prefill tokens, row-list width) on an H200 (132 SMs).
+# Row widths: CSA = window 128 + top-k (Flash 512, Pro 1024); HCA = 128 + max_model_len / 128 (4K, 32K, 128K).
+FLASH, PRO = 64, 128
+CSA_FLASH, CSA_PRO, HCA_4K, HCA_32K, HCA_128K = 640, 1152, 160, 384, 1152
+SELECTION_CELLS = [
+    # heads, tokens, rows  -> kernel, heads per program, splits, band pre-pass launched
+    (FLASH, 1, CSA_FLASH, "triton", 16, 8, False),
+    (FLASH, 1, HCA_4K, "triton", 16, 2, False),
+    (FLASH, 1, HCA_128K, "triton", 16, 8, False),
+    (FLASH, 4, CSA_FLASH, "triton", 16, 8, False),
+    (FLASH, 8, CSA_FLASH, "hopper", 64, 16, False),  # 16 one-tile splits (40 rows each)
+    (FLASH, 8, HCA_4K, "hopper", 64, 4, False),
+    (FLASH, 8, HCA_32K, "hopper", 64, 8, False),
+    (FLASH, 8, HCA_128K, "hopper", 64, 16, True),  # 72 rows per split: two tiles, a band
+    (FLASH, 16, CSA_FLASH, "hopper", 64, 8, True),
+    (FLASH, 64, CSA_FLASH, "hopper", 64, 2, True),
+    (FLASH, 64, HCA_128K, "hopper", 64, 2, True),
+    (FLASH, 32, HCA_4K, "hopper", 64, 4, False),  # one-tile splits of a short list
+    (FLASH, 64, HCA_4K, "hopper", 64, 1, True),  # a short list is not cut into 2 + 1 tiles
+    (PRO, 32, HCA_4K, "hopper", 64, 1, True),
+    (FLASH, 256, CSA_FLASH, "hopper", 64, 1, True),
+    (FLASH, 256, HCA_4K, "hopper", 64, 1, True),
+    (FLASH, 4096, CSA_FLASH, "hopper", 64, 1, True),  # prefill
+    (FLASH, 4096, HCA_32K, "hopper", 64, 1, True),
+    (PRO, 1, CSA_PRO, "triton", 16, 8, False),
+    (PRO, 2, HCA_4K, "triton", 16, 2, False),
+    (PRO, 4, CSA_PRO, "hopper", 64, 16, True),
+    (PRO, 8, CSA_PRO, "hopper", 64, 8, True),
+    (PRO, 8, HCA_4K, "hopper", 64, 4, False),
+    (PRO, 33, HCA_128K, "hopper", 64, 2, True),
+    (PRO, 64, CSA_PRO, "hopper", 64, 1, True),
+    (PRO, 256, HCA_4K, "hopper", 64, 1, True),
+    (PRO, 4096, CSA_PRO, "hopper", 64, 1, True),
+]
 
 
-def test_attention_config_wgmma_rule():
-    """Hopper, from 8 (token, 64-head) programs on: 64-head programs with the rows split while the
-    programs fit one wave (>= 32 rows each); smaller batches and shapes the kernel does not take keep
-    the Triton configs."""
-    big = attention_config(4096, 64, 640, 512, 132, wgmma=True)
-    assert big.wgmma and big.num_splits == 1 and big.block_h == 64 and big.band_prepass
-    assert attention_config(64, 64, 640, 512, 132, wgmma=True).num_splits == 2  # 128 programs
-    assert attention_config(64, 128, 1152, 512, 132, wgmma=True).num_splits == 1
-    assert attention_config(16, 64, 640, 512, 132, wgmma=True).num_splits == 8  # 128 programs
-    assert attention_config(8, 128, 160, 512, 132, wgmma=True).num_splits == 4  # >= 32 rows per split
-    assert attention_config(16, 64, 384, 512, 132, wgmma=True).num_splits == 8
-    assert attention_config(8, 64, 640, 512, 132, wgmma=True).num_splits == 16  # 8 programs, 40 rows each
-    small = attention_config(4, 64, 640, 512, 132, wgmma=True)  # 4 programs: the Triton 16-head path
-    assert not small.wgmma and small == attention_config(4, 64, 640, 512, 132)
-    assert not attention_config(64, 16, 640, 512, 132, wgmma=True).wgmma  # 16 heads
-    assert not attention_config(64, 64, 640, 128, 132, wgmma=True).wgmma  # D = 128
-    assert not attention_config(8, 64, 640, 512, 132).wgmma
-    # The role-split kernel: unsplit wgmma configs (prefill, decode batches that fill the chip), unless roles is off.
-    for tokens, heads, rows in ((4096, 64, 640), (1024, 64, 160), (4096, 128, 1152), (64, 128, 1152), (4096, 128, 384),
-                                (256, 64, 640), (256, 64, 160)):
-        cfg = attention_config(tokens, heads, rows, 512, 132, wgmma=True)
-        assert cfg.roles and not cfg.pair and cfg.num_splits == 1 and cfg.band_prepass and cfg.block_n == 64
-        assert not attention_config(tokens, heads, rows, 512, 132, wgmma=True, roles=False).roles
-    assert not attention_config(64, 64, 640, 512, 132, wgmma=True).roles  # 2 splits: the wgmma kernel
-    assert not attention_config(8, 128, 1152, 512, 132, wgmma=True).roles
-    assert not attention_config(4096, 64, 640, 512, 132).roles  # no wgmma
-    # Without it, the tile-pair kernel: 128-head models with long lists only.
-    off = dict(wgmma=True, roles=False)
-    assert attention_config(4096, 128, 1152, 512, 132, **off).pair
-    assert attention_config(64, 128, 1152, 512, 132, **off).pair
-    assert not attention_config(8, 128, 1152, 512, 132, **off).pair  # 8 splits of 144 rows
-    assert not attention_config(4096, 128, 384, 512, 132, **off).pair  # HCA 32K
-    assert not attention_config(4096, 64, 640, 512, 132, **off).pair  # Flash CSA prefill: TMA-store wgmma
-    assert not attention_config(256, 64, 640, 512, 132, **off).pair  # Flash CSA decode
-    assert not attention_config(256, 64, 1152, 512, 132, **off).pair  # 64 heads, decode
-    assert not attention_config(4096, 128, 1152, 512, 132).pair
+@pytest.mark.parametrize("heads,tokens,rows,kernel,block_h,splits,band", SELECTION_CELLS)
+def test_selection_table_cell(heads, tokens, rows, kernel, block_h, splits, band):
+    cfg = attention_config(tokens, heads, rows, 512, 132, hopper=True)
+    launched_band = select_mod.needs_band_prepass(cfg, select_mod.split_length(rows, cfg))
+    assert (cfg.kernel, cfg.block_h, cfg.num_splits, launched_band) == (kernel, block_h, splits, band)
+    if cfg.kernel == "hopper":
+        assert cfg.block_n == 64
+        assert cfg.num_splits == 1 or tokens * heads // 64 * cfg.num_splits <= 132  # splits stay within one wave
+    assert attention_config(tokens, heads, rows, 512, 132, hopper=True) == cfg  # static: same shapes, same config
 
 
-def test_wgmma_kernel_takes_only_rows_cp_async_can_read():
+@pytest.mark.parametrize("tokens,heads,rows,head_dim,expect", [
+    (4096, 64, 640, 512, AttnConfig("triton", 64, 64, 8, 2, band_prepass=True)),  # >= 8 programs per SM
+    (256, 64, 640, 512, AttnConfig("triton", 64, 32, 8, 3, band_prepass=True)),
+    (256, 64, 640, 128, AttnConfig("triton", 64, 64, 4, 2, band_prepass=True)),
+    (8, 64, 640, 512, AttnConfig("triton", 16, 64, 4, 2, 8)),
+    (3, 4, 40, 64, AttnConfig("triton", 16, 64, 4, 2, 1)),  # few rows: no split
+])
+def test_selection_without_the_hopper_kernel(tokens, heads, rows, head_dim, expect):
+    """Off Hopper (or with the Hopper kernel turned off) the Triton rows of the table."""
+    assert attention_config(tokens, heads, rows, head_dim, 132, hopper=False) == expect
+
+
+def test_hopper_needs_its_shapes():
+    assert attention_config(64, 16, 640, 512, 132, hopper=True).kernel == "triton"  # 16 heads
+    assert attention_config(64, 64, 640, 128, 132, hopper=True).kernel == "triton"  # D = 128
+    assert attention_config(4, 64, 640, 512, 132, hopper=True) == attention_config(4, 64, 640, 512, 132)
+
+
+def test_hopper_kernel_takes_only_rows_cp_async_can_read():
     """16-byte cp.async needs aligned rows: other views (an odd column offset, a row stride that is not a
     multiple of 16 elements) go to the Triton kernel instead of failing to compile."""
-    from sparseserve.kernels.sparse_attention_wgmma import cp_async_aligned
-
+    cp_async_aligned = hopper_mod.cp_async_aligned
     base = torch.zeros(4, 64, 512 + 16, dtype=torch.bfloat16)
     assert cp_async_aligned(base[..., :512])
     assert not cp_async_aligned(base[..., 1:513])  # 2-byte offset
@@ -204,50 +229,42 @@ def test_wgmma_kernel_takes_only_rows_cp_async_can_read():
     assert cp_async_aligned(torch.zeros(1, 64, 512, dtype=torch.bfloat16)[:, :, :])
 
 
-def test_wgmma_output_store_by_tma_only_where_its_descriptor_fits():
-    """The TMA store writes what a unit stores: out with one split, the 16-bit partial outputs with splits,
-    each viewed as [rows, 512]; it needs that tensor contiguous and 16-bit (fp32 partials, which the other
-    kernels write, and strided views store from registers, with out passed as an unread placeholder). The
-    kernel declares the row count and then the descriptor right after the shared launch arguments."""
-    wgmma = pytest.importorskip("sparseserve.kernels.sparse_attention_wgmma")
-    if not wgmma._HAVE_GLUON:
+def test_hopper_output_store_by_tma_only_where_its_descriptor_fits():
+    """The TMA store writes what a unit stores: out with one split, the 16-bit partial outputs with splits, each
+    viewed as [rows, 512]; it needs that tensor contiguous and 16-bit (strided views store from registers, with out
+    passed as an unread placeholder)."""
+    if not hopper_mod.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     out = torch.zeros(3, 128, 512, dtype=torch.bfloat16)
     parts = torch.zeros(3, 4, 128, 512, dtype=torch.bfloat16)
-    desc, use_tma = wgmma.out_descriptor(out, parts, 1, True)
+    desc, use_tma = hopper_mod.out_descriptor(out, parts, 1)
     assert use_tma and list(desc.shape) == [3 * 128, 512] and list(desc.block_shape) == [64, 64]
-    desc, use_tma = wgmma.out_descriptor(out, parts, 4, True)
+    desc, use_tma = hopper_mod.out_descriptor(out, parts, 4)
     assert use_tma and list(desc.shape) == [3 * 4 * 128, 512]
-    assert wgmma.out_descriptor(out, parts.float(), 4, True)[1] is False  # fp32 partials
-    assert wgmma.out_descriptor(out, parts, 1, False)[1] is False
+    assert hopper_mod.out_descriptor(out, parts.float(), 4)[1] is False
     strided = torch.zeros(3, 128, 640, dtype=torch.bfloat16)[..., :512]
-    assert wgmma.out_descriptor(strided, parts, 1, True)[1] is False
-    names = wgmma._sparse_mqa_wgmma_kernel.arg_names
-    assert names[names.index("qk_scale") + 1: names.index("qk_scale") + 3] == ["num_rows", "out_desc"]
+    assert hopper_mod.out_descriptor(strided, parts, 1)[1] is False
+    assert hopper_mod.q_descriptor(strided)[1] is False and hopper_mod.q_descriptor(out)[1] is True
 
 
-def test_band_prepass_skipped_only_for_one_tile_wgmma_splits():
-    """The wgmma kernel's one-tile splits read their own segments (the pre-pass and its graph node are saved);
-    longer splits, the tile-pair kernel and the Triton kernel keep the pre-pass where their config asks for it."""
-    from sparseserve.kernels.sparse_attention import needs_band_prepass, split_length
-
-    one_tile = AttnConfig(64, 64, 8, 2, 16, band_prepass=True, wgmma=True)
-    assert split_length(640, one_tile) == 64 and split_length(1152, one_tile) == 128  # V4-Flash CSA, HCA 128K
-    assert not needs_band_prepass(one_tile, 64)
-    assert needs_band_prepass(one_tile, 128)
-    assert not needs_band_prepass(AttnConfig(64, 32, 8, 2, 16, band_prepass=True, wgmma=True), 32)
-    assert needs_band_prepass(AttnConfig(64, 64, 8, 2, 16, band_prepass=True, wgmma=True, pair=True), 64)
-    assert needs_band_prepass(AttnConfig(64, 64, 8, 2, 16, band_prepass=True, wgmma=True, roles=True), 64)
-    assert needs_band_prepass(AttnConfig(64, 64, 8, 2, 4, band_prepass=True), 64)
-    assert not needs_band_prepass(AttnConfig(16, 64, 4, 2, 4), 64)
+def test_band_prepass_skipped_only_for_one_tile_hopper_splits():
+    """The Hopper kernel's one-tile splits read their own segments (the pre-pass and its graph node are saved);
+    longer splits and the Triton kernel keep the pre-pass where their config asks for it."""
+    one_tile = HOP(16)
+    assert select_mod.split_length(640, one_tile) == 64 and select_mod.split_length(1152, one_tile) == 128
+    assert not select_mod.needs_band_prepass(one_tile, 64)
+    assert select_mod.needs_band_prepass(one_tile, 128)
+    assert select_mod.needs_band_prepass(AttnConfig("triton", 64, 64, 8, 2, 4, band_prepass=True), 64)
+    assert not select_mod.needs_band_prepass(T16(64, 4, 2, 4), 64)
 
 
-def test_wgmma_config_off_hopper_is_a_clear_error():
+def test_hopper_config_off_hopper_is_a_clear_error():
     q, kv = torch.randn(2, 64, 512), torch.randn(10, 512)
     rows = torch.zeros(2, 3, dtype=torch.int32)
-    cfg = AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True)
-    with pytest.raises(ValueError, match="wgmma kernel"):
-        sparse_mqa_attention_triton(q, kv, rows, torch.zeros(64), 0.1, cfg)
+    with pytest.raises(ValueError, match="Hopper kernel"):
+        sparse_mqa_attention_triton(q, kv, rows, torch.zeros(64), 0.1, HOP())
+    with pytest.raises(ValueError, match="kernel must be"):
+        sparse_mqa_attention_triton(q, kv, rows, torch.zeros(64), 0.1, AttnConfig("gluon", 16, 64, 4, 2))
 
 
 def test_dispatch_uses_reference_on_cpu():
@@ -283,9 +300,9 @@ def _rope_tables(num_tokens: int, half: int, gen: torch.Generator, device="cpu")
 
 @cpu_interp
 @pytest.mark.parametrize("T,H,D,L,half,cfg", [
-    (4, 16, 64, 70, 8, AttnConfig(16, 16, 4, 2, 3)),  # fused in the merge (row splits)
-    (3, 32, 64, 50, 16, AttnConfig(16, 16, 4, 2, 2, 2)),  # fused, two head blocks, column split
-    (4, 16, 32, 70, 8, AttnConfig(16, 16, 4, 2, 1)),  # no split: the rope kernel's path after it
+    (4, 16, 64, 70, 8, T16(16, 4, 2, 3)),  # fused in the merge (row splits)
+    (3, 32, 64, 50, 16, AttnConfig("triton", 16, 16, 4, 2, 2)),  # fused, two head blocks
+    (4, 16, 32, 70, 8, T16(16, 4, 2)),  # no split: the rope kernel's path after it
 ])
 def test_attention_inverse_rope_matches_separate_rotation_cpu(T, H, D, L, half, cfg):
     """The output's rope channels rotated back inside the launches equal the attention output
@@ -321,8 +338,6 @@ def test_merge_in_column_chunks_matches_one_chunk_cpu(monkeypatch, half):
     """The merge takes a head's columns in chunks (grid axis 2): every output element, the inverse-rotated
     pairs included (8 pairs: the last chunk; 16: across the last two), comes out bit for bit as from one
     program per head block, since each element sees the same operations in the same order."""
-    from sparseserve.kernels import sparse_attention as sa
-
     gen = torch.Generator().manual_seed(500 + half)
     T, H, D, L = 3, 16, 64, 70
     q = torch.randn(T, H, D, generator=gen).bfloat16()
@@ -330,10 +345,10 @@ def test_merge_in_column_chunks_matches_one_chunk_cpu(monkeypatch, half):
     rows = _make_rows(T, L, 3 * L + 7, gen)
     sinks = torch.randn(H, generator=gen) * 2
     cos, sin = _rope_tables(T, half, gen)
-    cfg = AttnConfig(16, 16, 4, 2, 4)
+    cfg = T16(16, 4, 2, 4)
     outs = []
     for cols in (64, 16):
-        monkeypatch.setattr(sa, "MERGE_COLS", cols)
+        monkeypatch.setattr(triton_mod, "MERGE_COLS", cols)
         outs.append(sparse_mqa_attention_triton(q, kv, rows, sinks, D**-0.5, cfg, inverse_rope=(cos, sin)))
     assert torch.equal(outs[0], outs[1])
     assert torch.isfinite(outs[1].float()).all()
@@ -350,7 +365,7 @@ def test_attention_inverse_rope_real_shapes_gpu():
         q, kv, rows, sinks, scale = _gpu_case(T, H, L, 128, 50_000, seed=T + L)
         gen = torch.Generator().manual_seed(T * 3 + H)
         cos, sin = _rope_tables(T, 32, gen, "cuda")
-        for cfg in (None, AttnConfig(64, 32, 8, 3, 1), AttnConfig(16, 32, 4, 3, 4), AttnConfig(64, 16, 4, 3, 2, 2)):
+        for cfg in (None, AttnConfig("triton", 64, 32, 8, 3, 1), T16(32, 4, 3, 4), AttnConfig("triton", 64, 16, 4, 3, 2)):
             plain = sparse_mqa_attention_triton(q, kv, rows, sinks, scale, cfg)
             fused = sparse_mqa_attention_triton(q, kv, rows, sinks, scale, cfg, inverse_rope=(cos, sin))
             expect = apply_rope(plain.clone(), cos, sin, inverse=True)
@@ -382,29 +397,18 @@ def test_attention_real_shapes_gpu(name, T, H, L):
     assert out[0].abs().max().item() == 0.0
     assert _rel(out, ref) < 1e-2, name
     # every config path (direct, split) computes the same function
-    for cfg in (AttnConfig(64, 32, 8, 3, 1), AttnConfig(16, 32, 4, 3, 4), AttnConfig(32, 32, 4, 3, 2),
-                AttnConfig(64, 32, 8, 2, 1, 2), AttnConfig(64, 16, 4, 3, 2, 2), AttnConfig(16, 16, 4, 1, 4, 1, True),
-                *WGMMA_CONFIGS):
+    for cfg in (AttnConfig("triton", 64, 32, 8, 3, 1), T16(32, 4, 3, 4), AttnConfig("triton", 32, 32, 4, 3, 2),
+                AttnConfig("triton", 64, 16, 4, 3, 2), *(HOPPER_CONFIGS if _hopper() else ())):
         out2 = sparse_mqa_attention_triton(q, kv, rows, sinks, scale, cfg)
         assert _rel(out2, ref) < 1e-2, (name, cfg)
         assert out2[0].abs().max().item() == 0.0, (name, cfg)
 
 
-# The Hopper Gluon kernel (sparse_attention_wgmma.py): 64- and 32-row tiles, row splits (merged by the Triton
-# merge kernel) including more splits than some tokens have tiles, and persistent programs that each walk many
-# units (3 and 5 programs) or one program per unit.
-WGMMA_CONFIGS = (AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True),
-                 AttnConfig(64, 32, 8, 2, 1, band_prepass=True, wgmma=True, max_programs=3),
-                 AttnConfig(64, 64, 8, 2, 4, band_prepass=True, wgmma=True, max_programs=5),
-                 AttnConfig(64, 32, 8, 2, 16, band_prepass=True, wgmma=True),
-                 AttnConfig(64, 64, 8, 2, 2, band_prepass=True, wgmma=True, max_programs=1 << 20),
-                 AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True, pair=True),
-                 AttnConfig(64, 64, 8, 2, 4, band_prepass=True, wgmma=True, max_programs=5, pair=True),
-                 # The role-split kernel (sparse_attention_wgmma_roles.py): one program walking every unit, a few,
-                 # one per SM; row splits.
-                 AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True, roles=True),
-                 AttnConfig(64, 64, 8, 2, 1, band_prepass=True, wgmma=True, max_programs=1, roles=True),
-                 AttnConfig(64, 64, 8, 2, 4, band_prepass=True, wgmma=True, max_programs=7, roles=True))
+# The Hopper kernel: one program walking every unit, a few, one per SM, one per unit; row splits (merged by the
+# Triton merge kernel) including more splits than some tokens have tiles, and splits of exactly one tile (no band
+# pre-pass: all-holes splits found from their row ids).
+HOPPER_CONFIGS = (HOP(), HOP(1, max_programs=1), HOP(4, max_programs=7), HOP(2, max_programs=1 << 20), HOP(16),
+                  HOP(16, max_programs=3), HOP(8))
 
 
 def _hopper() -> bool:
@@ -412,8 +416,8 @@ def _hopper() -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_INTERPRET or not _hopper(), reason="the wgmma kernel needs a Hopper GPU")
-def test_wgmma_kernel_boundaries_gpu():
+@pytest.mark.skipif(_INTERPRET or not _hopper(), reason="the Hopper kernel needs a Hopper GPU")
+def test_hopper_kernel_boundaries_gpu():
     """Row lists whose valid band ends exactly on, one before and one after a tile edge; the first
     and last pool rows; extreme sinks (two that dominate, one that vanishes); fp16 as well."""
     gen = torch.Generator().manual_seed(11)
@@ -434,15 +438,15 @@ def test_wgmma_kernel_boundaries_gpu():
             sinks[0], sinks[1], sinks[2] = 40.0, -40.0, 200.0
             sinks = sinks.cuda()
             ref = sparse_mqa_attention_ref(q.float(), kv.float(), rows, sinks, 512 ** -0.5)
-            for cfg in WGMMA_CONFIGS:
+            for cfg in HOPPER_CONFIGS:
                 out = sparse_mqa_attention_triton(q, kv, rows, sinks, 512 ** -0.5, cfg)
                 torch.cuda.synchronize()
                 assert out.dtype == dtype and out[0].abs().max().item() == 0.0, (L, cfg)
                 assert _rel(out, ref.to(dtype)) < 1e-2, (dtype, L, cfg)
-            # q as a strided view (every other head of a wider tensor): the role-split kernel loads it by cp.async
-            # where a contiguous q goes by TMA
+            # q as a strided view (every other head of a wider tensor): loaded by cp.async where a contiguous q goes
+            # by TMA
             q_view = torch.stack([q, torch.randn_like(q)], 2).flatten(1, 2)[:, ::2]
-            for cfg in [c for c in WGMMA_CONFIGS if c.roles]:
+            for cfg in HOPPER_CONFIGS:
                 out = sparse_mqa_attention_triton(q_view, kv, rows, sinks, 512 ** -0.5, cfg)
                 assert out[0].abs().max().item() == 0.0 and _rel(out, ref.to(dtype)) < 1e-2, (dtype, L, cfg, "strided")
 
@@ -468,41 +472,14 @@ def test_attention_cuda_graph_replay_gpu():
         assert _rel(out, ref) < 1e-2
 
 
-def test_split_knobs_reject_bad_values(monkeypatch):
-    from sparseserve.kernels.dispatch import env_count
-
-    monkeypatch.delenv("SPARSESERVE_ATTN_SPLIT_MAX", raising=False)
-    assert env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8) == 8
-    monkeypatch.setenv("SPARSESERVE_ATTN_SPLIT_MAX", "16")
-    assert env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8) == 16
-    for bad in ("0", "-2", "x", "1.5"):
-        monkeypatch.setenv("SPARSESERVE_ATTN_SPLIT_MAX", bad)
-        with pytest.raises(ValueError, match="SPARSESERVE_ATTN_SPLIT_MAX must be a whole number"):
-            env_count("SPARSESERVE_ATTN_SPLIT_MAX", 8)
-
-
-def test_merge_knobs_must_be_powers_of_two():
-    import subprocess
-    import sys
-
-    env = {**os.environ, "SPARSESERVE_ATTN_MERGE_HEADS": "3"}
-    run = subprocess.run([sys.executable, "-c", "import sparseserve.kernels.sparse_attention"], env=env,
-                         capture_output=True, text=True)
-    assert run.returncode != 0 and "SPARSESERVE_ATTN_MERGE_HEADS must be a power of two, got 3" in run.stderr
-    env = {**os.environ, "SPARSESERVE_ATTN_MERGE_COLS": "8"}
-    run = subprocess.run([sys.executable, "-c", "import sparseserve.kernels.sparse_attention"], env=env,
-                         capture_output=True, text=True)
-    assert run.returncode != 0 and "SPARSESERVE_ATTN_MERGE_COLS must be a power of two >= 16, got 8" in run.stderr
-
-
 @cpu_interp
 @pytest.mark.parametrize("normalised", [False, True])
 def test_merge_skips_a_split_marked_empty_cpu(normalised):
-    """The wgmma kernel marks an empty row split with max -inf and sum 0 and leaves its output unwritten
+    """The Hopper kernel marks an empty row split with max -inf and sum 0 and leaves its output unwritten
     (garbage, here NaN): the merge must give it weight 0 without reading it. A raw accumulator weighs
-    exp2(max - M); a normalised partial output (the wgmma kernel's) its share of the softmax denominator,
+    exp2(max - M); a normalised partial output (the Hopper kernel's) its share of the softmax denominator,
     exp2(max - M) * sum."""
-    from sparseserve.kernels.sparse_attention import _sparse_mqa_merge_kernel
+    from sparseserve.kernels.attention.triton_kernel import _sparse_mqa_merge_kernel
 
     gen = torch.Generator().manual_seed(21)
     T, S, H, D = 2, 3, 4, 16

@@ -4,16 +4,16 @@ compiles to a cubin with its bundled ptxas; cuobjdump reads the resources).
     python tools/kernel_resources.py [--configs 64,64,8,2,1 16,64,4,2,4 ...]   # attention: registers, spills
     TRITON_INTERPRET=0 python tools/kernel_resources.py --mhc-shared          # one JSON line per config
 
-Default: registers and spill stack of the sparse-attention kernel's configs.
+Default: registers and spill stack of the portable Triton attention kernel's configs.
 
---wgmma: the Hopper Gluon attention kernel's tiles (registers, spill stack, shared memory; a CI test runs it:
-no spills, fits one block). Must run with TRITON_INTERPRET=0.
+--hopper: the Hopper (Gluon) attention kernel as the engine launches it (registers, spill stack, shared memory;
+a CI test runs it: it builds with this Triton, fits one block, spills at most a few scalars). Must run with
+TRITON_INTERPRET=0.
 
-Each config is BLOCK_H,BLOCK_N,num_warps,num_stages,NUM_SPLITS[,DV_SPLIT[,PREFETCH]]. Arguments are specialised as the
-engine's launches are on the H200 (pointers and int arguments divisible by 16, one head block for
-64 heads), so the numbers match the compile report of `benchmarks/kernels.py` on the
-device. Run it under each Triton the engine supports (e.g. a venv with triton==3.6.0): register
-allocation differs between versions. Diagnostic only.
+Each config is BLOCK_H,BLOCK_N,num_warps,num_stages,NUM_SPLITS. Arguments are specialised as the engine's launches
+are on the H200 (pointers and int arguments divisible by 16, one head block for 64 heads), so the numbers match
+the compile report of the kernel benchmark on the device. Run it under each Triton the engine supports (e.g. a
+venv with triton==3.6.0): register allocation differs between versions. Diagnostic only.
 
 --mhc-shared: shared memory per block of the fused mHC kernels (and the fused norm-rope and
 embedding kernels) at the configs the engine picks,
@@ -36,7 +36,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sparseserve.kernels import mhc_fused, sparse_attention
+from sparseserve.kernels import mhc_fused
+from sparseserve.kernels.attention import triton_kernel as attention_triton
 from sparseserve.kernels.embed import _embed_streams_kernel
 from sparseserve.kernels.mhc import _hc_finalize_kernel
 from sparseserve.kernels.norm_rope import _norm_rope_kernel
@@ -61,18 +62,11 @@ def compile_sm90(fn, signature: dict, constexprs: dict, aligned: list[str], sour
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int, dv_split: int = 1,
-              prefetch: bool = False) -> str:
-    fn = sparse_attention._sparse_mqa_fwd_kernel
+def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int) -> str:
+    fn = attention_triton._sparse_mqa_fwd_kernel
     names = fn.arg_names
-    constexprs = {"NUM_SPLITS": splits, "DV_SPLIT": dv_split, "PREFETCH": prefetch, "BLOCK_H": block_h,
-                  "BLOCK_N": block_n, "BLOCK_D": 512}
-    if "SCAN" in names:
-        constexprs["SCAN"] = 256
-    if "BAND_PREPASS" in names:  # a branch's variant: valid-row bands from a pre-pass for 64-head programs
-        constexprs["BAND_PREPASS"] = block_h == 64
-    if "PDL" in names:
-        constexprs["PDL"] = 1
+    constexprs = {"NUM_SPLITS": splits, "BLOCK_H": block_h, "BLOCK_N": block_n, "BLOCK_D": 512, "SCAN": 256,
+                  "BAND_PREPASS": block_h == 64, "PDL": 1}
     if block_h == 64:
         constexprs["head_blocks"] = 1  # 64 heads: the launch passes 1, which Triton specialises
     signature = {}
@@ -173,49 +167,33 @@ def _gluon_attention_row(fn, constexprs: dict, num_warps: int, types: dict | Non
     return row
 
 
-def _out_desc_type(out_tma: bool) -> dict:
-    """The out_desc argument's type: the TMA descriptor that `sparse_attention_wgmma.out_descriptor` builds
-    (bf16, 64 x 64 boxes, 128-byte swizzle), or out itself (a placeholder the kernel does not read)."""
-    from sparseserve.kernels.sparse_attention_wgmma import tile_layout
-    return {"out_desc": f"tensordesc<bf16[64,64],{tile_layout()!r}>" if out_tma else "*bf16"}
+def _desc_type(tma: bool) -> str:
+    """A descriptor argument's type: the TMA descriptor that `hopper.box_descriptor` builds (bf16, 64 x 64 boxes,
+    128-byte swizzle), or the tensor itself (a placeholder the kernel does not read)."""
+    from sparseserve.kernels.attention.hopper_common import tile_layout
+    return f"tensordesc<bf16[64,64],{tile_layout()!r}>" if tma else "*bf16"
 
 
-def wgmma_attention_rows() -> list[dict]:
-    """The Gluon attention kernels (kernels/sparse_attention_wgmma.py at its tile sizes, direct and split;
-    the tile-pair kernel, kernels/sparse_attention_wgmma_pair.py, direct and split)."""
-    from sparseserve.kernels import sparse_attention_wgmma as wgmma
-    from sparseserve.kernels import sparse_attention_wgmma_pair as pair
-    from sparseserve.kernels import sparse_attention_wgmma_roles as roles
+def hopper_attention_rows() -> list[dict]:
+    """The Hopper attention kernel as `launch_hopper_attention` builds it: one split and splits with a band, one-tile
+    splits without (small decode batches), q by TMA (contiguous) and by cp.async (strided)."""
+    from sparseserve.kernels.attention import hopper, hopper_split
 
     rows = []
-    # band False: one-tile splits, which read their segments without the band pre-pass (small decode batches).
-    for block_n, splits, band in ((64, 1, True), (64, 4, True), (64, 16, False), (32, 1, True)):
-        gather, s, o, tile, p = wgmma._layouts(block_n)
-        out_tma = block_n == 64  # as launch_wgmma_attention picks for a contiguous out and 16-bit partials
-        constexprs = dict(NUM_SPLITS=splits, BLOCK_N=block_n, OUT_TMA=out_tma, BAND=band, gather_layout=gather,
-                          s_layout=s, o_layout=o, tile_smem=tile, p_smem_layout=p, PDL=1)
-        # Split partials: 16-bit where the TMA stores them, else fp32 (as sparse_mqa_attention_triton allocates).
-        types = {**_out_desc_type(out_tma), "part_acc_ptr": "*bf16" if out_tma else "*fp32"}
-        rows.append(_gluon_attention_row(wgmma._sparse_mqa_wgmma_kernel, constexprs, 8, types,
-                                         kernel="sparse_mqa_wgmma", block_n=block_n, splits=splits, band=band))
-    for splits in (1, 4):
-        constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=248, PDL=1)
-        rows.append(_gluon_attention_row(pair._sparse_mqa_pair_kernel, constexprs, 4, {"part_acc_ptr": "*fp32"},
-                                         kernel="sparse_mqa_pair", block_n=64, splits=splits))
-    # The role-split kernel as launch_roles_attention builds it (TMA store, no trace): q by TMA and the chunked
-    # regather (a contiguous q), and q by cp.async with one regather (ROLES_VARIANTS=all: also the other two).
-    variants = [(True, True), (False, False)]
-    if os.environ.get("ROLES_VARIANTS") == "all":
-        variants += [(True, False), (False, True)]
-    for splits in (1, 4):
-        for q_tma, epi_chunks in variants:
-            constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=roles.WORKER_REGS, OUT_TMA=True, Q_TMA=q_tma,
-                              EPI_CHUNKS=epi_chunks, TRACE=False, ABLATE=0, PDL=1)
-            q_desc = _out_desc_type(q_tma)["out_desc"]
-            types = {**_out_desc_type(True), "q_desc": q_desc, "part_acc_ptr": "*bf16", "trace_ptr": "*bf16"}
-            rows.append(_gluon_attention_row(roles._sparse_mqa_roles_kernel, constexprs, 4, types,
-                                             kernel="sparse_mqa_roles", block_n=64, splits=splits, q_tma=q_tma,
-                                             epi_chunks=epi_chunks))
+    for splits, band in ((4, True), (16, False)):
+        gather, s, o, tile, p = hopper_split._layouts()
+        constexprs = dict(NUM_SPLITS=splits, BLOCK_N=64, OUT_TMA=True, BAND=band, gather_layout=gather, s_layout=s,
+                          o_layout=o, tile_smem=tile, p_smem_layout=p, PDL=1)
+        types = {"out_desc": _desc_type(True), "part_acc_ptr": "*bf16"}
+        rows.append(_gluon_attention_row(hopper_split._sparse_mqa_split_kernel, constexprs, 8, types,
+                                         kernel="sparse_mqa_split", splits=splits, band=band))
+    for splits, band in ((1, True),):
+        for q_tma in (True, False):
+            constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=hopper.WORKER_REGS, OUT_TMA=True, Q_TMA=q_tma,
+                              BAND=band, PDL=1)
+            types = {"out_desc": _desc_type(True), "q_desc": _desc_type(q_tma), "part_acc_ptr": "*bf16"}
+            rows.append(_gluon_attention_row(hopper._sparse_mqa_hopper_kernel, constexprs, 4, types,
+                                             kernel="sparse_mqa_hopper", splits=splits, band=band, q_tma=q_tma))
     return rows
 
 
@@ -231,14 +209,15 @@ def mhc_shared_rows() -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="*", default=["64,64,8,2,1", "64,32,8,3,1", "16,64,4,2,4", "16,64,4,2,1"],
-                        help="the engine's defaults; e.g. 64,64,8,2,1,2 (column split), 16,16,4,1,4,1,1 (prefetch)")
+                        help="BLOCK_H,BLOCK_N,num_warps,num_stages,NUM_SPLITS of the Triton kernel (default: the "
+                             "engine's)")
     parser.add_argument("--mhc-shared", action="store_true",
                         help="shared memory of the fused mHC kernels' configs instead, one JSON line each")
-    parser.add_argument("--wgmma", action="store_true",
-                        help="the Gluon (wgmma) attention kernel's tiles instead, one JSON line each")
+    parser.add_argument("--hopper", action="store_true",
+                        help="the Hopper (Gluon) attention kernel instead, one JSON line each")
     args = parser.parse_args()
-    if args.wgmma:
-        for row in wgmma_attention_rows():
+    if args.hopper:
+        for row in hopper_attention_rows():
             print(json.dumps(row))
         return
     if args.mhc_shared:
@@ -248,12 +227,9 @@ def main() -> None:
         return
     print(f"triton {triton.__version__}, sm_90a, _sparse_mqa_fwd_kernel")
     for config in args.configs:
-        values = [int(x) for x in config.split(",")]
-        block_h, block_n, warps, stages, splits = values[:5]
-        dv_split = values[5] if len(values) > 5 else 1
-        prefetch = bool(values[6]) if len(values) > 6 else False
-        print(f"  (H{block_h}, N{block_n}, w{warps}, st{stages}, S{splits}, dv{dv_split}, prefetch={prefetch}): "
-              f"{resources(block_h, block_n, warps, stages, splits, dv_split, prefetch)}")
+        block_h, block_n, warps, stages, splits = (int(x) for x in config.split(","))
+        print(f"  (H{block_h}, N{block_n}, w{warps}, st{stages}, S{splits}): "
+              f"{resources(block_h, block_n, warps, stages, splits)}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Which kernels run as Triton: all of them on CUDA, none on the CPU. For diagnosis,
 SPARSESERVE_DISABLE_KERNELS=name[,name...] (or `all`) sends the named ones to their
-plain-PyTorch references on CUDA too: attention (`attention_wgmma` only turns off the Hopper Gluon kernel, so the
-64-head shapes take the Triton kernel again), indexer, compressor, rows, mhc, mhc_fused, rmsnorm,
+plain-PyTorch references on CUDA too: attention (`attention_hopper` only turns off the Hopper Gluon kernels, so the
+64-head shapes take the portable Triton kernel), indexer, compressor, rows, mhc, mhc_fused, rmsnorm,
 rope, argmax, embed, norm_rope, router, gemv; `overlap` runs the whole step on one stream (see model/side_stream.py),
 `lm_head_fp32` rounds the logits to the model dtype before converting them (as the oracle does), and `pdl` launches
 every kernel without programmatic dependent launch (see kernels/pdl.py), and `moe` sends the expert selection
@@ -13,7 +13,6 @@ from functools import lru_cache
 import torch
 
 from .. import envs
-from ..envs import env_count  # noqa: F401 (the attention kernel's thresholds read it from here)
 
 _DISABLED = envs.disabled_kernels()
 

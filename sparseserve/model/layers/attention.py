@@ -22,7 +22,7 @@ from ...kernels.gemv import decode_grouped_linear, decode_linear
 from ...kernels.indexer import indexer_scores
 from ...kernels.norm_rope import norm_rope
 from ...kernels.rows import entry_pool_rows
-from ...kernels.sparse_attention import sparse_mqa_attention
+from ...kernels.attention import sparse_mqa_attention
 from ..state import LayerState
 from ..step_context import StepContext
 from .fused_linear import PackedWeight, Span, shared_input_linear

@@ -1,0 +1,32 @@
+"""The attention primitive of V4: per-token gathered-row MQA with a per-head sink.
+
+`reference.py` (plain PyTorch: the CPU path and the test oracle), `triton_kernel.py` (the portable Triton kernel,
+the band pre-pass, the split merge and the launcher), `hopper.py` and `hopper_split.py` (the Gluon kernels of the
+64-head shapes on sm_90, unsplit and split calls, sharing `hopper_common.py`), `select.py` (which of them runs a call: the selection table). `sparse_mqa_attention` is what the model
+calls.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import use_triton
+from ..rope import apply_rope
+from .reference import sparse_mqa_attention_ref
+from .select import AttnConfig, attention_config
+from .triton_kernel import engine_attention_config, sparse_mqa_attention_triton
+
+__all__ = ["AttnConfig", "attention_config", "engine_attention_config", "sparse_mqa_attention",
+           "sparse_mqa_attention_ref", "sparse_mqa_attention_triton"]
+
+
+def sparse_mqa_attention(
+    q: torch.Tensor, kv_pool: torch.Tensor, rows: torch.Tensor, sinks: torch.Tensor, scale: float,
+    inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """q [T, H, D], kv_pool [N, D], rows [T, L] int32 (-1: unused), sinks [H] fp32 -> [T, H, D] in q's dtype.
+    The kernels on CUDA (bf16/fp16), the reference elsewhere. inverse_rope (cos, sin): then the output's rope
+    channels are rotated back (V4 attention output)."""
+    if use_triton("attention", q) and q.dtype in (torch.bfloat16, torch.float16):
+        return sparse_mqa_attention_triton(q, kv_pool, rows, sinks, scale, inverse_rope=inverse_rope)
+    out = sparse_mqa_attention_ref(q, kv_pool, rows, sinks, scale)
+    return out if inverse_rope is None else apply_rope(out, *inverse_rope, inverse=True)

@@ -1,11 +1,11 @@
 """Penalties, logit_bias, bad_words, allowed_token_ids and min_tokens (vLLM semantics) against a
-plain reference computed from the transformers oracle's logits (float32, CPU): greedy and seeded,
+plain reference computed from the model's raw logits (float32, CPU; the model alone, one sequence
+at a time, through tests/oracle.py's Driver): greedy and seeded,
 n > 1, preemption, async scheduling and MTP speculation; requests that use none of them are unchanged."""
 from collections import Counter
 
 import pytest
 import torch
-from transformers import DeepseekV4ForCausalLM as HFDeepseekV4
 
 from sparseserve import LLM, SamplingParams
 from sparseserve.engine.sampling_checks import tokenize_bad_words
@@ -14,10 +14,12 @@ from sparseserve.sampling_params import SamplingParamsError
 from sparseserve.worker.logits_processors import banned_bad_words
 from sparseserve.worker.sampler import SamplingTensors, sample
 
+from oracle import Driver
+
 TINY = str(CONFIGS_DIR / "tiny")
 BASE = dict(device="cpu", dtype="float32", max_model_len=96)
 EOS = 1
-NEW = 10
+NEW = 8
 
 
 def prompts():
@@ -26,13 +28,28 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def oracle():
-    return HFDeepseekV4.from_pretrained(TINY, dtype=torch.float32).eval()
+def llm():
+    return LLM(TINY, **BASE)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(TINY, **BASE)
+def oracle(llm):
+    """prompt -> a function of the tokens so far giving the raw next-token logits (decoding incrementally)."""
+    model = llm.llm_engine.model
+
+    def start(prompt):
+        driver = Driver(model, num_slots=1, num_blocks=16)
+        state = {"len": 0}
+
+        def next_logits(tokens):
+            new = tokens[state["len"]:]
+            logits = driver.step([(0, state["len"], new)], want="last")[0][-1]
+            state["len"] = len(tokens)
+            return logits
+
+        return next_logits
+
+    return start
 
 
 def reference_process(logits, p: SamplingParams, prompt, output):
@@ -61,8 +78,9 @@ def reference_process(logits, p: SamplingParams, prompt, output):
 @torch.no_grad()
 def reference_generate(oracle, prompt, p: SamplingParams, seed: int | None = None):
     out = []
+    next_logits = oracle(prompt)
     for step in range(p.max_tokens):
-        logits = oracle(torch.tensor([prompt + out])).logits[0, -1].float()
+        logits = next_logits(prompt + out)
         x = reference_process(logits, p, prompt, out)
         if p.temperature == 0:
             token = int(x.argmax())
@@ -92,12 +110,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_greedy_fields_equal_the_reference(name, oracle, llm):
-    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, **CASES[name])
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
-    for prompt, out in zip(prompts(), outs):
-        assert out.outputs[0].token_ids == reference_generate(oracle, prompt, params), name
+def test_greedy_fields_equal_the_reference(oracle, llm):
+    # Every case in one batch, and the three prompts of each: the engine batches them, the reference does not.
+    cases = [(name, p) for name in CASES for p in prompts()]
+    params = [SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, **CASES[name]) for name, _ in cases]
+    outs = llm.generate([{"prompt_token_ids": p} for _, p in cases], params, use_tqdm=False)
+    for (name, prompt), sp, out in zip(cases, params, outs):
+        assert out.outputs[0].token_ids == reference_generate(oracle, prompt, sp), name
 
 
 def test_seeded_n2_fields_equal_the_reference(oracle, llm):

@@ -1,4 +1,5 @@
-"""Structured outputs (xgrammar) on the demo model: random requests against a set of JSON schemas
+"""Structured outputs (xgrammar) on the demo model: 200 random requests (100 without MTP, 100 with
+MTP k=2; half greedy, half sampled) against a set of JSON schemas
 all parse and validate, greedy and sampled, with and without MTP speculation; regex, choice and
 grammar constraints hold; bad constraints are rejected with the field named."""
 import json
@@ -28,7 +29,7 @@ SCHEMAS = [
      "required": ["id", "done", "note"]},
 ]
 WORDS = ["The import statement", "def main():", "A list of", "Return the", "In this case", "class Foo:", "x = "]
-NUM = int(__import__("os").environ.get("NUMREQ", 200))
+NUM = 100  # per configuration: 200 requests over the runs without and with MTP
 MAX_TOKENS = 48
 
 

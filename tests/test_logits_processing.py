@@ -251,3 +251,16 @@ def test_bias_clamp_and_vocabulary_checks(llm):
         llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(logit_bias={100000: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="allowed_token_ids"):
         llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(allowed_token_ids=[3, 9999]), use_tqdm=False)
+
+
+def test_batches_without_fields_launch_no_processing(llm, monkeypatch):
+    from sparseserve.worker import model_runner
+
+    calls = []
+    real = model_runner.process_logits
+    monkeypatch.setattr(model_runner, "process_logits", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ps = [{"prompt_token_ids": p} for p in prompts()]
+    llm.generate(ps, SamplingParams(temperature=0.8, seed=1, max_tokens=4, logprobs=1), use_tqdm=False)
+    assert not calls
+    llm.generate(ps[:1], SamplingParams(temperature=0, max_tokens=4, presence_penalty=0.5), use_tqdm=False)
+    assert len(calls) == 4

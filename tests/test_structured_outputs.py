@@ -139,3 +139,18 @@ def test_missing_xgrammar_gives_a_clear_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake)
     with pytest.raises(grammar.StructuredOutputsUnavailable, match="pip install xgrammar"):
         grammar.GrammarCompilerCache(object(), 16)
+
+
+def test_async_scheduling_gives_the_same_tokens_with_a_grammar_beside_other_fields():
+    so = StructuredOutputsParams(json=SCHEMAS[0], disable_any_whitespace=True)
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=so),
+              SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, bad_words=["the list"]),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=10, min_tokens=5)]
+    runs = []
+    for async_scheduling in (False, True):
+        llm = LLM(device="cpu", max_model_len=128, async_scheduling=async_scheduling)
+        outs = llm.generate(WORDS[:3], params, use_tqdm=False)
+        jsonschema.validate(json.loads(outs[0].outputs[0].text), SCHEMAS[0])
+        assert llm.llm_engine._num_host_state == 0 and llm.llm_engine.all_cache_free()
+        runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[0] == runs[1]

@@ -96,7 +96,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False):
-        """vLLM's offline beam search: a list of `BeamSearchOutput` (best beams first) per prompt."""
+        """vLLM's offline beam search: a list of `BeamSearchOutput` (best beams first) per prompt.
+        `use_tqdm` is accepted for vLLM compatibility; the steps show no progress bar."""
         from .beam_search import beam_search
 
         if not isinstance(params, BeamSearchParams):

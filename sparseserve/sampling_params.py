@@ -133,8 +133,8 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
                 fail(f"{name} must be a number in [-2, 2], got {value!r}")
         rp = self.repetition_penalty
-        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0.0 < rp <= 2.0 ** 31:
-            fail(f"repetition_penalty must be a number > 0 (1 = off), got {rp!r}")
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0.0 < rp < float("inf"):
+            fail(f"repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 fail(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")

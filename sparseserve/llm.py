@@ -11,7 +11,7 @@ from .config import EngineConfig
 from .engine.llm_engine import InvalidRequestError, LLMEngine
 from .logger import init_logger
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -60,6 +60,45 @@ class LLM:
             engine._add_validated(request_id, text, token_ids, sp)
             ids.append(request_id)
         return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of
+        them, encoded with the model's chat format (the encoding the server uses)."""
+        from .chat import render_chat
+
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise InvalidRequestError("chat needs a tokenizer; this LLM was started without one")
+        if not isinstance(messages, (list, tuple)):
+            raise InvalidRequestError(f"messages must be a list of message dicts (or a list of such lists), "
+                                      f"got {type(messages).__name__}")
+        conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = render_chat(list(conversation), tokenizer, tools=tools, add_generation_prompt=add_generation_prompt,
+                               chat_template_kwargs=chat_template_kwargs)
+            # The rendered text carries its own special tokens: encode it without adding more.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False):
+        """vLLM's offline beam search: a list of `BeamSearchOutput` (best beams first) per prompt.
+        `use_tqdm` is accepted for vLLM compatibility; the steps show no progress bar."""
+        from .beam_search import beam_search
+
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        probe = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width)
+        ids = [engine.validate_request(p, probe)[1] for p in prompts]
+        tokenizer = self.get_tokenizer()
+        decode = tokenizer.decode if tokenizer is not None else None
+        return beam_search(ids, params, engine.eos_token_id,
+                           lambda batch, sp: self.generate(batch, sp, use_tqdm=False), decode)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -15,11 +15,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sparseserve"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("entrypoints", ("sparseserve.entrypoints",)),
     ("benchmarks", ("sparseserve.benchmarks",)),
-    ("api", ("sparseserve", "sparseserve.llm", "sparseserve.engine_args")),
+    ("api", ("sparseserve", "sparseserve.llm", "sparseserve.engine_args", "sparseserve.beam_search")),
     ("engine", ("sparseserve.engine",)),
     ("worker", ("sparseserve.worker",)),
     ("spec_decode", ("sparseserve.spec_decode",)),
-    ("sample", ("sparseserve.sample",)),
+    ("sample", ("sparseserve.sample", "sparseserve.structured_output")),
     ("model", ("sparseserve.model",)),
     ("kernels", ("sparseserve.kernels",)),
 ]

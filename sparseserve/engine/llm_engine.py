@@ -24,6 +24,7 @@ from .detokenizer import detokenize_incrementally
 from .graph_audit import audit_graph_replays
 from .kv_cache import KVCacheManager, KVPlan, RequestTooLargeError, plan_kv
 from .request import Request
+from .sampling_checks import needs_host_state, prepare_logits_fields
 from .scheduler import Scheduler
 
 logger = logging.getLogger("sparseserve")
@@ -119,6 +120,15 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
         self.prompts: dict[str, tuple[str | None, list[int]]] = {}
+        self._grammars = None  # GrammarCompilerCache, made at the first structured-output request
+        self._num_host_state = 0  # running requests whose sampling needs the host's token lists
+
+    def _grammar_compiler(self):
+        if self._grammars is None:
+            from ..structured_output import GrammarCompilerCache
+
+            self._grammars = GrammarCompilerCache(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     # ---- sizing ----
     def _size_cache(self) -> tuple[int, int]:
@@ -179,6 +189,8 @@ class LLMEngine:
                 "shorten the prompt or raise max_model_len")
         if params.stop_strings and (self.tokenizer is None or not params.detokenize):
             raise InvalidRequestError("stop strings need detokenize=True and a tokenizer; use stop_token_ids instead")
+        if params.needs_logits_processing:
+            prepare_logits_fields(params, self.vocab_size, self.tokenizer, self._grammar_compiler, InvalidRequestError)
         longest = self._max_total_tokens(len(ids), params)
         if self.kv.blocks_for(longest) > self.kv.num_blocks:
             raise RequestTooLargeError(
@@ -208,6 +220,12 @@ class LLMEngine:
             req = Request(child_id, text, list(ids), params, seed, next(self._counter))
             if params.logprobs is not None:
                 req.logprobs = []
+            if params.structured_outputs is not None:
+                req.grammar = self._grammar_compiler().new_state(params.structured_outputs,
+                                                                 self.config.num_speculative_tokens)
+            if params.needs_logits_processing and needs_host_state(params):
+                req.needs_host_state = True
+                self._num_host_state += 1
             self.requests[child_id] = req
             children.append(req)
             self.scheduler.add(req)
@@ -217,6 +235,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         for req in self.groups.pop(request_id, []):
             if not req.is_finished:
+                self._release(req)
                 self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
         self.prompts.pop(request_id, None)
@@ -229,6 +248,11 @@ class LLMEngine:
         """Schedule and launch a step, and return the requests it finished. With async scheduling
         the step launched here is read back by the next call, so the host's bookkeeping and the next
         schedule overlap the GPU's work (outputs arrive one call later)."""
+        early: list[RequestOutput] = []
+        if self._in_flight is not None and self._num_host_state:
+            # A request's sampling needs its previous token on the host (a grammar, a bad word's
+            # prefix): read the in-flight step back before scheduling the next.
+            early, self._in_flight = self._collect(self._in_flight), None
         sched = self.scheduler.schedule()
         launched = self._launch(sched) if sched.chunks else None
         if self.async_scheduling:
@@ -236,10 +260,10 @@ class LLMEngine:
         else:
             previous = launched
         if previous is None:
-            if launched is None and self.scheduler.has_unfinished():
+            if launched is None and self.scheduler.has_unfinished() and not early:
                 raise RuntimeError("the scheduler could schedule nothing while requests wait; this is a bug")
-            return []
-        return self._collect(previous)
+            return early
+        return early + self._collect(previous)
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
         for req in sched.preempted:
@@ -281,6 +305,7 @@ class LLMEngine:
                     finished = True
                     break
             if finished:
+                self._release(req)
                 self.scheduler.finish(req)
                 self.runner.forget(req.request_id)
                 finished_groups.add(self._group_of(req))
@@ -292,6 +317,11 @@ class LLMEngine:
             if all(r.is_finished for r in self.groups[group_id]):
                 outputs.append(self._make_output(group_id))
         return outputs
+
+    def _release(self, req: Request) -> None:
+        if req.needs_host_state:
+            req.needs_host_state = False
+            self._num_host_state -= 1
 
     def _group_of(self, req: Request) -> str:
         return req.request_id.split("#", 1)[0] if req.params.n > 1 else req.request_id
@@ -315,6 +345,8 @@ class LLMEngine:
 
     def _append_token(self, req: Request, sampled) -> str:
         req.output_token_ids.append(sampled.token_id)
+        if req.grammar is not None:
+            req.grammar.accept(sampled.token_id)
         if req.logprobs is not None:
             entry = {tid: Logprob(v, r + 1, self._decode_token(tid)) for r, (tid, v) in enumerate(sampled.top)}
             entry[sampled.token_id] = Logprob(sampled.logprob, sampled.rank, self._decode_token(sampled.token_id))
@@ -337,7 +369,7 @@ class LLMEngine:
                 # A new match must overlap the text added by this token.
                 idx = req.text.find(stop, max(0, len(req.text) - new_text_len - len(stop) + 1)) if new_text_len else -1
                 if idx != -1:
-                    req.text = req.text[:idx]
+                    req.text = req.text[:idx + len(stop)] if params.include_stop_str_in_output else req.text[:idx]
                     return self._finish(req, "stop", stop)
         if req.reaches_length_limit(self.max_model_len):
             return self._finish(req, "length", None)

@@ -33,6 +33,8 @@ class Request:
     # Tokens sampled by a launched step whose values the host has not read yet (async scheduling):
     # they follow output_token_ids, and the next step takes them from the device.
     num_pending_tokens: int = 0
+    grammar: object | None = None  # structured_output.GrammarState of a structured-output request
+    needs_host_state: bool = False  # sampling needs the previous token on the host (no async overlap)
     # Output state
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

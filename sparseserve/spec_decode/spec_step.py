@@ -69,7 +69,7 @@ def fused_greedy_step(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerO
     k = proposer.k
     reqs = [sc.request for sc in sched.chunks]
     if any(sc.num_draft != k for sc in sched.chunks) or any(
-            not r.params.greedy or r.params.logprobs is not None for r in reqs):
+            not r.params.greedy or r.params.logprobs is not None or r.params.needs_logits_processing for r in reqs):
         return False
     device = logits.device
     batch, q = len(reqs), k + 1
@@ -109,14 +109,23 @@ def verify_drafts(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutpu
         rows.append([first + min(j, nd) for j in range(k + 1)])
         drafts[n, :nd] = torch.tensor(reqs[n].draft_token_ids[:nd])
     rows_t = to_device(rows, device)
+    host_drafts = drafts
     drafts = to_device(drafts, device)
+    processing = any(r.params.needs_logits_processing for r in reqs)
+    if processing:
+        # Position j of a request sees its outputs and its first j drafts (penalties, bans, the
+        # grammar's state), so verification samples from what plain decoding would: a draft the
+        # grammar rejects has probability 0 and is rejected.
+        target = verify_logits(runner, reqs, logits[rows_t], host_drafts, [sched.chunks[i].num_draft
+                                                                           for i, _ in verify_rows])
     if all(r.params.greedy for r in reqs):
         # Greedy: accept while the draft is the target's argmax; every emitted token is an argmax.
-        target_greedy = logits.argmax(dim=-1)[rows_t]  # [B, k+1]
+        target_greedy = target.argmax(dim=-1) if processing else logits.argmax(dim=-1)[rows_t]  # [B, k+1]
         accepted_t = (drafts == target_greedy[:, :k]).long().cumprod(dim=1).sum(dim=1)
         tokens_t = target_greedy
     else:
-        accepted_t, tokens_t = _rejection_sample(spec, runner, reqs, logits[rows_t], drafts, k)
+        accepted_t, tokens_t = _rejection_sample(spec, runner, reqs, target if processing else logits[rows_t], drafts,
+                                                 k)
     host = torch.cat([accepted_t.unsqueeze(1), tokens_t], dim=1).tolist()  # the step's one sync
     want_lp = any(r.params.logprobs is not None for r in reqs)
     for n, req in enumerate(reqs):
@@ -130,6 +139,22 @@ def verify_drafts(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutpu
         out.sampled[req.request_id] = records
         out.num_accepted[req.request_id] = a
         spec.forget(req.request_id)
+
+
+def verify_logits(runner, reqs, target_logits: torch.Tensor, drafts: torch.Tensor,
+                  num_drafts: list[int]) -> torch.Tensor:
+    """The verify rows [B, k + 1, V] after logits processing, row j with the drafts before it counted."""
+    from ..sample.logits_processors import LogitsRow, process_logits
+
+    batch, q, vocab = target_logits.shape
+    rows = []
+    for n, req in enumerate(reqs):
+        own = drafts[n, :num_drafts[n]].tolist()
+        for j in range(q):
+            prefix = own[:min(j, len(own))]
+            rows.append(LogitsRow(req.params, req.prompt_token_ids, req.output_token_ids + prefix, None,
+                                  req.grammar, prefix))
+    return process_logits(target_logits.reshape(-1, vocab), rows, runner.eos_token_id).view(batch, q, vocab)
 
 
 def _rejection_sample(spec: MTPSpeculator, runner: RunnerView, reqs, target_logits: torch.Tensor, drafts: torch.Tensor,

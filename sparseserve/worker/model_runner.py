@@ -27,6 +27,7 @@ from ..spec_decode.spec_step import MTPSpeculator
 from ..step_types import PENDING_TOKEN_ID, RunnerOutput, SampledToken, SchedulerOutput
 from .cuda_graph import (BufferSpec, CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes,
                          logits_mode, pad_chunks, pick_bucket, set_positions)
+from ..sample.logits_processors import LogitsRow, process_logits
 from .watchdog import StepWatchdog
 
 logger = logging.getLogger("sparseserve")
@@ -123,6 +124,8 @@ class ModelRunner:
         # The last launched step's sampled tokens (device) and each request's row among them:
         # the next step reads its pending input tokens from there.
         self._last_sampled: tuple[torch.Tensor, dict] | None = None
+        eos = model_config.hf_config.eos_token_id
+        self.eos_token_id = eos if isinstance(eos, int) else None
 
     # ---- top-k paths: fixed per row bucket from static facts (docs/design.md, invariant 3) ----
     def topk_for(self, max_rows: int) -> tuple[TopKFn, str]:
@@ -265,7 +268,7 @@ class ModelRunner:
         verify: list[tuple[int, int]] = []
         prompt_rows: list[tuple] = []  # (request, first row, rows, start): prompt logprobs to queue
         offset = row = 0
-        all_greedy, any_logprobs = True, False
+        all_greedy, any_logprobs, any_processing = True, False, False
         # One pass over the chunks, reading fields directly: at batch 200 this loop is a good part of
         # a decode step's host time, which bounds the step when the GPU is faster.
         for i, sc in enumerate(sched.chunks):
@@ -301,6 +304,7 @@ class ModelRunner:
                     params = req.params
                     all_greedy = all_greedy and params.greedy
                     any_logprobs = any_logprobs or params.logprobs is not None
+                    any_processing = any_processing or params.needs_logits_processing
             offset += n
             row += rows
         logits, describe = self.forward(chunks, self._pending_fix(fix_dst, fix_src))
@@ -311,8 +315,11 @@ class ModelRunner:
             first = sample_rows[0]
             rows = (logits[first:first + len(sample_rows)] if is_run(sample_rows)
                     else logits[to_device(sample_rows, logits.device)])
-            tokens = (greedy_tokens(rows) if all_greedy  # no sampling tensors to copy
-                      else sample(rows, self.sampling_tensors(sample_reqs)))
+            # Logits processing (penalties, bias, bans, grammar masks) only when a request uses it;
+            # logprobs stay those of the raw model, as vLLM's default.
+            processed = self._process_logits(rows, sample_reqs, last_rows) if any_processing else rows
+            tokens = (greedy_tokens(processed) if all_greedy  # no sampling tensors to copy
+                      else sample(processed, self.sampling_tensors(sample_reqs)))
             step.sampled = (tokens, {r: i for i, r in enumerate(sample_reqs)})
             step.host_tokens = to_host(tokens)
             lp = self._logprob_tensors(rows, tokens, sample_reqs) if any_logprobs else None
@@ -465,6 +472,14 @@ class ModelRunner:
             any_min_p=any(p.min_p > 0 for p in params),
             all_greedy=all(p.greedy for p in params),
         )
+
+    def _process_logits(self, logits: torch.Tensor, reqs, last_rows: dict) -> torch.Tensor:
+        """`logits` rows of `reqs` after their logits processing; a pending token (async scheduling)
+        counts from the last launched step's device tokens."""
+        rows = [LogitsRow(r.params, r.prompt_token_ids, r.output_token_ids,
+                          last_rows.get(r) if r.num_pending_tokens else None, r.grammar) for r in reqs]
+        pending = self._last_sampled[0] if self._last_sampled is not None else None
+        return process_logits(logits, rows, self.eos_token_id, pending)
 
     def wait(self, describe: Callable[[], str]) -> None:
         """Wait for the step with a deadline before any blocking read: a hung kernel becomes an error."""

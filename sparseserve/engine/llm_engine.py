@@ -63,14 +63,14 @@ class LLMEngine:
         self.config = config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
-        model_dir, _ = resolve_model_dir(config.model)
-        self.tokenizer = None
-        if not config.skip_tokenizer_init:  # before the weights: a bad tokenizer fails fast
-            self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_dir,
-                                            explicit=config.tokenizer is not None)
         self.model, self.model_config, self.mtp_tensors = load_model(
             config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed)
         hf = self.model_config.hf_config
+        model_dir, _ = resolve_model_dir(config.model)
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:  # before the state is allocated
+            self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_dir,
+                                            explicit=config.tokenizer is not None)
         self.vocab_size = hf.vocab_size
         self.max_model_len = check_model_limits(config, hf)
         if config.max_num_batched_tokens is not None:
@@ -416,4 +416,4 @@ class LLMEngine:
                 "double_freed": len(kv.free_blocks) - len(set(kv.free_blocks))
                 + len(kv.free_slots) - len(set(kv.free_slots)),
                 "draft_probs": len(self.runner.draft_probs), "in_flight": int(self._in_flight is not None),
-                "suspects": len(self._suspects)}
+                "suspects": sum(not r.is_finished for r in self._suspects)}

@@ -91,8 +91,9 @@ def load_hf_config(model_dir: Path, hf_overrides: dict | None = None) -> Deepsee
     where = f"{config_path}" + (f" with hf_overrides {overrides}" if overrides else "")
     try:
         hf = DeepseekV4Config(**raw)
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-        raise CheckpointError(f"{where}: invalid DeepSeek-V4 config: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - transformers' config validators raise their own types
+        message = " ".join(str(exc).split())
+        raise CheckpointError(f"{where}: invalid DeepSeek-V4 config: {message}") from exc
     check_hf_config(hf, where)
     return hf
 

@@ -16,8 +16,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bad_inputs import CASES, ENGINE_KW, TINY, leaks, run_all  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's steps are far faster on one thread than on cores shared with other jobs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
-def llm():
+def llm(one_thread):
     return LLM(str(TINY), **ENGINE_KW)
 
 

@@ -190,3 +190,25 @@ def test_cli_errors_are_one_line(flags, field, capsys):
 def test_cli_kv_plan_names_the_default_model(capsys):
     assert main(["kv-plan", "--max-model-len", "4096"]) == 0
     assert capsys.readouterr().out.startswith("model: demo ")
+
+
+def test_a_request_whose_bookkeeping_fails_is_finished_alone(llm, monkeypatch):
+    """A host-side failure (detokenisation, stop checks) of one request: it alone finishes with an error."""
+    engine = llm.llm_engine
+    good = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate([prompt(7, 1), prompt(9, 2)], good, use_tqdm=False)]
+    real = engine._append_token
+
+    def append(req, sampled):
+        if req.request_id.startswith("bad") and len(req.output_token_ids) == 2:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(req, sampled)
+
+    monkeypatch.setattr(engine, "_append_token", append)
+    engine.add_request("g0", prompt(7, 1), good)
+    engine.add_request("bad", prompt(8, 3), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2))
+    engine.add_request("g1", prompt(9, 2), good)
+    outs = finish_all(engine)
+    assert [c.finish_reason for c in outs["bad"].outputs] == ["error", "error"]
+    assert [outs["g0"].outputs[0].token_ids, outs["g1"].outputs[0].token_ids] == expected
+    assert leaks(llm) == {}

@@ -139,6 +139,8 @@ def apply_isolated(engine, launched, result) -> list:
             return outputs + engine._apply(launched, result, chunks)
         except Exception as exc:  # noqa: BLE001 - host bookkeeping of one request
             i = engine._applying
+            if i < 0:
+                raise  # outside the per-request bookkeeping: an engine bug
             culprit = chunks[i].request
             done = [c.request for c in chunks[:i]]
             chunks = chunks[i + 1:]

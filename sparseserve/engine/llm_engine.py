@@ -291,6 +291,7 @@ class LLMEngine:
         """Record a collected step's results for `chunks` (appends, stops, frees) and return the
         outputs of the groups it finished."""
         finished_groups: set[str] = set()
+        self._applying = -1  # -1 outside the per-request loop: an error there is no request's
         # Speculation and prompt logprobs need the full bookkeeping below; plain steps skip it.
         plain = not (result.num_accepted or result.drafts or result.prompt_logprobs)
         sampled_by_id = result.sampled
@@ -323,6 +324,7 @@ class LLMEngine:
                 finished_groups.add(self._group_of(req))
             elif not plain:
                 req.draft_token_ids = result.drafts.get(req.request_id, [])
+        self._applying = -1
         self.spec_metrics.maybe_log()
         outputs = []
         for group_id in finished_groups:

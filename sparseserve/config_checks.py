@@ -28,32 +28,32 @@ INT_RANGES: dict[str, tuple[int, bool]] = {
 
 
 def _name(field: str) -> str:
-    return f"LLM({field}=...)"
+    return field
 
 
 def _check_path(value, field: str) -> None:
     if value is not None and not isinstance(value, (str, os.PathLike)):
-        raise ConfigTypeError(f"{_name(field)} must be a path (str) or None; got {value!r} ({type(value).__name__})")
+        raise ConfigTypeError(f"{field} must be a path (str) or None; got {value!r} ({type(value).__name__})")
 
 
 def _check_device(value) -> None:
     if isinstance(value, torch.device):
         return
     if not isinstance(value, str):
-        raise ConfigTypeError(f"LLM(device=...) must be 'auto', 'cpu' or 'cuda[:N]'; got {value!r} "
+        raise ConfigTypeError(f"device must be 'auto', 'cpu' or 'cuda[:N]'; got {value!r} "
                               f"({type(value).__name__})")
     if value == "auto":
         return
     try:
         torch.device(value)
     except (RuntimeError, ValueError):
-        raise ConfigError(f"LLM(device=...) must be 'auto', 'cpu' or 'cuda[:N]'; got {value!r}") from None
+        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]'; got {value!r}") from None
 
 
 def _check_dtype(value) -> None:
     if isinstance(value, torch.dtype):
         if value not in TORCH_DTYPES:
-            raise ConfigError(f"LLM(dtype=...) must be one of {', '.join(map(str, TORCH_DTYPES))} (or a name "
+            raise ConfigError(f"dtype must be one of {', '.join(map(str, TORCH_DTYPES))} (or a name "
                               f"such as 'bfloat16'); got {value}")
         return
     check_choice(value, _name("dtype"), ConfigError, DTYPE_NAMES)
@@ -78,7 +78,7 @@ def _check_hf_overrides(value) -> None:
     if value is None:
         return
     if not isinstance(value, dict):
-        raise ConfigTypeError(f"LLM(hf_overrides=...) must be a dict of config.json keys to values, or None; "
+        raise ConfigTypeError(f"hf_overrides must be a dict of config.json keys to values, or None; "
                               f"got {value!r} ({type(value).__name__})")
     from .model.config_checks import check_override_keys
 
@@ -116,7 +116,7 @@ def validate_engine_config(config) -> None:
     sizes = config.cuda_graph_sizes
     if sizes is not None:
         if not isinstance(sizes, (list, tuple)) or not sizes or not all(is_int(s) for s in sizes):
-            raise ConfigTypeError(f"LLM(cuda_graph_sizes=...) must be a non-empty list of integers or None; "
+            raise ConfigTypeError(f"cuda_graph_sizes must be a non-empty list of integers or None; "
                                   f"got {sizes!r}")
         for i, s in enumerate(sizes):
             check_int(s, f"cuda_graph_sizes[{i}]", ConfigError, 1, config.max_num_seqs,
@@ -129,7 +129,7 @@ def check_model_limits(config, hf_config) -> int:
     if config.max_model_len is None:
         return positions
     if config.max_model_len > positions:
-        raise ConfigError(f"LLM(max_model_len={config.max_model_len}) exceeds the model's "
+        raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's "
                           f"max_position_embeddings ({positions}); lower max_model_len to at most {positions}")
     return int(config.max_model_len)
 

@@ -169,8 +169,10 @@ class LLMEngine:
         elif plan.bytes_per_block == 0:  # sliding-window-only model: no growing state
             num_blocks = self.config.max_num_seqs * plan.blocks_for(self.max_model_len)
         if num_blocks < 1:
+            given = self.config.kv_cache_memory_bytes
             raise ConfigError(
-                f"no memory left for the KV cache: {cache_bytes / 1024**3:.2f} GiB available, "
+                (f"kv_cache_memory_bytes={given}: " if given is not None else "")
+                + f"no memory left for the KV cache: {cache_bytes / 1024**3:.2f} GiB available, "
                 f"{slots_bytes / 1024**3:.2f} GiB needed for {self.config.max_num_seqs} sequence slots; "
                 "lower max_num_seqs or max_num_batched_tokens, or raise gpu_memory_utilization "
                 "(or kv_cache_memory_bytes)")

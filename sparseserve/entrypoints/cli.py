@@ -29,6 +29,13 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line that says what to change (exit code 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _int_at_least(lo: int):
     def parse(text: str) -> int:
         try:
@@ -175,7 +182,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    parser = argparse.ArgumentParser(prog="sparseserve", description=__doc__, allow_abbrev=False)
+    parser = _Parser(prog="sparseserve", description=__doc__, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"sparseserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DeepseekV4Config
 
+from .errors import ConfigError
+
 LAYER_SLIDING = "sliding_attention"
 LAYER_CSA = "compressed_sparse_attention"
 LAYER_HCA = "heavily_compressed_attention"
@@ -102,40 +104,14 @@ class EngineConfig:
     # Where a step's independent work runs: "auto" (a second stream inside captured graphs, one
     # stream with speculation), "graphs", "always" (eager steps too) or "never" (one stream).
     side_stream: str = "auto"
+    # The most logprobs / prompt_logprobs a request may ask for per token (vLLM's max_logprobs).
+    max_logprobs: int = 20
 
     def validate(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise NotImplementedError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; sparseserve runs on one GPU"
-            )
-        if self.speculative_config is not None:
-            spec = self.speculative_config
-            if not isinstance(spec, dict) or spec.get("method") != "mtp":
-                raise ValueError(f"speculative_config must be {{'method': 'mtp', 'num_speculative_tokens': k}}, got {spec!r}")
-            k = spec.get("num_speculative_tokens")
-            if not isinstance(k, int) or k < 1:
-                raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
-            unknown = set(spec) - {"method", "num_speculative_tokens"}
-            if unknown:
-                raise ValueError(f"unsupported speculative_config keys: {sorted(unknown)}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
-        if self.async_scheduling not in (None, True, False):
-            raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
-        if self.side_stream not in SIDE_STREAM_MODES:
-            raise ValueError(f"side_stream must be one of {SIDE_STREAM_MODES}, got {self.side_stream!r}")
-        if self.topk_backend not in ("auto", "standard", "persistent", "torch"):
-            raise ValueError(
-                f"topk_backend must be 'auto', 'standard', 'persistent' or 'torch', got {self.topk_backend!r}"
-            )
+        """Types and ranges of every option (sparseserve/config_checks.py); raises ConfigError."""
+        from .config_checks import validate_engine_config
+
+        validate_engine_config(self)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -146,7 +122,7 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu' or 'auto'")
+            raise ConfigError("device='cuda' was asked for but CUDA is not available; use device='cpu' or 'auto'")
         return device
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
@@ -158,5 +134,5 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         if self.dtype not in names:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be 'auto' or one of {sorted(names)}, got {self.dtype!r}")
         return names[self.dtype]

@@ -8,10 +8,12 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from .config import EngineConfig
-from .engine.llm_engine import InvalidRequestError, LLMEngine
+from .engine.llm_engine import LLMEngine
+from .errors import ConfigTypeError, InvalidRequestError, InvalidRequestTypeError
 from .logger import init_logger
 from .outputs import RequestOutput
 from .sampling_params import BeamSearchParams, SamplingParams
+from .validation import split_prompts
 
 
 class LLM:
@@ -26,8 +28,8 @@ class LLM:
         known = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
         unknown = sorted(set(kwargs) - set(known))
         if unknown:
-            raise TypeError(f"LLM() got unsupported arguments: {', '.join(unknown)}; "
-                            f"the supported ones are model and {', '.join(known)}")
+            raise ConfigTypeError(f"LLM() got unsupported arguments: {', '.join(unknown)}; "
+                                  f"the supported ones are model and {', '.join(known)}")
         init_logger()
         self.engine_config = EngineConfig(model=model, **kwargs)
         self.llm_engine = LLMEngine(self.engine_config)
@@ -38,14 +40,15 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = split_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
+            if not isinstance(sampling_params, (list, tuple)):
+                raise InvalidRequestTypeError(f"sampling_params must be a SamplingParams, a list of them (one per "
+                                              f"prompt) or None; got {type(sampling_params).__name__}")
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise InvalidRequestError(

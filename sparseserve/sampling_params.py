@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .errors import SamplingParamsError
+from .validation import ModelLimits, validate_sampling_params
+
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's and vLLM's clamp of a logit bias
 
-
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the message says which and what is allowed."""
+__all__ = ["SamplingParams", "SamplingParamsError"]
 
 
 @dataclass
@@ -79,48 +80,21 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
+    # Token ids of bad_words, filled from the tokenizer when the engine accepts the request.
+    bad_words_token_ids: list[list[int]] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        def fail(msg: str) -> None:
-            raise SamplingParamsError(msg)
+        self.validate()
 
-        if not isinstance(self.n, int) or self.n < 1:
-            fail(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            fail(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            fail(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            fail(f"top_k must be an integer >= 1, or 0 / -1 to disable it, got {self.top_k!r}")
-        if self.top_k == -1:
-            self.top_k = 0
-        if not 0 <= self.min_p <= 1:
-            fail(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            fail(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            fail(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            fail(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                fail(f"{name} must be a non-negative integer or None, got {value!r}")
-        if self.stop is None:
-            self.stop_strings = []
-        elif isinstance(self.stop, str):
-            self.stop_strings = [self.stop]
-        else:
-            self.stop_strings = list(self.stop)
-        if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
-            fail(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if self.stop_token_ids is not None and any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            fail(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+    def validate(self, limits: ModelLimits | None = None) -> None:
+        """Check every field (again: the engine calls this when a request is added, with the model's
+        limits, so a field changed after construction is checked too); raises SamplingParamsError."""
+        validate_sampling_params(self, limits)
+
+        def fail(message: str) -> None:
+            raise SamplingParamsError(message)
+
         self._validate_logits_fields(fail)
-        # Token ids of bad_words, filled from the tokenizer when the engine accepts the request.
-        self.bad_words_token_ids: list[list[int]] = []
         # Whether the sampler must process this request's logits (the runner reads it every step).
         self.needs_logits_processing = bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias

@@ -105,7 +105,7 @@ def test_kv_plan_full_configs(model, gib, capsys):
 def test_kv_plan_default_model(capsys):
     assert main(["kv-plan", "--max-model-len", "4096"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("model: tiny (embedded) (4 layers)") and "compressed state" in out
+    assert out.startswith("model: demo (4 layers)") and "compressed state" in out
 
 
 def test_speculative_tokens_run_or_fail_cleanly(capsys, tmp_path):

@@ -27,7 +27,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # face's data types (SamplingParams in, RequestOutput out) are among them: the engine takes and
 # returns them.
 NEUTRAL = ("sparseserve.config", "sparseserve.envs", "sparseserve.logger", "sparseserve.step_types",
-           "sparseserve.outputs", "sparseserve.sampling_params")
+           "sparseserve.outputs", "sparseserve.sampling_params", "sparseserve.errors", "sparseserve.validation",
+           "sparseserve.config_checks")
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from ..model.loader import DEFAULT_MODEL
 from .throughput import (load_hf_for, run_with_engine, add_workload_args, device_name, free_device_memory, jsonable,
                          random_prompts, run_and_report, synchronize)
 
@@ -198,7 +199,7 @@ def run_hf(args: argparse.Namespace) -> dict:
 def _result(args, prefill, decode, iter_total, iter_prefill, tokens, **extra) -> dict:
     decode_stats = summarize(decode)
     out = {
-        "benchmark": "latency", "backend": args.backend, "model": args.model or "tiny (embedded)",
+        "benchmark": "latency", "backend": args.backend, "model": args.model or DEFAULT_MODEL,
         "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
         "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
         "prefill_step": summarize(prefill), "decode_step": decode_stats,

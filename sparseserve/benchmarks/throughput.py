@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..config import EngineConfig
+from ..model.loader import DEFAULT_MODEL
 from .jit_watch import TritonBuilds
 
 BACKENDS = ("sparseserve", "hf")
@@ -144,7 +145,7 @@ def _result(args, elapsed: float, num_requests: int, prompt_tokens: int, output_
     out = {
         "benchmark": "throughput",
         "backend": args.backend,
-        "model": args.model or "tiny (embedded)",
+        "model": args.model or DEFAULT_MODEL,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "num_prompts": args.num_prompts,

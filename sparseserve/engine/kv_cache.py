@@ -14,13 +14,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, ModelConfig
+from ..errors import ConfigError, RequestTooLargeError
 from .request import Request
 
 KIND_NAMES = {LAYER_CSA: "csa", LAYER_HCA: "hca", LAYER_SLIDING: "sliding"}
 
 
-class RequestTooLargeError(ValueError):
-    """The request can never fit in this engine's cache or context; the message says what to change."""
+__all__ = ["KVPlan", "KVCacheManager", "RequestTooLargeError", "plan_kv"]
 
 
 @dataclass
@@ -87,7 +87,7 @@ def plan_kv(model_config: ModelConfig, dtype_bytes: int, block_size: int, max_st
             num_speculative_tokens: int = 0) -> KVPlan:
     hf = model_config.hf_config
     if block_size % model_config.lcm_rate != 0:
-        raise ValueError(f"block_size must be a multiple of {model_config.lcm_rate} (every compress rate) "
+        raise ConfigError(f"block_size must be a multiple of {model_config.lcm_rate} (every compress rate) "
                          f"for this model, got {block_size}")
     per_token: dict[str, float] = {}
     per_block: dict[str, int] = {}

@@ -13,16 +13,20 @@ from pathlib import Path
 import torch
 
 from ..config import CacheConfig, EngineConfig
-from ..model.loader import load_model, resolve_model_dir
+from ..config_checks import check_memory, check_model_limits
+from ..errors import CheckpointError, ConfigError, InvalidRequestError, RequestTooLargeError
+from ..model.loader import available_memory_bytes, load_model, resolve_model_dir
 from ..model.mtp import load_mtp
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import SamplingParams
 from ..spec_decode.metrics import SpecDecodeMetrics
 from ..step_types import RunnerOutput, SchedulerOutput
+from ..validation import ModelLimits, parse_prompt
 from ..worker.model_runner import LaunchedStep, ModelRunner, RunnerOptions
+from . import isolation
 from .detokenizer import detokenize_incrementally
 from .graph_audit import audit_graph_replays
-from .kv_cache import KVCacheManager, KVPlan, RequestTooLargeError, plan_kv
+from .kv_cache import KVCacheManager, KVPlan, plan_kv
 from .request import Request
 from .sampling_checks import needs_host_state, prepare_logits_fields
 from .scheduler import Scheduler
@@ -32,18 +36,26 @@ logger = logging.getLogger("sparseserve")
 CPU_DEFAULT_CACHE_BYTES = 4 * 1024**3
 
 
-class InvalidRequestError(ValueError):
-    """The request cannot run as given; the message says what to change."""
+__all__ = ["LLMEngine", "InvalidRequestError"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path, explicit: bool = False):
+    """The tokenizer at `path`. A checkpoint without tokenizer files runs on token ids (logged); an
+    explicit `tokenizer=` that does not load, or tokenizer files that do not load, are errors."""
     from transformers import AutoTokenizer
 
+    has_files = path.is_dir() and any((path / f).is_file() for f in TOKENIZER_FILES)
+    if not explicit and not has_files:
+        logger.info("no tokenizer files in %s; prompts must be token ids", path)
+        return None
     try:
         return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        logger.info("no tokenizer loaded from %s (%s); prompts must be token ids", path, exc.__class__.__name__)
-        return None
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad tokenizer
+        what = f"tokenizer={str(path)!r}" if explicit else f"the tokenizer files in {path}"
+        raise CheckpointError(f"{what} could not be loaded ({type(exc).__name__}: {exc}); give a directory with a "
+                              "valid tokenizer.json, or skip_tokenizer_init=True and token-id prompts") from exc
 
 
 class LLMEngine:
@@ -55,10 +67,13 @@ class LLMEngine:
         self.model, self.model_config, self.mtp_tensors = load_model(
             config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed)
         hf = self.model_config.hf_config
+        model_dir, _ = resolve_model_dir(config.model)
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:  # before the state is allocated
+            self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_dir,
+                                            explicit=config.tokenizer is not None)
         self.vocab_size = hf.vocab_size
-        self.max_model_len = int(config.max_model_len or hf.max_position_embeddings)
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self.max_model_len = check_model_limits(config, hf)
         if config.max_num_batched_tokens is not None:
             self.max_num_batched_tokens = config.max_num_batched_tokens
         else:
@@ -72,6 +87,7 @@ class LLMEngine:
         spec_k = config.num_speculative_tokens
         self.kv_plan: KVPlan = plan_kv(self.model_config, dtype_bytes, self.block_size, self.max_num_batched_tokens,
                                        spec_k)
+        self._check_state_fits()
         mtp = (load_mtp(self.model_config, self.mtp_tensors, self.device, self.dtype, config.load_format,
                         config.seed) if spec_k else None)
         self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, config.max_num_seqs,
@@ -93,6 +109,7 @@ class LLMEngine:
                                  else self.device.type == "cuda" and not spec_k)
         self._in_flight: LaunchedStep | None = None
         num_blocks, cache_bytes = self._size_cache()
+        self.cache_bytes = cache_bytes  # the one source of the cache figures (start-up report, kv_report)
         self.runner.allocate_state(num_blocks)
         self.cache_config = CacheConfig(
             block_size=self.block_size, num_gpu_blocks=num_blocks, num_cpu_blocks=0,
@@ -110,11 +127,10 @@ class LLMEngine:
         self.runner.capture_graphs()
         if config.cudagraph_audit:
             audit_graph_replays(self.runner, self.kv, seed=config.seed)
-        model_dir, _ = resolve_model_dir(config.model)
-        self.tokenizer = None
-        if not config.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_dir)
         self.eos_token_id = hf.eos_token_id if isinstance(hf.eos_token_id, int) else None
+        self.limits = ModelLimits(self.vocab_size, self.max_model_len, config.max_logprobs)
+        self._suspects: set[Request] = set()  # requests of a failed async step: they run synchronously
+        self._applying = 0  # index of the chunk whose results _apply is recording (see isolation.py)
         self._rng = random.Random(config.seed)
         self._counter = itertools.count()
         self.requests: dict[str, Request] = {}
@@ -146,43 +162,36 @@ class LLMEngine:
         num_blocks = (cache_bytes - slots_bytes) // max(plan.bytes_per_block, 1)
         if self.config.num_gpu_blocks_override is not None:
             num_blocks = self.config.num_gpu_blocks_override
-            cache_bytes = slots_bytes + num_blocks * plan.bytes_per_block
         elif plan.bytes_per_block == 0:  # sliding-window-only model: no growing state
             num_blocks = self.config.max_num_seqs * plan.blocks_for(self.max_model_len)
         if num_blocks < 1:
-            raise RuntimeError(
-                f"no memory left for the KV cache: {cache_bytes / 1024**3:.2f} GiB available, "
+            given = self.config.kv_cache_memory_bytes
+            raise ConfigError(
+                (f"kv_cache_memory_bytes={given}: " if given is not None else "")
+                + f"no memory left for the KV cache: {cache_bytes / 1024**3:.2f} GiB available, "
                 f"{slots_bytes / 1024**3:.2f} GiB needed for {self.config.max_num_seqs} sequence slots; "
-                "lower max_num_seqs or max_num_batched_tokens, or raise gpu_memory_utilization")
-        return int(num_blocks), int(cache_bytes)
+                "lower max_num_seqs or max_num_batched_tokens, or raise gpu_memory_utilization "
+                "(or kv_cache_memory_bytes)")
+        # What is allocated: the slots and fixed rows plus whole blocks.
+        return int(num_blocks), int(slots_bytes + num_blocks * plan.bytes_per_block)
+
+    def _check_state_fits(self) -> None:
+        """The per-slot state and the fixed rows must fit before anything is allocated for them."""
+        plan, seqs = self.kv_plan, self.config.max_num_seqs
+        tables = (seqs + 1) * -(-self.max_model_len // self.block_size) * 8
+        check_memory(f"max_num_seqs={seqs} (sequence slots, block tables) with max_num_batched_tokens="
+                     f"{self.max_num_batched_tokens}", seqs * plan.bytes_per_slot + plan.fixed_bytes + tables,
+                     available_memory_bytes(self.device), "lower max_num_seqs or max_num_batched_tokens")
 
     # ---- requests ----
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer; pass {'prompt_token_ids': [...]} instead")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
-                    raise InvalidRequestError("prompt_token_ids must be a list of integers")
-                return prompt.get("prompt"), list(ids)
-            if "prompt" in prompt:
-                return self._prompt_ids(prompt["prompt"])
-        raise InvalidRequestError(
-            f"a prompt must be a string or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}")
-
     def validate_request(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """Everything that can be checked before a request is queued; raises with a clear message."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self._prompt_ids(prompt)
+        params.validate(self.limits)  # again: fields may have changed since construction
+        text, ids = parse_prompt(prompt, self.tokenizer, self.vocab_size)
         if not ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
-        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise RequestTooLargeError(
                 f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
@@ -204,12 +213,17 @@ class LLMEngine:
         return min(prompt_len + params.max_tokens, self.max_model_len)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
-        if request_id in self.groups:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.groups or request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use; give each request its own id")
         text, ids = self.validate_request(prompt, params)
         self._add_validated(request_id, text, ids, params)
 
     def _add_validated(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> None:
+        if params.n > 1 and any(f"{request_id}#{i}" in self.requests for i in range(params.n)):
+            raise InvalidRequestError(f"request id {request_id!r} with n={params.n} collides with a running "
+                                      "request's id; give each request its own id")
         children = []
         for index in range(params.n):
             if params.seed is not None:
@@ -238,6 +252,8 @@ class LLMEngine:
                 self._release(req)
                 self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
+            self.runner.draft_probs.pop(req.request_id, None)
+            self._suspects.discard(req)
         self.prompts.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -254,16 +270,20 @@ class LLMEngine:
             # prefix): read the in-flight step back before scheduling the next.
             early, self._in_flight = self._collect(self._in_flight), None
         sched = self.scheduler.schedule()
-        launched = self._launch(sched) if sched.chunks else None
-        if self.async_scheduling:
-            previous, self._in_flight = self._in_flight, launched
-        else:
-            previous = launched
-        if previous is None:
-            if launched is None and self.scheduler.has_unfinished() and not early:
-                raise RuntimeError("the scheduler could schedule nothing while requests wait; this is a bug")
-            return early
-        return early + self._collect(previous)
+        if self._suspects:
+            self._suspects = {r for r in self._suspects if not r.is_finished}
+        if not self.async_scheduling or self._suspects:
+            return early + isolation.run_step(self, sched)  # a failure is narrowed to its request(s)
+        previous = self._in_flight
+        try:
+            launched = self._launch(sched) if sched.chunks else None
+            self._in_flight = launched
+            outputs = self._collect(previous) if previous is not None else []
+        except Exception as exc:  # noqa: BLE001 - isolation.py re-raises engine faults
+            return early + isolation.requeue_after_failure(self, exc, [sched, previous.sched if previous else None])
+        if previous is None and launched is None and self.scheduler.has_unfinished() and not early:
+            raise RuntimeError("the scheduler could schedule nothing while requests wait; this is a bug")
+        return early + outputs
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
         for req in sched.preempted:
@@ -277,12 +297,18 @@ class LLMEngine:
         return launched
 
     def _collect(self, launched: LaunchedStep) -> list[RequestOutput]:
-        result = self.runner.collect(launched)
+        return isolation.apply_isolated(self, launched, self.runner.collect(launched))
+
+    def _apply(self, launched: LaunchedStep, result: RunnerOutput, chunks) -> list[RequestOutput]:
+        """Record a collected step's results for `chunks` (appends, stops, frees) and return the
+        outputs of the groups it finished."""
         finished_groups: set[str] = set()
+        self._applying = -1  # -1 outside the per-request loop: an error there is no request's
         # Speculation and prompt logprobs need the full bookkeeping below; plain steps skip it.
         plain = not (result.num_accepted or result.drafts or result.prompt_logprobs)
         sampled_by_id = result.sampled
-        for chunk in launched.sched.chunks:
+        for i, chunk in enumerate(chunks):
+            self._applying = i
             req = chunk.request
             if chunk.completes:
                 req.num_pending_tokens -= 1
@@ -311,6 +337,7 @@ class LLMEngine:
                 finished_groups.add(self._group_of(req))
             elif not plain:
                 req.draft_token_ids = result.drafts.get(req.request_id, [])
+        self._applying = -1
         self.spec_metrics.maybe_log()
         outputs = []
         for group_id in finished_groups:
@@ -324,7 +351,7 @@ class LLMEngine:
             self._num_host_state -= 1
 
     def _group_of(self, req: Request) -> str:
-        return req.request_id.split("#", 1)[0] if req.params.n > 1 else req.request_id
+        return req.request_id.rsplit("#", 1)[0] if req.params.n > 1 else req.request_id
 
     def _decode_token(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
@@ -396,8 +423,19 @@ class LLMEngine:
                              metrics={"num_preemptions": sum(r.num_preemptions for r in children)})
 
     def kv_report(self, max_model_len: int | None = None) -> str:
-        cache_bytes = self.cache_config.num_gpu_blocks * self.kv_plan.bytes_per_block
-        return self.kv_plan.report(max_model_len or self.max_model_len, cache_bytes)
+        return self.kv_plan.report(max_model_len or self.max_model_len, self.cache_bytes)
 
     def all_cache_free(self) -> bool:
         return self.kv.all_free()
+
+    def debug_state_counts(self) -> dict[str, int]:
+        """Counts of every per-request structure (all zero when the engine is idle: nothing leaked)."""
+        kv = self.kv
+        return {"requests": len(self.requests), "groups": len(self.groups), "prompts": len(self.prompts),
+                "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                "used_blocks": kv.num_blocks - len(set(kv.free_blocks)),
+                "used_slots": kv.num_slots - len(set(kv.free_slots)),
+                "double_freed": len(kv.free_blocks) - len(set(kv.free_blocks))
+                + len(kv.free_slots) - len(set(kv.free_slots)),
+                "draft_probs": len(self.runner.draft_probs), "in_flight": int(self._in_flight is not None),
+                "suspects": sum(not r.is_finished for r in self._suspects)}

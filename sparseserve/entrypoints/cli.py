@@ -1,27 +1,75 @@
 """The `sparseserve` command: generate, bench throughput, bench latency, kv-plan.
 
 Every option of `LLM(...)` is a flag with the same name (dashes for underscores), for
-`generate` and both `bench` commands.
+`generate` and both `bench` commands. Errors are one line on stderr: exit code 2 for a bad value
+(checked before the model loads where it can be), 1 for a run that failed;
+SPARSESERVE_LOGGING_LEVEL=DEBUG prints the traceback too.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
+import os
 import sys
+import traceback
 
-from ..config import ModelConfig
+from ..config import EngineConfig, ModelConfig
 from ..engine_args import parse_bool, add_engine_args, engine_kwargs
 
 DEFAULT_PROMPTS = ["A class definition", "The for statement is used to", "The import statement"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line that says what to change (exit code 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {value}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def check_engine_args(kwargs: dict) -> None:
+    """The engine options' values, and the limits the model's config.json sets, before any weights load."""
+    from ..config_checks import check_model_limits
+    from ..model.loader import load_hf_config, resolve_model_dir
+
+    config = EngineConfig(**{k: v for k, v in kwargs.items() if k in {f.name for f in dataclasses.fields(EngineConfig)}})
+    config.validate()
+    model_dir, overrides = resolve_model_dir(config.model)
+    check_model_limits(config, load_hf_config(model_dir, {**overrides, **(config.hf_overrides or {})}))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from ..llm import LLM
     from ..sampling_params import SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             max_tokens=args.max_tokens, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    kwargs = engine_kwargs(args)
+    check_engine_args(kwargs)
+    llm = LLM(**kwargs)
     prompts = args.prompt or DEFAULT_PROMPTS
     for out in llm.generate(prompts, params, use_tqdm=False):
         print(f"Prompt: {out.prompt!r}\nGenerated: {out.outputs[0].text!r}  "
@@ -33,7 +81,7 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
 
 
     from ..engine.kv_cache import plan_kv
-    from ..model.loader import load_hf_config, resolve_model_dir
+    from ..model.loader import DEFAULT_MODEL, load_hf_config, resolve_model_dir
 
     model_dir, overrides = resolve_model_dir(args.model)
     overrides.update(args.hf_overrides or {})
@@ -43,7 +91,11 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
     plan = plan_kv(model_config, dtype_bytes, block_size, args.max_num_batched_tokens or 8192,
                    args.num_speculative_tokens)
     cache_bytes = int(args.gpu_memory_gb * 1024**3) if args.gpu_memory_gb else None
-    print(f"model: {args.model or 'tiny (embedded)'} ({model_config.num_layers} layers)")
+    positions = model_config.hf_config.max_position_embeddings
+    if args.max_model_len > positions:
+        print(f"note: --max-model-len {args.max_model_len} exceeds the model's max_position_embeddings "
+              f"({positions}); the engine refuses it", file=sys.stderr)
+    print(f"model: {args.model or DEFAULT_MODEL} ({model_config.num_layers} layers)")
     print(plan.report(args.max_model_len, cache_bytes))
     gib = 1024**3
     dtype_name = "bfloat16" if args.dtype == "auto" else args.dtype
@@ -58,6 +110,9 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from ..benchmarks import throughput
 
+    if getattr(args, "backend", "engine") == "engine":
+        check_engine_args(engine_kwargs(args))
+
     throughput.run(args)
     return 0
 
@@ -65,15 +120,22 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     from ..benchmarks import latency
 
+    if getattr(args, "backend", "engine") == "engine":
+        check_engine_args(engine_kwargs(args))
+
     latency.run(args)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparseserve", description=__doc__)
+    from .. import __version__
+
+    parser = _Parser(prog="sparseserve", description=__doc__, allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"sparseserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate completions (the embedded model when --model is absent)")
+    gen = sub.add_parser("generate", help="generate completions (the embedded model when --model is absent)",
+                         allow_abbrev=False)
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -85,41 +147,56 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", type=parse_bool, nargs="?", const=True, default=False)
     gen.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency", allow_abbrev=False)
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from ..benchmarks.latency import add_latency_args
     from ..benchmarks.throughput import add_throughput_args
 
-    tput = bench_sub.add_parser("throughput", help="offline throughput on random-token prompts (vLLM's output)")
+    tput = bench_sub.add_parser("throughput", help="offline throughput on random-token prompts (vLLM's output)",
+                                allow_abbrev=False)
     add_engine_args(tput)
     add_throughput_args(tput)
     tput.set_defaults(func=cmd_bench_throughput)
 
-    lat = bench_sub.add_parser("latency", help="time per prefill and per decode step, with percentiles")
+    lat = bench_sub.add_parser("latency", help="time per prefill and per decode step, with percentiles",
+                               allow_abbrev=False)
     add_engine_args(lat)
     add_latency_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
 
-    kv = sub.add_parser("kv-plan", help="bytes per token and per sequence by layer kind, without loading weights")
-    kv.add_argument("--model", default=None, help="checkpoint directory or preset")
-    kv.add_argument("--max-model-len", type=int, required=True)
-    kv.add_argument("--gpu-memory-gb", type=float, default=None, help="cache memory to plan concurrency for")
+    kv = sub.add_parser("kv-plan", help="bytes per token and per sequence by layer kind, without loading weights",
+                        allow_abbrev=False)
+    kv.add_argument("--model", default=None, help="checkpoint directory or preset (default: demo)")
+    kv.add_argument("--max-model-len", type=_int_at_least(2), required=True)
+    kv.add_argument("--gpu-memory-gb", type=_positive_float, default=None, help="cache memory to plan concurrency for")
     kv.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float16", "float32"])
-    kv.add_argument("--block-size", type=int, default=None)
-    kv.add_argument("--max-num-batched-tokens", type=int, default=None)
+    kv.add_argument("--block-size", type=_int_at_least(1), default=None)
+    kv.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=None)
     kv.add_argument("--hf-overrides", type=json.loads, default=None)
-    kv.add_argument("--num-speculative-tokens", type=int, default=0, help="window rings hold this many rows more")
+    kv.add_argument("--num-speculative-tokens", type=_int_at_least(0), default=0,
+                    help="window rings hold this many rows more")
     kv.set_defaults(func=cmd_kv_plan)
     return parser
+
+
+USAGE_ERRORS = (ValueError, TypeError, NotImplementedError)  # a value to change: exit code 2
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, NotImplementedError, MemoryError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every error becomes one line (and an exit code)
+        if os.environ.get("SPARSESERVE_LOGGING_LEVEL", "").upper() == "DEBUG":
+            traceback.print_exc()
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        if not isinstance(exc, USAGE_ERRORS):
+            message = f"{type(exc).__name__}: {message}"
+        print(f"error: {message}", file=sys.stderr)
+        return 2 if isinstance(exc, USAGE_ERRORS) else 1
 
 
 if __name__ == "__main__":

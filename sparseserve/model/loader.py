@@ -18,6 +18,8 @@ from safetensors import SafetensorError, safe_open
 from transformers import DeepseekV4Config
 
 from ..config import ModelConfig
+from ..errors import CheckpointError
+from .config_checks import check_hf_config, check_override_keys, check_raw_config, check_tensor_dtype
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .layers.fused_linear import pack_projections
 
@@ -43,8 +45,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
 KEEP_FP32 = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "norm")
 
 
-class CheckpointError(ValueError):
-    """The checkpoint directory cannot be loaded as it is; the message names the problem."""
+__all__ = ["CheckpointError", "load_model", "resolve_model_dir", "load_hf_config"]
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> tuple[Path, dict]:
@@ -74,10 +75,12 @@ def load_hf_config(model_dir: Path, hf_overrides: dict | None = None) -> Deepsee
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+    check_raw_config(raw, str(config_path))
     if raw.get("model_type") not in (None, "deepseek_v4"):
         raise CheckpointError(f"{config_path}: model_type is {raw.get('model_type')!r}, expected 'deepseek_v4'")
     raw.pop("quantization_config", None)  # weights are served in bf16/fp32; fp8 files are rejected at load
     overrides = dict(hf_overrides or {})
+    check_override_keys(overrides)
     if "layer_types" in overrides or "num_hidden_layers" in overrides:
         raw.pop("compress_ratios", None)
     if "layer_types" in overrides:
@@ -85,10 +88,14 @@ def load_hf_config(model_dir: Path, hf_overrides: dict | None = None) -> Deepsee
     raw.update(overrides)
     for key in ("architectures", "transformers_version", "torch_dtype"):
         raw.pop(key, None)
+    where = f"{config_path}" + (f" with hf_overrides {overrides}" if overrides else "")
     try:
-        return DeepseekV4Config(**raw)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{config_path}: invalid DeepSeek-V4 config: {exc}") from exc
+        hf = DeepseekV4Config(**raw)
+    except Exception as exc:  # noqa: BLE001 - transformers' config validators raise their own types
+        message = " ".join(str(exc).split())
+        raise CheckpointError(f"{where}: invalid DeepSeek-V4 config: {message}") from exc
+    check_hf_config(hf, where)
+    return hf
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -140,8 +147,7 @@ def apply_weights(model: DeepseekV4ForCausalLM, tensors: dict[str, torch.Tensor]
             raise CheckpointError(
                 f"tensor {name} has shape {tuple(value.shape)}, the config implies {tuple(target.shape)}"
             )
-        if value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise CheckpointError(f"tensor {name} is fp8; fp8 checkpoints are not supported yet (use a bf16 copy)")
+        check_tensor_dtype(name, value, target)
     with torch.no_grad():
         for name, value in main.items():
             expected[name].copy_(value)

@@ -7,13 +7,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DeepseekV4Config
 
+from .names import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, SIDE_STREAM_MODES  # noqa: F401 (re-exported)
+
 from .errors import ConfigError
 
-LAYER_SLIDING = "sliding_attention"
-LAYER_CSA = "compressed_sparse_attention"
-LAYER_HCA = "heavily_compressed_attention"
 
-SIDE_STREAM_MODES = ("auto", "graphs", "always", "never")
 
 
 @dataclass

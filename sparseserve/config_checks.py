@@ -12,6 +12,7 @@ import os
 import torch
 
 from .errors import ConfigError, ConfigTypeError
+from .names import SIDE_STREAM_MODES
 from .validation import check_bool, check_choice, check_float, check_int, is_int
 
 DTYPE_NAMES = ("auto", "float32", "float", "bfloat16", "float16", "half")
@@ -80,7 +81,7 @@ def _check_hf_overrides(value) -> None:
     if not isinstance(value, dict):
         raise ConfigTypeError(f"hf_overrides must be a dict of config.json keys to values, or None; "
                               f"got {value!r} ({type(value).__name__})")
-    from .model.config_checks import check_override_keys
+    from .checkpoint_checks import check_override_keys
 
     check_override_keys(value)
 
@@ -111,7 +112,6 @@ def validate_engine_config(config) -> None:
     check_float(config.step_timeout_s, _name("step_timeout_s"), ConfigError, 0.0, lo_open=True)
     check_choice(config.load_format, _name("load_format"), ConfigError, LOAD_FORMATS)
     check_choice(config.topk_backend, _name("topk_backend"), ConfigError, TOPK_BACKENDS)
-    from .config import SIDE_STREAM_MODES
     check_choice(config.side_stream, _name("side_stream"), ConfigError, SIDE_STREAM_MODES)
     _check_speculative(config.speculative_config)
     _check_hf_overrides(config.hf_overrides)

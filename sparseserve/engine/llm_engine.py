@@ -252,7 +252,7 @@ class LLMEngine:
                 self._release(req)
                 self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
-            self.runner.draft_probs.pop(req.request_id, None)
+            self.runner.forget(req.request_id)
             self._suspects.discard(req)
         self.prompts.pop(request_id, None)
 

@@ -15,6 +15,7 @@ import os
 import sys
 import traceback
 
+from .. import envs
 from ..config import EngineConfig, ModelConfig
 from ..engine_args import parse_bool, add_engine_args, engine_kwargs
 
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - every error becomes one line (and an exit code)
-        if os.environ.get("SPARSESERVE_LOGGING_LEVEL", "").upper() == "DEBUG":
+        if envs.logging_level() == "DEBUG":
             traceback.print_exc()
         message = " ".join(str(exc).split()) or type(exc).__name__
         if not isinstance(exc, USAGE_ERRORS):

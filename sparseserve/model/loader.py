@@ -19,7 +19,7 @@ from transformers import DeepseekV4Config
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
-from .config_checks import check_hf_config, check_override_keys, check_raw_config, check_tensor_dtype
+from ..checkpoint_checks import check_hf_config, check_override_keys, check_raw_config, check_tensor_dtype
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .layers.fused_linear import pack_projections
 

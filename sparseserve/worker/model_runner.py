@@ -180,6 +180,11 @@ class ModelRunner:
             self.speculator = MTPSpeculator(self.mtp, self.model, mtp_state, self.options.num_speculative_tokens,
                                             self.mtp_forward)
 
+    @property
+    def draft_probs(self) -> dict:
+        """The speculator's per-request draft distributions (empty without speculation)."""
+        return self.speculator.draft_probs if self.speculator is not None else {}
+
     def forget(self, request_id: str) -> None:
         """Drop per-request speculation state (the request finished, was aborted or preempted)."""
         if self.speculator is not None:

@@ -12,9 +12,9 @@ import numbers
 import torch
 from transformers import DeepseekV4Config
 
-from ..config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING
-from ..errors import CheckpointError, ConfigError
-from ..validation import is_int
+from .names import LAYER_CSA, LAYER_HCA, LAYER_SLIDING
+from .errors import CheckpointError, ConfigError
+from .validation import is_int
 
 LEGACY_KEYS = ("compress_ratios", "num_hash_layers", "qk_rope_head_dim", "model_type", "quantization_config",
                "expert_dtype", "architectures", "transformers_version", "torch_dtype")

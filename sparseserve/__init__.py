@@ -1,7 +1,7 @@
 """sparseserve: an inference engine for DeepSeek-V4-class sparse-attention models."""
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind"]
 __version__ = "0.1.0"

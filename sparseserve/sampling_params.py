@@ -1,7 +1,16 @@
 """SamplingParams with vLLM's names and semantics, validated on construction."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step()` returns for a request that advanced (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything generated so far, every step
+    DELTA = 1  # only what is new since the request's last output
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 class SamplingParamsError(ValueError):
@@ -25,6 +34,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -55,6 +65,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 fail(f"{name} must be a non-negative integer or None, got {value!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.stop is None:
             self.stop_strings = []
         elif isinstance(self.stop, str):

@@ -181,7 +181,7 @@ def report_lines(s: dict) -> list[str]:
              f"Total token throughput (tok/s):          {s['total_token_throughput']:.2f}"]
     for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
                        ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
-        lines.append(f"{('-' * 15 + title + '-' * 15)[:50]}")
+        lines.append(f"{title:-^50}")
         for stat, value in s[key].items():
             lines.append(f"{(stat.capitalize() + ' ' + key.split('_')[0].upper() + ' (ms):'):<41}{value:.2f}")
     if s["errors"]:

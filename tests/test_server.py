@@ -298,3 +298,81 @@ def test_sparseserve_serve_command_starts_and_stops():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+class _ScriptedEngine:
+    """Stands in for AsyncLLMEngine and answers every request with one fixed output, cut into the
+    given pieces (DELTA) or whole (FINAL_ONLY): the HTTP and parsing path of a tool-calling V4 model."""
+
+    def __init__(self, tokenizer, pieces):
+        from types import SimpleNamespace
+
+        from sparseserve.spec_decode.metrics import SpecDecodeMetrics
+
+        self.tokenizer, self.pieces = tokenizer, pieces
+        self.engine = SimpleNamespace(max_model_len=4096, vocab_size=512, spec_metrics=SpecDecodeMetrics())
+        self.is_running, self.error = True, None
+
+    def validate(self, prompt, params):
+        return prompt.get("prompt"), prompt["prompt_token_ids"]
+
+    def stats(self):
+        from sparseserve.engine.async_engine import EngineStats
+        return EngineStats(0, 0, 0.0, 1, 1, 1, 1)
+
+    async def generate(self, prompt, params, request_id):
+        from sparseserve.outputs import CompletionOutput, RequestOutput
+        from sparseserve.sampling_params import RequestOutputKind
+
+        ids = prompt["prompt_token_ids"]
+        pieces = self.pieces if params.output_kind is RequestOutputKind.DELTA else ["".join(self.pieces)]
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            tokens = [7] * (1 if params.output_kind is RequestOutputKind.DELTA else len(self.pieces))
+            yield RequestOutput(request_id, None, ids, [CompletionOutput(0, piece, tokens, None, None,
+                                                                         "stop" if last else None)], last)
+
+
+def test_streamed_tool_calls_and_reasoning_over_http(tmp_path):
+    import re
+
+    from transformers import AutoTokenizer
+
+    from sparseserve.entrypoints.openai.api_server import ServerThread, build_app
+
+    D = "｜DSML｜"
+    text = (f"Need the weather.</think>Let me check.\n\n<{D}tool_calls>\n<{D}invoke name=\"get_weather\">\n"
+            f"<{D}parameter name=\"city\" string=\"true\">Paris</{D}parameter>\n"
+            f"<{D}parameter name=\"days\" string=\"false\">3</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>")
+    pieces = re.findall(r"<｜|｜>|\w+|\s|.", text)
+    tokenizer = AutoTokenizer.from_pretrained(str(write_v4_tokenizer(tmp_path / "tok")))
+    port = free_port()
+    server = ServerThread(build_app(_ScriptedEngine(tokenizer, pieces), ["v4"]), "127.0.0.1", port)
+    server.start()
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+        kw = dict(model="v4", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
+                  extra_body={"chat_template_kwargs": {"thinking": True}})
+        whole = c.chat.completions.create(**kw)
+        msg = whole.choices[0].message
+        assert whole.choices[0].finish_reason == "tool_calls"
+        assert msg.content == "Let me check." and msg.model_extra["reasoning_content"] == "Need the weather."
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == [
+            ("get_weather", {"city": "Paris", "days": 3})]
+        reasoning, content, calls, finish = "", "", {}, None
+        for chunk in c.chat.completions.create(**kw, stream=True):
+            delta = chunk.choices[0].delta
+            assert D not in (delta.content or "") and "</think>" not in (delta.content or "")
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            content += delta.content or ""
+            for t in delta.tool_calls or []:
+                call = calls.setdefault(t.index, {"name": "", "arguments": ""})
+                call["name"] += t.function.name or ""
+                call["arguments"] += t.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert (reasoning, content, finish) == ("Need the weather.", "Let me check.", "tool_calls")
+        assert [(v["name"], json.loads(v["arguments"])) for v in calls.values()] == [
+            ("get_weather", {"city": "Paris", "days": 3})]
+    finally:
+        server.stop()

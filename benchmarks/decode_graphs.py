@@ -23,8 +23,8 @@ import time
 import torch
 
 from benchmarks import result_file
-from sparseserve import LLM, SamplingParams
 from benchmarks.ceilings import hbm_bandwidth
+from sparseserve import LLM, RequestOutputKind, SamplingParams
 from sparseserve.benchmarks.throughput import free_device_memory, synchronize
 
 
@@ -56,7 +56,8 @@ def engine_with_requests(model: str, batch: int, enforce_eager: bool, steps: int
     for i in range(batch):
         ids = torch.randint(10, engine.vocab_size, (prompt_len,), generator=gen).tolist()
         engine.add_request(f"r{i}", {"prompt_token_ids": ids},
-                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True,
+                                          output_kind=RequestOutputKind.FINAL_ONLY))
     return llm
 
 

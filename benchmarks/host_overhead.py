@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from sparseserve import LLM, SamplingParams
+from sparseserve import LLM, RequestOutputKind, SamplingParams
 from sparseserve.model.loader import CONFIGS_DIR
 from sparseserve.worker import model_runner
 
@@ -56,7 +56,8 @@ def measure(batch: int, steps: int, async_scheduling: bool, prompt_len: int = 20
     engine = llm.llm_engine
     runner = engine.runner
     runner.pad_like_graphs = True  # decode steps built as on CUDA (padded to a bucket)
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(batch):
         engine.add_request(f"r{i}", {"prompt_token_ids": [10 + (i + j) % 400 for j in range(prompt_len)]}, params)
     while not all(r.output_token_ids for r in engine.requests.values()):

@@ -12,7 +12,7 @@ from .engine.llm_engine import LLMEngine
 from .errors import ConfigTypeError, InvalidRequestError, InvalidRequestTypeError
 from .logger import init_logger
 from .outputs import RequestOutput
-from .sampling_params import BeamSearchParams, SamplingParams
+from .sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from .validation import split_prompts
 
 
@@ -53,6 +53,13 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise InvalidRequestError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
+        # generate() returns finished requests only: ask the engine for nothing else.
+        final_only: dict[int, SamplingParams] = {}
+        for i, sp in enumerate(params_list):
+            if isinstance(sp, SamplingParams) and sp.output_kind is not RequestOutputKind.FINAL_ONLY:
+                if id(sp) not in final_only:
+                    final_only[id(sp)] = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                params_list[i] = final_only[id(sp)]
         engine = self.llm_engine
         # Validate everything first: a bad prompt raises before anything is queued.
         validated = [engine.validate_request(p, sp) for p, sp in zip(prompts, params_list)]
@@ -113,7 +120,7 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
-                    if output.request_id not in wanted:
+                    if not output.finished or output.request_id not in wanted:
                         continue
                     results[output.request_id] = output
                     in_tokens += len(output.prompt_token_ids)

@@ -1,6 +1,7 @@
 """SamplingParams with vLLM's names and semantics, validated on construction."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from .errors import SamplingParamsError
@@ -8,7 +9,7 @@ from .validation import ModelLimits, validate_sampling_params
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's and vLLM's clamp of a logit bias
 
-__all__ = ["SamplingParams", "SamplingParamsError"]
+__all__ = ["SamplingParams", "SamplingParamsError", "RequestOutputKind"]
 
 
 @dataclass
@@ -54,6 +55,14 @@ class StructuredOutputsParams:
                 bool(self.json_object), self.disable_any_whitespace, self.disable_additional_properties)
 
 
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step()` returns for a request that advanced (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything generated so far, every step
+    DELTA = 1  # only what is new since the request's last output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -79,6 +88,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
     # Token ids of bad_words, filled from the tokenizer when the engine accepts the request.
     bad_words_token_ids: list[list[int]] = field(init=False, repr=False, default_factory=list)
@@ -95,6 +105,8 @@ class SamplingParams:
             raise SamplingParamsError(message)
 
         self._validate_logits_fields(fail)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         # Whether the sampler must process this request's logits (the runner reads it every step).
         self.needs_logits_processing = bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias

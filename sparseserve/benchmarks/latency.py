@@ -112,11 +112,11 @@ def roofline(model: str | None, hf_overrides: dict | None, batch: int, input_len
 
 # ---- the two backends ----
 def _engine_iterations(args, llm, prompts_for) -> tuple[list, list, list, list, list]:
-    from ..sampling_params import SamplingParams
+    from ..sampling_params import RequestOutputKind, SamplingParams
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
-                            detokenize=not args.disable_detokenize)
+                            detokenize=not args.disable_detokenize, output_kind=RequestOutputKind.FINAL_ONLY)
     # Under async scheduling a step launches one step and reads back the one before, so its time would
     # mix two steps: time synchronous steps unless --async-scheduling was given explicitly.
     was_async = engine.async_scheduling

@@ -18,7 +18,7 @@ from ..errors import CheckpointError, ConfigError, InvalidRequestError, RequestT
 from ..model.loader import available_memory_bytes, load_model, resolve_model_dir
 from ..model.mtp import load_mtp
 from ..outputs import CompletionOutput, Logprob, RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import RequestOutputKind, SamplingParams
 from ..spec_decode.metrics import SpecDecodeMetrics
 from ..step_types import RunnerOutput, SchedulerOutput
 from ..validation import ModelLimits, parse_prompt
@@ -261,7 +261,8 @@ class LLMEngine:
 
     # ---- stepping ----
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch a step, and return the requests it finished. With async scheduling
+        """Schedule and launch a step, and return the new output of every request that advanced, as its
+        `SamplingParams.output_kind` asks (CUMULATIVE, DELTA or FINAL_ONLY). With async scheduling
         the step launched here is read back by the next call, so the host's bookkeeping and the next
         schedule overlap the GPU's work (outputs arrive one call later)."""
         early: list[RequestOutput] = []
@@ -304,6 +305,7 @@ class LLMEngine:
         outputs of the groups it finished."""
         finished_groups: set[str] = set()
         self._applying = -1  # -1 outside the per-request loop: an error there is no request's
+        advanced_groups: set[str] = set()
         # Speculation and prompt logprobs need the full bookkeeping below; plain steps skip it.
         plain = not (result.num_accepted or result.drafts or result.prompt_logprobs)
         sampled_by_id = result.sampled
@@ -325,7 +327,10 @@ class LLMEngine:
             elif req.draft_token_ids:
                 req.draft_token_ids = []
             finished = False
-            for sampled in sampled_by_id.get(req.request_id, ()):
+            samples = sampled_by_id.get(req.request_id, ())
+            if samples and req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                advanced_groups.add(self._group_of(req))
+            for sampled in samples:
                 new_text = self._append_token(req, sampled)
                 if self._check_stop(req, len(new_text)):
                     finished = True
@@ -343,6 +348,10 @@ class LLMEngine:
         for group_id in finished_groups:
             if all(r.is_finished for r in self.groups[group_id]):
                 outputs.append(self._make_output(group_id))
+                advanced_groups.discard(group_id)
+        for group_id in advanced_groups:
+            if group_id in self.groups:
+                outputs.append(self._make_output(group_id, final=False))
         return outputs
 
     def _release(self, req: Request) -> None:
@@ -408,18 +417,44 @@ class LLMEngine:
         req.stop_reason = stop_reason
         return True
 
-    def _make_output(self, group_id: str) -> RequestOutput:
-        children = self.groups.pop(group_id)
-        text, ids = self.prompts.pop(group_id)
+    def _make_output(self, group_id: str, final: bool = True) -> RequestOutput:
+        """The group's output; `final` pops its state. A DELTA output carries what is new since the last
+        one (children that did not advance are left out); text that may still become part of a stop
+        string is held back until the request finishes."""
+        if final:
+            children = self.groups.pop(group_id)
+            text, ids = self.prompts.pop(group_id)
+        else:
+            children = self.groups[group_id]
+            text, ids = self.prompts[group_id]
+        delta = children[0].params.output_kind is RequestOutputKind.DELTA
         completions = []
         for index, req in enumerate(children):
-            self.requests.pop(req.request_id, None)
+            if final:
+                self.requests.pop(req.request_id, None)
+            full_text = req.text
+            if not req.is_finished and req.params.stop_strings:
+                full_text = full_text[:max(0, len(full_text) - max(map(len, req.params.stop_strings)) + 1)]
+            tokens, logprobs, out_text = req.output_token_ids, req.logprobs, full_text
+            if delta:
+                if req.num_emitted_tokens < 0:
+                    continue  # finished earlier; its last delta is out
+                start, start_chars = req.num_emitted_tokens, req.num_emitted_chars
+                if start == len(tokens) and start_chars == len(full_text) and not req.is_finished:
+                    continue
+                tokens = tokens[start:]
+                logprobs = logprobs[start:] if logprobs is not None else None
+                out_text = full_text[start_chars:]
+                req.num_emitted_tokens, req.num_emitted_chars = len(req.output_token_ids), len(full_text)
+                if req.is_finished:
+                    req.num_emitted_tokens = -1  # its final delta is out
             completions.append(CompletionOutput(
-                index=index, text=req.text, token_ids=list(req.output_token_ids),
+                index=index, text=out_text, token_ids=list(tokens),
                 cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-                logprobs=req.logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason))
+                logprobs=list(logprobs) if logprobs is not None and not final else logprobs,
+                finish_reason=req.finish_reason, stop_reason=req.stop_reason))
         return RequestOutput(request_id=group_id, prompt=text, prompt_token_ids=ids, outputs=completions,
-                             finished=True, prompt_logprobs=children[0].prompt_logprobs,
+                             finished=final, prompt_logprobs=children[0].prompt_logprobs,
                              metrics={"num_preemptions": sum(r.num_preemptions for r in children)})
 
     def kv_report(self, max_model_len: int | None = None) -> str:

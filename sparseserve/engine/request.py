@@ -42,6 +42,9 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # How much of the output the last DELTA output carried (tokens, characters of text)
+    num_emitted_tokens: int = 0
+    num_emitted_chars: int = 0
     # Incremental detokenisation offsets (see engine/detokenizer.py)
     prefix_offset: int = 0
     read_offset: int = 0

@@ -1,4 +1,4 @@
-"""The `sparseserve` command: generate, bench throughput, bench latency, kv-plan.
+"""The `sparseserve` command: generate, serve, bench throughput, bench latency, bench serve, kv-plan.
 
 Every option of `LLM(...)` is a flag with the same name (dashes for underscores), for
 `generate` and both `bench` commands. Errors are one line on stderr: exit code 2 for a bad value
@@ -128,6 +128,45 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .openai.api_server import ServerConfig, run_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}); give one")
+        args.model = args.model_tag
+    names = args.served_model_name
+    run_server(engine_kwargs(args), ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                                                 served_model_names=names,
+                                                 max_waiting_requests=args.max_waiting_requests,
+                                                 log_level=args.uvicorn_log_level))
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from ..benchmarks import serve
+
+    summary = serve.run(args)
+    return 0 if summary["failed"] == 0 else 1
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    import os
+
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="checkpoint directory or preset (the embedded demo model when absent)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("SPARSESERVE_API_KEY"),
+                        help="clients must send 'Authorization: Bearer KEY' (default: $SPARSESERVE_API_KEY)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model names the API accepts (the first is reported); default: the model argument")
+    parser.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="requests waiting for a seat at most; more are answered 503 at once")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
@@ -148,7 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", type=parse_bool, nargs="?", const=True, default=False)
     gen.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency", allow_abbrev=False)
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)", allow_abbrev=False)
+    add_serve_args(srv)
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve", allow_abbrev=False)
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from ..benchmarks.latency import add_latency_args
     from ..benchmarks.throughput import add_throughput_args
@@ -164,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(lat)
     add_latency_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
+
+    from ..benchmarks.serve import add_serve_args as add_bench_serve_args
+
+    bsrv = bench_sub.add_parser("serve", help="load generator against a running server (TTFT, TPOT, ITL, throughput)",
+                                allow_abbrev=False)
+    add_bench_serve_args(bsrv)
+    bsrv.set_defaults(func=cmd_bench_serve)
 
     kv = sub.add_parser("kv-plan", help="bytes per token and per sequence by layer kind, without loading weights",
                         allow_abbrev=False)

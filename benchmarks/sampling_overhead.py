@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sparseserve import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from sparseserve import LLM, RequestOutputKind, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 # Unbounded, so the requests of the timed steps do not end early by completing the grammar.
 SCHEMA = {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}}},
@@ -41,7 +41,8 @@ def workload(batch: int, prompt_len: int, max_tokens: int, vocab: int, with_feat
         if with_features and i % 4 == 0:
             extra = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2,
                          logit_bias={5: 1.0}, structured_outputs=StructuredOutputsParams(json=SCHEMA))
-        params.append(SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True, **extra))
+        params.append(SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True,
+                                     output_kind=RequestOutputKind.FINAL_ONLY, **extra))
     return prompts, params
 
 

@@ -5,6 +5,8 @@ Engine choices are `LLM(...)` options, not variables; what is here serves diagno
     SPARSESERVE_LOGGING_LEVEL    the package logger's level (DEBUG, INFO, WARNING, ERROR; default INFO)
     SPARSESERVE_DISABLE_KERNELS  comma-separated kernel names (or `all`) that run their plain-PyTorch
                                  reference on CUDA too (names: kernels/dispatch.py); read at import
+    SPARSESERVE_API_KEY          the key `sparseserve serve` requires when --api-key is not given (vLLM's
+                                 VLLM_API_KEY); unset: no key
     TRITON_INTERPRET             Triton's own switch (1: kernels run on the CPU in its interpreter);
                                  read here so that kernels can tell, never set here
 """
@@ -28,3 +30,7 @@ def triton_interpret() -> bool:
     """Whether Triton runs its interpreter (TRITON_INTERPRET set to anything but 0)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
 
+
+def api_key() -> str | None:
+    """SPARSESERVE_API_KEY, or None when unset or empty."""
+    return os.environ.get("SPARSESERVE_API_KEY", "").strip() or None

@@ -1,6 +1,5 @@
 """LLM.beam_search against a plain beam search over the model's raw logits (vLLM's algorithm and
 score), and LLM.chat through the model's chat format."""
-import importlib.util
 
 import pytest
 import torch
@@ -69,12 +68,14 @@ def test_beam_search_params_are_validated():
         BeamSearchParams(beam_width=2, max_tokens=0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sparseserve.chat") is None,
-                    reason="sparseserve.chat (render_chat, built with the server) is not in this tree yet")
-def test_chat_encodes_with_the_chat_format(llm):
-    from sparseserve.chat import render_chat
+def test_chat_encodes_with_the_chat_format(tmp_path):
+    """LLM.chat renders the model's chat format (DeepSeek-V4's, on a test tokenizer with its role tokens) and
+    generates from exactly those tokens; the embedded models have no chat format and refuse chat."""
+    from server_utils import write_v4_tokenizer
 
-    demo = LLM(device="cpu", max_model_len=256)
+    from sparseserve.chat import ChatFormatError, render_chat
+
+    demo = LLM(TINY, tokenizer=str(write_v4_tokenizer(tmp_path / "v4tok")), device="cpu", max_model_len=256)
     tok = demo.get_tokenizer()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
     params = SamplingParams(temperature=0, max_tokens=6)
@@ -85,3 +86,5 @@ def test_chat_encodes_with_the_chat_format(llm):
     assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     both = demo.chat([messages, messages[1:]], params, use_tqdm=False)
     assert len(both) == 2 and both[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+    with pytest.raises(ChatFormatError, match="no chat format"):
+        LLM(TINY, device="cpu", max_model_len=256).chat(messages, params, use_tqdm=False)

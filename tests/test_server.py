@@ -139,8 +139,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ""}, "empty"),
     ("/v1/completions", {"prompt": [1, 2, 99999]}, "vocabulary"),
     ("/v1/completions", {"prompt": [5] * 200}, "max_model_len"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 3}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 3}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
@@ -376,3 +376,21 @@ def test_streamed_tool_calls_and_reasoning_over_http(tmp_path):
             ("get_weather", {"city": "Paris", "days": 3})]
     finally:
         server.stop()
+
+
+def test_chat_response_format_json_schema(tmp_path):
+    """response_format json_schema constrains the reply (structured outputs): it parses and validates."""
+    import jsonschema
+
+    tok_dir = write_v4_tokenizer(tmp_path / "v4tok")
+    llm = LLM(TINY, tokenizer=str(tok_dir), **ENGINE)
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    with running_server(llm.llm_engine) as (url, engine):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        reply = c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Yes or no?"}], max_tokens=12, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+        jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+        bad = httpx.post(url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}})
+        assert bad.status_code == 400 and "response_format" in bad.json()["error"]["message"]

@@ -157,7 +157,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint directory or preset (the embedded demo model when absent)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("SPARSESERVE_API_KEY"),
+    parser.add_argument("--api-key", default=envs.api_key(),
                         help="clients must send 'Authorization: Bearer KEY' (default: $SPARSESERVE_API_KEY)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model names the API accepts (the first is reported); default: the model argument")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ...sampling_params import RequestOutputKind, SamplingParams
+from ...sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from .errors import APIError
 
 MAX_N = 128
@@ -65,3 +65,24 @@ def to_sampling_params(request, *, max_tokens: int | None, logprobs: int | None,
     if request.temperature is None:
         kwargs.pop("temperature", None)  # SamplingParams' default (1.0), as OpenAI's
     return SamplingParams(**kwargs)
+
+
+def structured_outputs_of(response_format: dict | None) -> StructuredOutputsParams | None:
+    """OpenAI's `response_format` as a structured-output constraint: "text" (none), "json_object" (any JSON
+    object) or "json_schema" (`{"json_schema": {"schema": {...}}}`)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, str)):
+            raise APIError(400, "response_format json_schema needs {'json_schema': {'schema': {...}}}",
+                           "response_format")
+        return StructuredOutputsParams(json=schema)
+    raise APIError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                   "response_format")

@@ -16,7 +16,7 @@ from ...sampling_params import RequestOutputKind
 from .errors import APIError
 from .metrics import RequestTimer
 from .protocol import ChatCompletionRequest, now, random_id
-from .sampling import to_sampling_params
+from .sampling import structured_outputs_of, to_sampling_params
 from .serving_base import ServerContext, chat_logprobs, record, run_final, sse, sse_error
 
 
@@ -24,8 +24,6 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
     if req.tool_choice not in (None, "auto", "none"):
         raise APIError(400, f"tool_choice {req.tool_choice!r} is not supported yet; use 'auto' or 'none'",
                        "tool_choice")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise APIError(400, "response_format other than {'type': 'text'} is not supported yet", "response_format")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options needs stream=true", "stream_options")
     if req.top_logprobs is not None and not req.logprobs:
@@ -77,6 +75,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
         special = set(getattr(tokenizer, "all_special_tokens", ()))
         if special & {THINK_START, THINK_END, DSML, f"<{DSML}tool_calls>"}:
             extra["skip_special_tokens"] = False  # the parser must see the markers
+    structured = structured_outputs_of(req.response_format)
+    if structured is not None:
+        extra["structured_outputs"] = structured
     top = req.top_logprobs or 0
     max_tokens = req.max_completion_tokens or req.max_tokens or ctx.default_max_tokens(len(ids))
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY

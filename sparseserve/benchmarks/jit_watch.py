@@ -14,8 +14,8 @@ specialisations and the figure is not a steady-state one.
 It counts each kernel's compiled specialisations (every device's cache) on entry and on exit. It does
 not install Triton's ``jit_post_compile_hook``: under triton 3.6 any such hook makes every Gluon kernel
 with layout arguments (the Hopper attention kernels) fail to build, since Triton serialises the
-kernel's constexprs to JSON for the hook and a layout does not serialise (session 23: the seed
-workload's throughput run crashed so on the H200).
+kernel's constexprs to JSON for the hook and a layout does not serialise (the seed workload's
+throughput run then crashes on the H200).
 """
 from __future__ import annotations
 

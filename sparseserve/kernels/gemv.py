@@ -83,8 +83,8 @@ def gemv_config(n: int, k: int, groups: int, num_sms: int) -> tuple[int, int, in
     bf16: 32 registers a thread at 4 warps, two of them in flight, and 64 of fp32 accumulator); BLOCK_N the widest power of two
     <= 64 (dividing a group's rows when grouped) that still gives about 4 programs per SM (the bytes
     in flight per SM that the HBM rate needs at ~1 us of load latency: ~40 KB). `gemv_bench --sweep`
-    on the H200 (session 16): this pick (4 x 512 at V4-Flash shapes) was the fastest or within 0.4 us
-    of it for every projection."""
+    on the H200: this pick (4 x 512 at V4-Flash shapes) is the fastest or within 0.4 us of it for every
+    projection."""
     block_k = min(512, triton.next_power_of_2(k))
     block_n = 64
     while block_n > 4 and ((groups > 1 and (n // groups) % block_n) or triton.cdiv(n, block_n) < 4 * num_sms

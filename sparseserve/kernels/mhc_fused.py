@@ -48,10 +48,9 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-# Measured (H200, 2026-11-29, decode_graphs b2b replay, same call): batch 1 0.793 -> 0.778 ms with the
-# fused steps; batch 8 1.052 -> 1.058 and batch 64 1.167 -> 1.174, i.e. no gain where the mix is a
-# tensor-core dot (the one-program-per-token finalize with the norm takes ~7 us against ~5 + 3). So
-# they run only in the few-token (FMA) regime.
+# The fused steps pay at batch 1 (decode_graphs on the H200) and not from batch 8 on, where the mix is a
+# tensor-core dot and the one-program-per-token finalize with the norm is slower than the two kernels
+# it replaces. So they run only in the few-token (FMA) regime.
 FUSED_MAX_TOKENS = 4
 
 

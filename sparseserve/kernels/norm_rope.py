@@ -3,7 +3,7 @@
 A layer normalises and rotates its query heads (q = rope(rms(q))) and its fresh KV row (kv =
 rope(kv_norm(kv))), and writes the KV row to its staging row of the pool: as separate kernels
 that is 2 launches on the step's main stream and 3 on its side stream per layer, each
-latency-bound at decode sizes (1.5-3.3 us at batch 1 on the H200, 2026-11-29 profile). Here one
+latency-bound at decode sizes (a few microseconds each at batch 1 on the H200). Here one
 program per (token, head) row loads it once, normalises (rounded as `rms_norm`: the normalised
 row to the dtype, then the weighted one), rotates the trailing rope channels in fp32 from those
 rounded values and rounds once more (as `apply_rope`), stores the row and, with `pool`, also

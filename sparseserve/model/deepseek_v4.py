@@ -111,7 +111,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         streams = embed_streams(batch.input_ids, self.model.embed_tokens.weight, self.hc_mult)
         # The step's metadata is built on the side stream, beside the first layer's collapse and
         # projections; attention waits for it (ctx.wait_built). Queueing that collapse before the
-        # fork was slower at every batch on the H200 (session 12), so the fork comes first.
+        # fork was slower at every batch on the H200, so the fork comes first.
         built = side.run(self.prepare, batch, state, topk)
         ctx = built.value
         # Only the wait is kept: the work's value is ctx itself, and a cycle would hold the step's

@@ -17,7 +17,7 @@ from .errors import APIError
 from .metrics import RequestTimer
 from .protocol import ChatCompletionRequest, now, random_id
 from .sampling import structured_outputs_of, to_sampling_params
-from .serving_base import ServerContext, chat_logprobs, record, run_final, sse, sse_error
+from .serving_base import ServerContext, chat_logprobs, record, run_final, sse, sse_error, usage
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
@@ -112,8 +112,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
     prompt_tokens = len(out.prompt_token_ids)
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
                          "choices": choices,
-                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                   "total_tokens": prompt_tokens + completion_tokens}})
+                         "usage": usage(prompt_tokens, completion_tokens)})
 
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, prompt, params, request_id: str, model: str,
@@ -155,8 +154,7 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, prompt, params
         record(ctx, timer, prompt_tokens, counts, reasons)
         if req.stream_options is not None and req.stream_options.include_usage:
             total = sum(counts)
-            yield sse({**base, "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": total,
-                                                       "total_tokens": prompt_tokens + total}})
+            yield sse({**base, "choices": [], "usage": usage(prompt_tokens, total)})
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in the stream

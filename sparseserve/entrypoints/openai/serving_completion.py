@@ -12,7 +12,8 @@ from .errors import APIError
 from .metrics import RequestTimer
 from .protocol import CompletionRequest, now, random_id
 from .sampling import to_sampling_params
-from .serving_base import ServerContext, completion_logprobs, merge_streams, record, run_final, sse, sse_error
+from .serving_base import (ServerContext, completion_logprobs, merge_streams, record, run_final, sse, sse_error,
+                           usage)
 
 
 def _prompts(prompt) -> list:
@@ -73,8 +74,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest):
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                          "choices": choices,
-                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                   "total_tokens": prompt_tokens + completion_tokens}})
+                         "usage": usage(prompt_tokens, completion_tokens)})
 
 
 async def _stream(ctx: ServerContext, req: CompletionRequest, inputs, request_id: str, model: str,
@@ -110,9 +110,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, inputs, request_id
         if req.stream_options is not None and req.stream_options.include_usage:
             prompt_tokens = sum(prompt_lens)
             completion_tokens = sum(map(sum, counts))
-            yield sse({**base, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                       "completion_tokens": completion_tokens,
-                                                       "total_tokens": prompt_tokens + completion_tokens}})
+            yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in the stream

@@ -15,5 +15,5 @@ def test_sampling_overhead_smoke(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sampling_overhead.py"), "--smoke", "--out", str(out)],
                    check=True, timeout=300, cwd=ROOT, capture_output=True)
     report = json.loads(out.read_text())
-    for name in ("none", "quarter_penalties_and_json"):
+    for name in ("none", "quarter_penalties", "quarter_json", "quarter_penalties_and_json"):
         assert report["results"][name]["steps"] > 0 and report["results"][name]["median_ms"] > 0

@@ -149,7 +149,17 @@ def test_async_scheduling_gives_the_same_tokens_with_a_grammar_beside_other_fiel
     runs = []
     for async_scheduling in (False, True):
         llm = LLM(device="cpu", max_model_len=128, async_scheduling=async_scheduling)
+        runner, deferred = llm.llm_engine.runner, []
+        launch = runner.launch
+
+        def spy(sched, defer_sampling=False):
+            deferred.append(defer_sampling)
+            return launch(sched, defer_sampling)
+
+        runner.launch = spy
         outs = llm.generate(WORDS[:3], params, use_tqdm=False)
+        # Async steps keep overlapping: the forward is launched before the previous step is read back.
+        assert any(deferred) == async_scheduling
         jsonschema.validate(json.loads(outs[0].outputs[0].text), SCHEMAS[0])
         assert llm.llm_engine._num_host_state == 0 and llm.llm_engine.all_cache_free()
         runs.append([o.outputs[0].token_ids for o in outs])

@@ -266,10 +266,13 @@ class LLMEngine:
         the step launched here is read back by the next call, so the host's bookkeeping and the next
         schedule overlap the GPU's work (outputs arrive one call later)."""
         early: list[RequestOutput] = []
-        if self._in_flight is not None and self._num_host_state:
-            # A request's sampling needs its previous token on the host (a grammar, a bad word's
-            # prefix): read the in-flight step back before scheduling the next.
+        # A request's sampling needs its previous token on the host (a grammar, a bad word's prefix):
+        # the next step's forward is launched first, the in-flight step is read back while the device
+        # runs it, and the sampling is queued after that.
+        defer_sampling = self._in_flight is not None and self._num_host_state > 0
+        if defer_sampling and self._suspects:
             early, self._in_flight = self._collect(self._in_flight), None
+            defer_sampling = False
         sched = self.scheduler.schedule()
         if self._suspects:
             self._suspects = {r for r in self._suspects if not r.is_finished}
@@ -277,19 +280,21 @@ class LLMEngine:
             return early + isolation.run_step(self, sched)  # a failure is narrowed to its request(s)
         previous = self._in_flight
         try:
-            launched = self._launch(sched) if sched.chunks else None
+            launched = self._launch(sched, defer_sampling) if sched.chunks else None
             self._in_flight = launched
             outputs = self._collect(previous) if previous is not None else []
+            if launched is not None and launched.pending_sampling is not None:
+                self.runner.launch_sampling(launched)
         except Exception as exc:  # noqa: BLE001 - isolation.py re-raises engine faults
             return early + isolation.requeue_after_failure(self, exc, [sched, previous.sched if previous else None])
         if previous is None and launched is None and self.scheduler.has_unfinished() and not early:
             raise RuntimeError("the scheduler could schedule nothing while requests wait; this is a bug")
         return early + outputs
 
-    def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
+    def _launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> LaunchedStep:
         for req in sched.preempted:
             self.runner.forget(req.request_id)
-        launched = self.runner.launch(sched)
+        launched = self.runner.launch(sched, defer_sampling)
         for chunk in sched.chunks:
             # Drafts count once verified (in _collect); a sampled token is pending until read back.
             chunk.request.num_computed_tokens += chunk.num_tokens - chunk.num_draft

@@ -58,6 +58,7 @@ class LaunchedStep:
     host_logprobs: tuple[torch.Tensor, ...] | None = None
     prompt_logprobs: list = field(default_factory=list)  # (request, start, host tensors)
     done: torch.cuda.Event | None = None  # recorded after the copies
+    pending_sampling: tuple | None = None  # (rows, last_rows, all_greedy, any_logprobs, any_processing) until sampled
 
 
 @dataclass
@@ -259,11 +260,15 @@ class ModelRunner:
         return self.collect(self.launch(sched))
 
     @torch.no_grad()
-    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+    def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> LaunchedStep:
         """Queue a step's device work: metadata, forward, sampling and the copies of its results to
         pinned host memory; nothing here waits for the GPU. Tokens of earlier steps not yet read back
-        (pending) are taken from the device. Everything that reads the logits is queued here, since
-        the next step's graph replay overwrites the shared logits buffer."""
+        (pending) are taken from the device. Everything that reads the logits is queued before the
+        next launch, since the next step's graph replay overwrites the shared logits buffer.
+
+        `defer_sampling` queues only the forward: the caller reads the previous step back while the
+        device runs it (host-side sampling state such as a grammar needs that step's tokens), then
+        calls `launch_sampling` before launching anything else."""
         chunks: list[SequenceChunk] = []
         fix_dst: list[int] = []  # flat token index of each pending input token
         fix_src: list[int] = []  # its row among the last launched step's sampled tokens
@@ -316,15 +321,31 @@ class ModelRunner:
         step = LaunchedStep(sched, chunks, logits, describe, verify=verify, sample_reqs=sample_reqs)
         for req, first, rows, start in prompt_rows:
             self._queue_prompt_logprobs(req, logits[first:first + rows], start, step)
+        rows = None
         if sample_reqs:
             first = sample_rows[0]
             rows = (logits[first:first + len(sample_rows)] if is_run(sample_rows)
                     else logits[to_device(sample_rows, logits.device)])
+        # Deferred sampling runs after the previous step was read back: no token is pending then.
+        # The index of each token being sampled, fixed now: the engine counts it as pending after launch.
+        counters = None if all_greedy else [len(r.output_token_ids) + r.num_pending_tokens for r in sample_reqs]
+        step.pending_sampling = (rows, {} if defer_sampling else last_rows, counters, any_logprobs, any_processing)
+        if not defer_sampling:
+            self.launch_sampling(step)
+        return step
+
+    @torch.no_grad()
+    def launch_sampling(self, step: LaunchedStep) -> None:
+        """Queue the sampling of a launched step's logits rows and the copies of its results."""
+        rows, last_rows, counters, any_logprobs, any_processing = step.pending_sampling
+        step.pending_sampling = None
+        sample_reqs = step.sample_reqs
+        if sample_reqs:
             # Logits processing (penalties, bias, bans, grammar masks) only when a request uses it;
             # logprobs stay those of the raw model, as vLLM's default.
             processed = self._process_logits(rows, sample_reqs, last_rows) if any_processing else rows
-            tokens = (greedy_tokens(processed) if all_greedy  # no sampling tensors to copy
-                      else sample(processed, self.sampling_tensors(sample_reqs)))
+            tokens = (greedy_tokens(processed) if counters is None  # all greedy: no sampling tensors to copy
+                      else sample(processed, self.sampling_tensors(sample_reqs, counters)))
             step.sampled = (tokens, {r: i for i, r in enumerate(sample_reqs)})
             step.host_tokens = to_host(tokens)
             lp = self._logprob_tensors(rows, tokens, sample_reqs) if any_logprobs else None
@@ -333,7 +354,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
-        return step
 
     @torch.no_grad()
     def collect(self, step: LaunchedStep) -> RunnerOutput:
@@ -459,7 +479,8 @@ class ModelRunner:
             hidden = torch.cat([hidden[:num_tokens], hidden.new_zeros(rows - num_tokens, *hidden.shape[1:])])
         return self.mtp(batch, hidden[:rows], self.speculator.state, self.model)
 
-    def sampling_tensors(self, reqs) -> SamplingTensors:
+    def sampling_tensors(self, reqs, counters: list[int] | None = None) -> SamplingTensors:
+        """`counters`: the index of the token each request samples (default: from its token counts)."""
         def t(values, dtype):
             return to_device(values, self.device, dtype)
 
@@ -471,7 +492,8 @@ class ModelRunner:
             min_p=t([p.min_p for p in params], torch.float32),
             seeds=t([r.sample_seed for r in reqs], torch.int64),
             # index of the token being sampled: tokens still pending on the device count too
-            counters=t([len(r.output_token_ids) + r.num_pending_tokens for r in reqs], torch.int64),
+            counters=t(counters if counters is not None
+                       else [len(r.output_token_ids) + r.num_pending_tokens for r in reqs], torch.int64),
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
@@ -482,7 +504,8 @@ class ModelRunner:
         """`logits` rows of `reqs` after their logits processing; a pending token (async scheduling)
         counts from the last launched step's device tokens."""
         rows = [LogitsRow(r.params, r.prompt_token_ids, r.output_token_ids,
-                          last_rows.get(r) if r.num_pending_tokens else None, r.grammar) for r in reqs]
+                          last_rows.get(r) if r.num_pending_tokens else None,
+                          None if r.is_finished else r.grammar) for r in reqs]
         pending = self._last_sampled[0] if self._last_sampled is not None else None
         return process_logits(logits, rows, self.eos_token_id, pending)
 

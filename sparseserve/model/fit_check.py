@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelTooLargeError
-from .weight_bytes import GiB, ParallelLayout, WeightBytes, WeightPlan, layout_problem
+from .weight_bytes import ParallelLayout, WeightBytes, WeightPlan, format_bytes, layout_problem
 
 MAX_PARALLEL_SIZE = 64
 
@@ -60,15 +60,15 @@ def fitting_layouts_hint(plan: WeightPlan, free_bytes: int) -> str:
     if not fits:
         largest = plan.at(candidate_layouts(plan.hf_config)[-1])
         return (f"no even split fits: the largest, {largest.layout.describe()}, needs "
-                f"{largest.per_gpu_bytes / GiB:.2f} GiB per GPU")
+                f"{format_bytes(largest.per_gpu_bytes)} per GPU")
     if len(fits) == 2 and fits[0].layout.tensor_parallel_size == fits[1].layout.tensor_parallel_size \
             and fits[0].per_gpu_bytes == fits[1].per_gpu_bytes:
         fits = fits[:1]
         options = (f"tensor_parallel_size={fits[0].layout.tensor_parallel_size}, with or without "
-                   f"enable_expert_parallel ({fits[0].per_gpu_bytes / GiB:.2f} GiB per GPU)")
+                   f"enable_expert_parallel ({format_bytes(fits[0].per_gpu_bytes)} per GPU)")
     else:
-        options = " or ".join(f"{w.layout.describe()} ({w.per_gpu_bytes / GiB:.2f} GiB per GPU)" for w in fits)
-    return (f"the smallest layouts whose weights fit GPUs with {free_bytes / GiB:.2f} GiB free: {options}; the KV "
+        options = " or ".join(f"{w.layout.describe()} ({format_bytes(w.per_gpu_bytes)} per GPU)" for w in fits)
+    return (f"the smallest layouts whose weights fit GPUs with {format_bytes(free_bytes)} free: {options}; the KV "
             "cache needs room beside them (sparseserve serves on one GPU today: tensor_parallel_size must be 1)")
 
 
@@ -81,7 +81,7 @@ def check_weights_fit(plan: WeightPlan, layout: ParallelLayout, free_bytes: int 
         return weights
     hint = fitting_layouts_hint(plan, free_bytes)
     raise ModelTooLargeError(
-        f"model {name!r} needs {weights.per_gpu_bytes / GiB:.2f} GiB per GPU for its weights as held "
-        f"({plan.held}; checkpoint {plan.checkpoint.describe()}, about {plan.checkpoint_bytes() / GiB:.2f} GiB) "
-        f"with {layout.describe()}, but {where} has {free_bytes / GiB:.2f} GiB free; {hint}; or use a smaller "
+        f"model {name!r} needs {format_bytes(weights.per_gpu_bytes)} per GPU for its weights as held "
+        f"({plan.held}; checkpoint {plan.checkpoint.describe()}, about {format_bytes(plan.checkpoint_bytes())}) "
+        f"with {layout.describe()}, but {where} has {format_bytes(free_bytes)} free; {hint}; or use a smaller "
         "preset (sparseserve.model.presets.PRESETS) or hf_overrides with fewer layers or experts")

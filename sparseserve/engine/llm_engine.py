@@ -74,7 +74,8 @@ class LLMEngine:
             self.dtype, include_mtp=config.num_speculative_tokens > 0)
         # Before anything is allocated: the weights (and the MTP layer with speculation) as held.
         self.parallel_layout = ParallelLayout(config.tensor_parallel_size, config.enable_expert_parallel)
-        self.weight_bytes = check_weights_fit(self.weight_plan, self.parallel_layout, available_memory_bytes(self.device),
+        self.weight_bytes = check_weights_fit(self.weight_plan, self.parallel_layout,
+                                              available_memory_bytes(self.device),
                                               str(config.model or DEFAULT_MODEL), str(self.device))
         self.model, self.model_config, self.mtp_tensors = load_model(
             config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed)

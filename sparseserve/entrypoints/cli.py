@@ -116,8 +116,8 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
               f"({positions}); the engine refuses it", file=sys.stderr)
     print(f"model: {args.model or DEFAULT_MODEL} ({model_config.num_layers} layers)")
     dtype_name = "bfloat16" if args.dtype == "auto" else args.dtype
-    print(weights_report(model_config, dtype_name, ParallelLayout(args.tensor_parallel_size, args.enable_expert_parallel),
-                         args.num_speculative_tokens > 0))
+    layout = ParallelLayout(args.tensor_parallel_size, args.enable_expert_parallel)
+    print(weights_report(model_config, dtype_name, layout, args.num_speculative_tokens > 0))
     print(plan.report(args.max_model_len, cache_bytes))
     gib = 1024**3
     compressed = plan.bytes_per_token * args.max_model_len

@@ -3,7 +3,7 @@
 The reduced V4-Flash presets keep the published layer shapes with fewer layers or routed experts, so
 one GPU holds them with dummy weights (`load_format="dummy"`):
 
-- `v4-flash-2l16e`, `v4-flash-4l64e`: 2 or 4 layers;
+- `v4-flash-2l16e`, `v4-flash-4l64e`: 2 or 4 layers, a bf16 checkpoint;
 - `v4-flash-43l8e`, `v4-flash-43l16e`: all 43 layers in the release's pattern (`compress_ratios` of
   its config.json: 2 sliding-window layers, then CSA and HCA alternating, the last one CSA; the first
   3 layers hash-routed), 8 or 16 routed experts, a bf16 checkpoint (no `quantization_config`);
@@ -34,12 +34,12 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "v4-flash-2l16e": ("deepseek-v4-flash", {"num_hidden_layers": 2, "n_routed_experts": 16,
                                              "layer_types": ["compressed_sparse_attention",
                                                              "heavily_compressed_attention"],
-                                             "num_hash_layers": 1}),
+                                             "num_hash_layers": 1, **BF16_CHECKPOINT}),
     "v4-flash-4l64e": ("deepseek-v4-flash", {"num_hidden_layers": 4, "n_routed_experts": 64,
                                              "layer_types": ["sliding_attention", "compressed_sparse_attention",
                                                              "heavily_compressed_attention",
                                                              "compressed_sparse_attention"],
-                                             "num_hash_layers": 1}),
+                                             "num_hash_layers": 1, **BF16_CHECKPOINT}),
     # Every layer of V4-Flash: its config.json's layer pattern and hash layers are kept as they are.
     "v4-flash-43l8e": ("deepseek-v4-flash", {"n_routed_experts": 8, **BF16_CHECKPOINT}),
     "v4-flash-43l16e": ("deepseek-v4-flash", {"n_routed_experts": 16, **BF16_CHECKPOINT}),

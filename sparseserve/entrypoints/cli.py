@@ -14,10 +14,14 @@ import math
 import os
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 from .. import envs
 from ..config import EngineConfig, ModelConfig
 from ..engine_args import parse_bool, add_engine_args, engine_kwargs
+
+if TYPE_CHECKING:
+    from ..model.weight_bytes import ParallelLayout
 
 DEFAULT_PROMPTS = ["A class definition", "The for statement is used to", "The import statement"]
 
@@ -78,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def weights_report(model_config: ModelConfig, dtype_name: str, layout, include_mtp: bool) -> str:
+def weights_report(model_config: ModelConfig, dtype_name: str, layout: ParallelLayout, include_mtp: bool) -> str:
     """The weights as held for `layout`, and per GPU at the other even layouts (meta device: no memory)."""
     import torch
 
@@ -100,7 +104,7 @@ def weights_report(model_config: ModelConfig, dtype_name: str, layout, include_m
 def cmd_kv_plan(args: argparse.Namespace) -> int:
     from ..engine.kv_cache import plan_kv
     from ..model.loader import DEFAULT_MODEL, load_hf_config, resolve_model_dir
-    from ..model.weight_bytes import ParallelLayout
+    from ..model.weight_bytes import ParallelLayout, layout_problem
 
     model_dir, overrides = resolve_model_dir(args.model)
     overrides.update(args.hf_overrides or {})
@@ -117,6 +121,9 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
     print(f"model: {args.model or DEFAULT_MODEL} ({model_config.num_layers} layers)")
     dtype_name = "bfloat16" if args.dtype == "auto" else args.dtype
     layout = ParallelLayout(args.tensor_parallel_size, args.enable_expert_parallel)
+    if layout_problem(model_config.hf_config, layout):
+        print(f"note: {layout_problem(model_config.hf_config, layout)}; the weights per GPU count the largest "
+              "shard", file=sys.stderr)
     print(weights_report(model_config, dtype_name, layout, args.num_speculative_tokens > 0))
     print(plan.report(args.max_model_len, cache_bytes))
     gib = 1024**3

@@ -89,6 +89,8 @@ class EngineConfig:
     block_size: int | None = None
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    # Routed experts whole on each rank instead of split within each expert (with tensor_parallel_size > 1).
+    enable_expert_parallel: bool = False
     load_format: str = "auto"
     hf_overrides: dict | None = None
     speculative_config: dict | None = None

@@ -18,6 +18,10 @@ class CheckpointError(ConfigError):
     """The checkpoint directory (config.json, weights, tokenizer) cannot be loaded as it is."""
 
 
+class ModelTooLargeError(ConfigError):
+    """The model's weights do not fit the memory there is (sizes and a parallel layout that fits in the message)."""
+
+
 class InvalidRequestError(ValueError):
     """The request cannot run as given (prompt, request id, parameters)."""
 

@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4ForCausalLM as HFDeepseekV4
 
 from oracle import Driver
+from sparseserve.errors import ModelTooLargeError
 from sparseserve.model.loader import CONFIGS_DIR, CheckpointError, load_model
 
 TINY = CONFIGS_DIR / "tiny"
@@ -120,5 +121,5 @@ def test_dummy_weights_have_the_real_shapes_and_no_zeros():
 
 
 def test_weights_that_cannot_fit_fail_before_allocating():
-    with pytest.raises(MemoryError, match="needs .* GiB for its weights"):
+    with pytest.raises(ModelTooLargeError, match="needs .* GiB per GPU for its weights as held"):
         load_model("deepseek-v4-pro", torch.float32, torch.device("cpu"), load_format="dummy")

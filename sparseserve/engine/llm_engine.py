@@ -12,10 +12,14 @@ from pathlib import Path
 
 import torch
 
-from ..config import CacheConfig, EngineConfig
+from ..config import CacheConfig, EngineConfig, ModelConfig
 from ..config_checks import check_memory, check_model_limits
 from ..errors import CheckpointError, ConfigError, InvalidRequestError, RequestTooLargeError
-from ..model.loader import available_memory_bytes, load_model, resolve_model_dir
+from ..model.fit_check import available_memory_bytes, check_weights_fit
+from ..model.loader import load_hf_config, load_model, resolve_model_dir
+from ..model.meta_model import weight_plan
+from ..model.presets import DEFAULT_MODEL
+from ..model.weight_bytes import ParallelLayout
 from ..model.mtp import load_mtp
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
@@ -64,10 +68,18 @@ class LLMEngine:
         self.config = config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
+        model_dir, overrides = resolve_model_dir(config.model)
+        self.weight_plan = weight_plan(
+            ModelConfig(load_hf_config(model_dir, {**overrides, **(config.hf_overrides or {})}), dtype=self.dtype),
+            self.dtype, include_mtp=config.num_speculative_tokens > 0)
+        # Before anything is allocated: the weights (and the MTP layer with speculation) as held.
+        self.parallel_layout = ParallelLayout(config.tensor_parallel_size, config.enable_expert_parallel)
+        self.weight_bytes = check_weights_fit(self.weight_plan, self.parallel_layout,
+                                              available_memory_bytes(self.device),
+                                              str(config.model or DEFAULT_MODEL), str(self.device))
         self.model, self.model_config, self.mtp_tensors = load_model(
             config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed)
         hf = self.model_config.hf_config
-        model_dir, _ = resolve_model_dir(config.model)
         self.tokenizer = None
         if not config.skip_tokenizer_init:  # before the state is allocated
             self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_dir,
@@ -119,6 +131,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, self.block_size, config.max_num_seqs)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.max_model_len)
+        logger.info("%s", self.weight_plan.report(self.parallel_layout))
         logger.info("%s", self.kv_plan.report(self.max_model_len, cache_bytes))
         logger.info("cache: %d blocks of %d tokens, %d slots (%.2f GiB)", num_blocks, self.block_size,
                     config.max_num_seqs, cache_bytes / 1024**3)

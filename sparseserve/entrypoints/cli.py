@@ -14,10 +14,14 @@ import math
 import os
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 from .. import envs
 from ..config import EngineConfig, ModelConfig
 from ..engine_args import parse_bool, add_engine_args, engine_kwargs
+
+if TYPE_CHECKING:
+    from ..model.weight_bytes import ParallelLayout
 
 DEFAULT_PROMPTS = ["A class definition", "The for statement is used to", "The import statement"]
 
@@ -78,11 +82,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def weights_report(model_config: ModelConfig, dtype_name: str, layout: ParallelLayout, include_mtp: bool) -> str:
+    """The weights as held for `layout`, and per GPU at the other even layouts (meta device: no memory)."""
+    import torch
+
+    from ..model.fit_check import candidate_layouts
+    from ..model.meta_model import weight_plan
+
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype_name]
+    plan = weight_plan(model_config, dtype, include_mtp)
+    others = {}
+    for other in candidate_layouts(model_config.hf_config, 8)[1:]:
+        key = "with enable_expert_parallel" if other.enable_expert_parallel else "tensor_parallel_size"
+        others.setdefault(key, []).append(f"{other.tensor_parallel_size}: {plan.at(other).per_gpu_bytes / 1024**3:.2f}")
+    lines = [plan.report(layout)]
+    if others:
+        lines.append("weights per GPU (GiB) at " + "; ".join(f"{k} {', '.join(v)}" for k, v in others.items()))
+    return "\n".join(lines)
+
+
 def cmd_kv_plan(args: argparse.Namespace) -> int:
-
-
     from ..engine.kv_cache import plan_kv
     from ..model.loader import DEFAULT_MODEL, load_hf_config, resolve_model_dir
+    from ..model.weight_bytes import ParallelLayout, layout_problem
 
     model_dir, overrides = resolve_model_dir(args.model)
     overrides.update(args.hf_overrides or {})
@@ -97,9 +119,14 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
         print(f"note: --max-model-len {args.max_model_len} exceeds the model's max_position_embeddings "
               f"({positions}); the engine refuses it", file=sys.stderr)
     print(f"model: {args.model or DEFAULT_MODEL} ({model_config.num_layers} layers)")
+    dtype_name = "bfloat16" if args.dtype == "auto" else args.dtype
+    layout = ParallelLayout(args.tensor_parallel_size, args.enable_expert_parallel)
+    if layout_problem(model_config.hf_config, layout):
+        print(f"note: {layout_problem(model_config.hf_config, layout)}; the weights per GPU count the largest "
+              "shard", file=sys.stderr)
+    print(weights_report(model_config, dtype_name, layout, args.num_speculative_tokens > 0))
     print(plan.report(args.max_model_len, cache_bytes))
     gib = 1024**3
-    dtype_name = "bfloat16" if args.dtype == "auto" else args.dtype
     compressed = plan.bytes_per_token * args.max_model_len
     dense = plan.dense_mla_bytes_per_token * args.max_model_len
     print(f"per sequence at {args.max_model_len:,} tokens ({dtype_name}): compressed state {compressed / gib:.2f} GiB "
@@ -226,7 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=None)
     kv.add_argument("--hf-overrides", type=json.loads, default=None)
     kv.add_argument("--num-speculative-tokens", type=_int_at_least(0), default=0,
-                    help="window rings hold this many rows more")
+                    help="window rings hold this many rows more; the MTP layer's weights are counted")
+    kv.add_argument("--tensor-parallel-size", type=_int_at_least(1), default=1,
+                    help="the layout the weights per GPU are given for")
+    kv.add_argument("--enable-expert-parallel", type=parse_bool, nargs="?", const=True, default=False,
+                    help="routed experts whole on each rank (with --tensor-parallel-size > 1)")
     kv.set_defaults(func=cmd_kv_plan)
     return parser
 

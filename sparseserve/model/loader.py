@@ -21,50 +21,12 @@ from ..config import ModelConfig
 from ..errors import CheckpointError
 from ..checkpoint_checks import check_hf_config, check_override_keys, check_raw_config, check_tensor_dtype
 from .deepseek_v4 import DeepseekV4ForCausalLM
+from .fit_check import available_memory_bytes, check_weights_fit
 from .layers.fused_linear import pack_projections
-
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_MODEL = "demo"
-
-# Presets with real V4 layer shapes but fewer layers/experts, for one GPU with dummy weights.
-PRESETS: dict[str, tuple[str, dict]] = {
-    "deepseek-v4-flash": ("deepseek-v4-flash", {}),
-    "deepseek-v4-pro": ("deepseek-v4-pro", {}),
-    "v4-flash-2l16e": ("deepseek-v4-flash", {"num_hidden_layers": 2, "n_routed_experts": 16,
-                                             "layer_types": ["compressed_sparse_attention",
-                                                             "heavily_compressed_attention"],
-                                             "num_hash_layers": 1}),
-    "v4-flash-4l64e": ("deepseek-v4-flash", {"num_hidden_layers": 4, "n_routed_experts": 64,
-                                             "layer_types": ["sliding_attention", "compressed_sparse_attention",
-                                                             "heavily_compressed_attention",
-                                                             "compressed_sparse_attention"],
-                                             "num_hash_layers": 1}),
-}
-
-
-KEEP_FP32 = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "norm")
-
+from .presets import CONFIGS_DIR, DEFAULT_MODEL, PRESETS, resolve_model_dir  # noqa: F401 (re-exported)
+from .weight_bytes import KEEP_FP32, ParallelLayout, WeightPlan, held_dtype  # noqa: F401 (KEEP_FP32 re-exported)
 
 __all__ = ["CheckpointError", "load_model", "resolve_model_dir", "load_hf_config"]
-
-
-def resolve_model_dir(model: str | os.PathLike | None) -> tuple[Path, dict]:
-    """A directory, a preset name or None (the embedded default model) -> (dir, hf overrides)."""
-    if model is None:
-        model = DEFAULT_MODEL
-    name = str(model)
-    if name in PRESETS:
-        base, overrides = PRESETS[name]
-        return CONFIGS_DIR / base, dict(overrides)
-    if (CONFIGS_DIR / name).is_dir() and not Path(name).is_dir():
-        return CONFIGS_DIR / name, {}
-    path = Path(name)
-    if not path.is_dir():
-        raise CheckpointError(
-            f"model {name!r} is neither a directory nor a preset; presets: {', '.join(sorted(PRESETS))}, "
-            f"or one of the folders in {CONFIGS_DIR}"
-        )
-    return path, {}
 
 
 def load_hf_config(model_dir: Path, hf_overrides: dict | None = None) -> DeepseekV4Config:
@@ -177,31 +139,6 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, hf_config=None) ->
             b.copy_(torch.randn(b.shape, generator=gen, device=device) * 0.01)
 
 
-def available_memory_bytes(device: torch.device) -> int | None:
-    """Free memory on the device (CUDA), or MemAvailable of the host (CPU); None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def check_weights_fit(net: torch.nn.Module, dtype: torch.dtype, device: torch.device, name: str) -> None:
-    """Fail before allocating when the weights alone cannot fit (a clear error instead of an OOM kill)."""
-    element = torch.tensor([], dtype=dtype).element_size()
-    need = sum(p.numel() * element for p in net.parameters())
-    free = available_memory_bytes(device)
-    if free is not None and need > free:
-        raise MemoryError(
-            f"model {name!r} needs {need / 1024**3:.1f} GiB for its weights in {dtype}, but {device} has "
-            f"{free / 1024**3:.1f} GiB free; use a smaller preset ({', '.join(sorted(PRESETS))}) or hf_overrides "
-            "with fewer layers/experts")
-
-
 def load_model(
     model: str | os.PathLike | None,
     dtype: torch.dtype,
@@ -218,7 +155,10 @@ def load_model(
     model_config = ModelConfig(hf_config, dtype=dtype, path=str(model_dir))
     with torch.device("meta"):
         net = DeepseekV4ForCausalLM(model_config)
-    check_weights_fit(net, dtype, device, str(model))
+    check_weights_fit(WeightPlan.of([("", net)], model_config, dtype), ParallelLayout(),
+                      available_memory_bytes(device), str(model), str(device))
+    for name, p in net.named_parameters():  # on meta: to_empty then allocates the held dtypes directly
+        p.data = p.data.to(held_dtype(name, dtype))
     net = net.to_empty(device="cpu" if load_format != "dummy" else device)
     # Non-persistent buffers (rope tables) are recomputed after to_empty.
     fresh = DeepseekV4ForCausalLM.rope_buffers(model_config)
@@ -230,9 +170,5 @@ def load_model(
     else:
         mtp = apply_weights(net, read_tensors(checkpoint_files(model_dir)))
     net = net.to(device)
-    for name, p in net.named_parameters():
-        # Small mixing/normalisation parameters stay fp32, as the reference keeps them.
-        if not any(part in name for part in KEEP_FP32):
-            p.data = p.data.to(dtype)
     pack_projections(net)  # last: one GEMM per shared input (a later cast or move would undo it)
     return net.eval(), model_config, mtp

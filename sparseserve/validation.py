@@ -43,12 +43,11 @@ def check_int(value, name: str, err: type[ValueError], lo: int | None = None, hi
               none_ok: bool = False, hint: str = "") -> int | None:
     if value is None and none_ok:
         return None
-    rule = _range_rule("an integer", lo, hi, none_ok=none_ok) + hint
     if not is_int(value):
-        _fail(err, name, value, rule, wrong_type=True)
+        _fail(err, name, value, _range_rule("an integer", lo, hi, none_ok=none_ok) + hint, wrong_type=True)
     value = int(value)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        _fail(err, name, value, rule)
+        _fail(err, name, value, _range_rule("an integer", lo, hi, none_ok=none_ok) + hint)
     return value
 
 
@@ -56,17 +55,14 @@ def check_float(value, name: str, err: type[ValueError], lo: float | None = None
                 lo_open: bool = False, none_ok: bool = False, hint: str = "") -> float | None:
     if value is None and none_ok:
         return None
-    rule = _range_rule("a finite number", lo, hi, lo_open, none_ok) + hint
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        _fail(err, name, value, rule, wrong_type=True)
-    value = float(value)
-    if not math.isfinite(value):
-        _fail(err, name, value, rule)
-    if lo is not None and (value < lo or (lo_open and value == lo)):
-        _fail(err, name, value, rule)
-    if hi is not None and value > hi:
-        _fail(err, name, value, rule)
-    return value
+    wrong_type = not isinstance(value, numbers.Real) or isinstance(value, bool)
+    if not wrong_type:
+        value = float(value)
+        if math.isfinite(value) and (lo is None or not (value < lo or (lo_open and value == lo))) \
+                and (hi is None or value <= hi):
+            return value
+    # The rule's text is built only for the error (validation runs for every request).
+    _fail(err, name, value, _range_rule("a finite number", lo, hi, lo_open, none_ok) + hint, wrong_type=wrong_type)
 
 
 def check_bool(value, name: str, err: type[ValueError], none_ok: bool = False) -> bool | None:

@@ -152,6 +152,12 @@ def check_weight_format(raw: dict, where: str) -> None:
     block = quant.get("weight_block_size")
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(is_int(b) and b >= 1 for b in block)):
         _fail(where, "quantization_config.weight_block_size", block, "two integers >= 1 (e.g. [128, 128])")
+    if expert_dtype == "fp4":
+        for key in ("hidden_size", "moe_intermediate_size"):  # the routed experts' input dimensions
+            value = raw.get(key)
+            if is_int(value) and value % 2:
+                _fail(where, key, value, "even when expert_dtype is 'fp4' (FP4 experts pack two values per byte "
+                      "along their input dimension)")
 
 
 def _check_scale(name: str, scale: torch.Tensor | None, scale_name: str, expected: tuple[int, ...], what: str,
@@ -181,8 +187,10 @@ def check_quantized_weight(name: str, weight: torch.Tensor, scale: torch.Tensor 
     if found != stored_as:
         if expert:
             hint = {"fp4": "'fp4'", "fp8": "'fp8'", "bf16": "absent (or 'bf16')"}[found]
-            raise CheckpointError(f"config.json's expert_dtype says the routed experts are {stored_as}, but tensor "
-                                  f"{name} is {weight.dtype} ({found}); set expert_dtype to {hint} to match the tensors")
+            extra = " (with the release's quantization_config)" if stored_as == "bf16" else ""
+            raise CheckpointError(f"config.json's expert_dtype and quantization_config say the routed experts are "
+                                  f"{stored_as}, but tensor {name} is {weight.dtype} ({found}); set expert_dtype to "
+                                  f"{hint}{extra} to match the tensors")
         if found == "fp8":
             raise CheckpointError(f"tensor {name} is {weight.dtype}, but config.json has no fp8 quantization_config; "
                                   "add the release's quantization_config (quant_method 'fp8')")

@@ -31,15 +31,26 @@ RELEASE_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_me
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+def _random(name: str, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.float32
+            ) -> torch.Tensor:
+    """Random values of the right kind for `name`, made a few million at a time (in place, so a
+    vocabulary-sized bf16 tensor needs no float32 copy of itself)."""
     leaf = name.rsplit(".", 1)[-1]
-    if "norm" in name and leaf == "weight":
-        return 1 + 0.1 * torch.randn(shape, generator=gen)
-    if leaf in ("scale", "hc_scale"):
-        return 0.5 + torch.rand(shape, generator=gen)
-    if len(shape) >= 2:
-        return torch.randn(shape, generator=gen) * shape[-1] ** -0.5
-    return 0.5 * torch.randn(shape, generator=gen)
+    out = torch.empty(shape, dtype=dtype)
+    rows = out.view(-1, shape[-1]) if out.dim() else out.view(1, 1)
+    step = max(1, (1 << 22) // rows.shape[1])
+    for r in range(0, rows.shape[0], step):
+        chunk = rows[r:r + step]
+        if leaf in ("scale", "hc_scale"):
+            values = torch.rand(chunk.shape, generator=gen).add_(0.5)
+        else:
+            values = torch.randn(chunk.shape, generator=gen)
+            if "norm" in name and leaf == "weight":
+                values.mul_(0.1).add_(1.0)
+            else:
+                values.mul_(shape[-1] ** -0.5 if len(shape) >= 2 else 0.5)
+        chunk.copy_(values)
+    return out
 
 
 def _tid2eid(shape: tuple[int, ...], num_experts: int, gen: torch.Generator) -> torch.Tensor:
@@ -53,13 +64,18 @@ class _Encoder:
         # The fp4-expert release stores every scale as float8_e8m0fnu; the fp8-expert one as float32.
         self.scale_dtype = torch.float8_e8m0fnu if expert_dtype == "fp4" else torch.float32
 
-    def tensor(self, release: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    def dtype_of(self, release: str) -> torch.dtype:
+        """The dtype a tensor is made in: float32 for what is then quantized, else its stored dtype."""
         storage = release_storage(release)
         if storage == "fp8" and self.expert_dtype != "bf16":
+            return torch.float32
+        return {"fp32": torch.float32, "int64": torch.int64}.get(storage, torch.bfloat16)
+
+    def tensor(self, release: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        if release_storage(release) == "fp8" and self.expert_dtype != "bf16":
             q, s = quantize_fp8_block(value, FP8_BLOCK, self.scale_dtype)
             return {release: q, release[: -len("weight")] + "scale": s}
-        dtype = {"fp32": torch.float32, "int64": torch.int64}.get(storage, torch.bfloat16)
-        return {release: value.to(dtype).contiguous()}
+        return {release: value.to(self.dtype_of(release)).contiguous()}
 
     def expert(self, release: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         scale = release[: -len("weight")] + "scale"
@@ -92,7 +108,8 @@ def _release_tensors(module: torch.nn.Module, to_release, prefix_of_layer, num_e
                 else:
                     yield encoder.expert(f"{prefix}ffn.experts.{e}.w2.weight", w)
         else:
-            yield encoder.tensor(to_release(name), _random(name, shape, gen))
+            release = to_release(name)
+            yield encoder.tensor(release, _random(name, shape, gen, encoder.dtype_of(release)))
 
 
 def _layer_prefix(name: str) -> str:

@@ -45,27 +45,47 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 class ShardedTensors(Mapping):
-    """The tensors of a checkpoint's shards by name, each read from its file when asked for."""
+    """The tensors of a checkpoint's shards by name, each read from its file when asked for. At
+    most two shards are open (memory-mapped) at a time, so reading shard after shard keeps about
+    two shards' pages resident, not the whole checkpoint's."""
 
-    def __init__(self, files: list[Path], stack: contextlib.ExitStack) -> None:
-        self._where: dict[str, tuple[Path, object]] = {}
-        for f in files:
-            try:
-                handle = stack.enter_context(safe_open(str(f), framework="pt"))
-                names = list(handle.keys())
-            except _READ_ERRORS as exc:
-                raise CheckpointError(f"cannot read {f}: it is corrupted or truncated ({exc})") from exc
-            for name in names:
+    MAX_OPEN = 2
+
+    def __init__(self, files: list[Path]) -> None:
+        self.files = files
+        self._where: dict[str, int] = {}
+        self._open: dict[int, contextlib.ExitStack] = {}
+        self._handles: dict[int, object] = {}
+        for i, f in enumerate(files):
+            for name in self._handle(i).keys():
                 if name in self._where:
                     raise CheckpointError(f"tensor {name} appears in more than one shard (again in {f.name})")
-                self._where[name] = (f, handle)
+                self._where[name] = i
+        self.close()
+
+    def _handle(self, i: int):
+        if i not in self._handles:
+            while len(self._handles) >= self.MAX_OPEN:
+                oldest = next(iter(self._handles))
+                self._handles.pop(oldest)
+                self._open.pop(oldest).close()
+            stack = contextlib.ExitStack()
+            try:
+                self._handles[i] = stack.enter_context(safe_open(str(self.files[i]), framework="pt"))
+            except _READ_ERRORS as exc:
+                raise CheckpointError(f"cannot read {self.files[i]}: it is corrupted or truncated ({exc})") from exc
+            self._open[i] = stack
+        return self._handles[i]
+
+    def shard_of(self, name: str) -> int:
+        return self._where[name]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        f, handle = self._where[name]
+        i = self._where[name]
         try:
-            return handle.get_tensor(name)
+            return self._handle(i).get_tensor(name)
         except _READ_ERRORS as exc:
-            raise CheckpointError(f"cannot read {f}: it is corrupted or truncated ({exc})") from exc
+            raise CheckpointError(f"cannot read {self.files[i]}: it is corrupted or truncated ({exc})") from exc
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -73,11 +93,22 @@ class ShardedTensors(Mapping):
     def __len__(self) -> int:
         return len(self._where)
 
+    def close(self) -> None:
+        for stack in self._open.values():
+            stack.close()
+        self._open.clear()
+        self._handles.clear()
+
+    def __enter__(self) -> "ShardedTensors":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     """Every tensor of the shards, in memory."""
-    with contextlib.ExitStack() as stack:
-        source = ShardedTensors(files, stack)
+    with ShardedTensors(files) as source:
         return {name: source[name] for name in source}
 
 
@@ -153,7 +184,7 @@ def load_state(module: torch.nn.Module, source: Mapping, names: list[str], to_ta
                               + ", ".join(describe(m) for m in missing[:5]))
     if unexpected:
         raise CheckpointError(f"{what}: {len(unexpected)} unexpected tensor(s), first: {', '.join(unexpected[:5])}")
-    used: set[str] = set()
+    work: list[tuple[str, torch.Tensor, bool]] = []
     for target_name, entries in groups.items():
         dest = expected[target_name].data
         stacked = [t for _, t in entries if t.expert is not None]
@@ -164,7 +195,10 @@ def load_state(module: torch.nn.Module, source: Mapping, names: list[str], to_ta
                                   "keep one of them")
         for name, target in entries:
             view = _expert_view(dest, target) if target.expert is not None else dest
-            used.add(load_tensor(view, source, name, fmt, ".experts." in target_name))
+            work.append((name, view, ".experts." in target_name))
+    if isinstance(source, ShardedTensors):
+        work.sort(key=lambda item: source.shard_of(item[0]))  # shard after shard
+    used = {load_tensor(view, source, name, fmt, expert) for name, view, expert in work}
     stray = sorted(scales - used)
     if stray:
         raise CheckpointError(f"tensor {stray[0]} is a scale, but its weight is stored unquantized; remove the "
@@ -199,8 +233,7 @@ def describe_main(engine_name: str) -> str:
 def load_checkpoint(model: torch.nn.Module, model_dir: Path, fmt: WeightFormat) -> dict[str, torch.Tensor]:
     """Load a checkpoint directory into `model` (any of the three layouts, quantized or not);
     returns the `mtp.*` tensors as stored (read into memory: one layer), for speculative decoding."""
-    with contextlib.ExitStack() as stack:
-        source = ShardedTensors(checkpoint_files(model_dir), stack)
+    with ShardedTensors(checkpoint_files(model_dir)) as source:
         main = [n for n in source if not n.startswith("mtp.")]
         load_state(model, source, main, main_target, fmt, describe_main)
         return {n: source[n] for n in source if n.startswith("mtp.")}

@@ -9,6 +9,10 @@ magnitude ~5. (Its quantized load keeps the unquantized bf16 tensors in bf16 wha
 asks for; `.float()` makes the oracle one float32 model, exactly.)
 """
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +137,19 @@ def test_cli_generate_on_release_checkpoint(release_dirs, capsys):
                  "--max-tokens", "3", "--ignore-eos", "--device", "cpu", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert "Prompt: 'Flat is better than'" in out and "[3 tokens, length]" in out
+
+
+def test_writer_tool_with_fewer_layers_and_experts(tmp_path):
+    out = tmp_path / "two-layers"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "tools/write_release_checkpoint.py"), "--out", str(out),
+                           "--num-layers", "2", "--num-experts", "4", "--expert-dtype", "fp8", "--shard-size-mb", "1"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote {out}") and (out / "model.safetensors.index.json").is_file()
+    ours, model_config, mtp = load_model(str(out), torch.float32, torch.device("cpu"))
+    hf = model_config.hf_config
+    assert hf.num_hidden_layers == 2 and hf.n_routed_experts == 4 and model_config.weight_format.experts == "fp8"
+    assert hf.layer_types == ["sliding_attention", "compressed_sparse_attention"]
+    assert "mtp.0.ffn.experts.3.w2.scale" in mtp and "mtp.0.ffn.experts.4.w2.weight" not in mtp
+    assert Driver(ours).step([(0, 0, IDS[:20])])[0].isfinite().all()

@@ -11,7 +11,46 @@ from .names import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, SIDE_STREAM_MODES  # noq
 
 from .errors import ConfigError
 
+# The values of config.json's `expert_dtype` that mean "routed experts as the other weights".
+UNQUANTIZED_EXPERTS = (None, "bf16", "bfloat16")
 
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the checkpoint stores its weights: config.json's `quantization_config` and `expert_dtype`
+    (checked by `checkpoint_checks.check_weight_format`; docs/checkpoints.md describes the formats).
+    The loader decodes every quantized tensor into the compute dtype once, at load."""
+
+    quant_method: str | None = None          # "fp8" (block FP8 linears) or None (unquantized)
+    fmt: str = "e4m3"
+    scale_fmt: str | None = None             # "ue8m0": every scale a power of two
+    block_size: tuple[int, int] = (128, 128)  # FP8 scale block [out, in]
+    activation_scheme: str = "dynamic"
+    expert_dtype: str | None = None          # "fp4", "fp8", or None: see `experts`
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> "WeightFormat":
+        quant = getattr(hf_config, "quantization_config", None) or {}
+        if not isinstance(quant, dict):
+            quant = quant.to_dict()
+        block = quant.get("weight_block_size") or (128, 128)
+        return cls(quant_method=quant.get("quant_method"), fmt=quant.get("fmt") or "e4m3",
+                   scale_fmt=quant.get("scale_fmt"), block_size=(int(block[0]), int(block[1])),
+                   activation_scheme=quant.get("activation_scheme") or "dynamic",
+                   expert_dtype=getattr(hf_config, "expert_dtype", None))
+
+    @property
+    def linears(self) -> str:
+        """"fp8" when the checkpoint's dense projections may be block FP8, else "bf16"."""
+        return "fp8" if self.quant_method == "fp8" else "bf16"
+
+    @property
+    def experts(self) -> str:
+        """The routed experts' storage: "fp4", "fp8" or "bf16". Without `expert_dtype` they are
+        stored as the linears are (FP8 in an fp8 checkpoint, as `transformers` reads it)."""
+        if self.expert_dtype in UNQUANTIZED_EXPERTS:
+            return self.linears if self.expert_dtype is None else "bf16"
+        return str(self.expert_dtype)
 
 
 @dataclass
@@ -21,6 +60,12 @@ class ModelConfig:
     hf_config: DeepseekV4Config
     dtype: torch.dtype = torch.bfloat16
     path: str | None = None
+    # How the checkpoint stores its weights (derived from hf_config when not given).
+    weight_format: WeightFormat | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight_format is None:
+            self.weight_format = WeightFormat.from_hf_config(self.hf_config)
 
     @property
     def num_layers(self) -> int:

@@ -23,6 +23,7 @@ from sparseserve.errors import (CheckpointError, ConfigError, ConfigTypeError, I
                                 InvalidRequestTypeError, RequestTooLargeError, SamplingParamsError,
                                 SamplingParamsTypeError)
 from sparseserve.model.loader import CONFIGS_DIR
+from sparseserve.model.release_writer import write_release_checkpoint
 
 TINY = CONFIGS_DIR / "tiny"
 ENGINE_KW = dict(device="cpu", dtype="float32", max_model_len=96, max_num_seqs=8)
@@ -93,6 +94,38 @@ def _checkpoint(edit_config: Callable[[dict], object] | None = None, edit_tensor
             (target / "tokenizer.json").write_text(tokenizer_text)
         return LLM(str(target), **ENGINE_KW)
     return run
+
+
+def _release(expert_dtype: str = "fp4", edit_config: Callable[[dict], object] | None = None,
+             edit_tensors: Callable[[dict], None] | None = None) -> Callable:
+    """A release-format tiny checkpoint (`write_release_checkpoint`, one shard) with one thing broken."""
+    def run(llm, tmp: Path):
+        target = write_release_checkpoint(tmp / f"ckpt{len(list(tmp.iterdir()))}", TINY, expert_dtype=expert_dtype)
+        if edit_config is not None:
+            raw = json.loads((target / "config.json").read_text())
+            edit_config(raw)
+            (target / "config.json").write_text(json.dumps(raw))
+        if edit_tensors is not None:
+            shard = target / "model-00001-of-00001.safetensors"
+            tensors = load_file(str(shard))
+            edit_tensors(tensors)
+            save_file(tensors, str(shard))
+        return LLM(str(target), **ENGINE_KW)
+    return run
+
+
+def _quant(**values) -> Callable[[dict], None]:
+    return lambda raw: raw["quantization_config"].update(values)
+
+
+def _edit(name: str, change: Callable[[torch.Tensor], torch.Tensor | None]) -> Callable[[dict], None]:
+    def edit(tensors: dict) -> None:
+        new = change(tensors[name])
+        if new is None:
+            del tensors[name]
+        else:
+            tensors[name] = new
+    return edit
 
 
 def _set(**values) -> Callable[[dict], None]:
@@ -231,6 +264,27 @@ CASES: list[Case] = [
     Case("config.json rms_norm_eps nan", _checkpoint(_set(rms_norm_eps="nan")), CK, "rms_norm_eps"),
     Case("int32 lm_head.weight", _checkpoint(edit_tensors=_int32_head), CK, "lm_head.weight"),
     Case("corrupt tokenizer.json", _checkpoint(tokenizer_text="{not json"), CK, "tokenizer"),
+    # release-format (quantized) checkpoints
+    Case("fp8 scale of the wrong shape", _release(edit_tensors=_edit("layers.1.attn.wq_b.scale", lambda s: s[:1])),
+         CK, r"layers\.1\.attn\.wq_b\.scale has shape \(1, 1\).*needs a scale of shape \(2, 1\)"),
+    Case("fp8 weight without its scale", _release(edit_tensors=_edit("layers.2.attn.wq_a.scale", lambda s: None)),
+         CK, r"no layers\.2\.attn\.wq_a\.scale"),
+    Case("fp4 expert scale of the wrong shape", _release(
+        edit_tensors=_edit("layers.3.ffn.experts.5.w2.scale", lambda s: s[:, :1].contiguous())),
+         CK, r"layers\.3\.ffn\.experts\.5\.w2\.scale"),
+    Case("fp4 experts with an odd input dimension", _release(edit_config=_set(moe_intermediate_size=63)),
+         CK, "moe_intermediate_size.*fp4"),
+    Case("unknown quantization method", _release(edit_config=_quant(quant_method="awq")), CK, "quant_method"),
+    Case("fp8 block size not two numbers", _release(edit_config=_quant(weight_block_size=[128])), CK,
+         "weight_block_size"),
+    Case("expert_dtype fp8 over fp4 experts", _release(edit_config=_set(expert_dtype="fp8")), CK,
+         "expert_dtype.*'fp4'"),
+    Case("expert_dtype fp4 over fp8 experts", _release("fp8", edit_config=_set(expert_dtype="fp4")), CK,
+         "expert_dtype.*'fp8'"),
+    Case("fp8 tensors without quantization_config", _release(
+        edit_config=lambda raw: [raw.pop("quantization_config"), raw.pop("expert_dtype")]), CK, "quantization_config"),
+    Case("ue8m0 scale that is no power of two", _release(
+        "fp8", edit_tensors=_edit("layers.0.attn.wkv.scale", lambda s: s * 3)), CK, r"layers\.0\.attn\.wkv\.scale"),
 ]
 
 

@@ -28,7 +28,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # returns them.
 NEUTRAL = ("sparseserve.config", "sparseserve.envs", "sparseserve.logger", "sparseserve.step_types",
            "sparseserve.outputs", "sparseserve.sampling_params", "sparseserve.errors", "sparseserve.validation",
-           "sparseserve.config_checks", "sparseserve.checkpoint_checks", "sparseserve.names")
+           "sparseserve.config_checks", "sparseserve.checkpoint_checks", "sparseserve.names",
+           "sparseserve.quant_formats")
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:

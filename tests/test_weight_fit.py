@@ -68,7 +68,7 @@ def test_43_layer_presets_follow_the_release_layer_pattern():
         if name.endswith("-fp8"):
             assert (fmt.linears, fmt.experts, fmt.block, fmt.scale_bytes) == ("fp8", "fp4", (128, 128), 1)
         else:
-            assert (fmt.linears, fmt.experts) == (None, None)
+            assert (fmt.linears, fmt.experts) == ("bf16", "bf16")
 
 
 # ---- byte arithmetic ----

@@ -1,9 +1,11 @@
 """Load a DeepSeek-V4 checkpoint directory (Hugging Face layout) or make dummy weights.
 
 - config.json goes through `transformers.DeepseekV4Config` (legacy keys such as
-  `compress_ratios`, `num_hash_layers`, `qk_rope_head_dim` are folded in there);
-- weights come from `model.safetensors` or a sharded `model.safetensors.index.json`, named as
-  `DeepseekV4ForCausalLM` writes them;
+  `compress_ratios`, `num_hash_layers`, `qk_rope_head_dim` are folded in there); its
+  `quantization_config` and `expert_dtype` are checked and kept (`ModelConfig.weight_format`);
+- weights come from `model.safetensors` or a sharded `model.safetensors.index.json`, in the
+  release's layout (FP8/FP4 decoded at load), as `transformers` saves them, or under the engine's
+  own module names (`weight_loader`, `checkpoint_names`; docs/checkpoints.md);
 - `mtp.*` tensors are returned separately for speculative decoding (not an error);
 - `load_format="dummy"` fills every tensor with random values of the right shape.
 """
@@ -14,17 +16,17 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from transformers import DeepseekV4Config
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
-from ..checkpoint_checks import check_hf_config, check_override_keys, check_raw_config, check_tensor_dtype
+from ..checkpoint_checks import check_hf_config, check_override_keys, check_raw_config, check_weight_format
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .fit_check import available_memory_bytes, check_weights_fit
 from .layers.fused_linear import pack_projections
 from .presets import CONFIGS_DIR, DEFAULT_MODEL, PRESETS, resolve_model_dir  # noqa: F401 (re-exported)
 from .weight_bytes import KEEP_FP32, ParallelLayout, WeightPlan, held_dtype  # noqa: F401 (KEEP_FP32 re-exported)
+from .weight_loader import apply_weights, checkpoint_files, load_checkpoint, read_tensors  # noqa: F401 (re-exported)
 
 __all__ = ["CheckpointError", "load_model", "resolve_model_dir", "load_hf_config"]
 
@@ -40,7 +42,6 @@ def load_hf_config(model_dir: Path, hf_overrides: dict | None = None) -> Deepsee
     check_raw_config(raw, str(config_path))
     if raw.get("model_type") not in (None, "deepseek_v4"):
         raise CheckpointError(f"{config_path}: model_type is {raw.get('model_type')!r}, expected 'deepseek_v4'")
-    raw.pop("quantization_config", None)  # weights are served in bf16/fp32; fp8 files are rejected at load
     overrides = dict(hf_overrides or {})
     check_override_keys(overrides)
     if "layer_types" in overrides or "num_hidden_layers" in overrides:
@@ -51,6 +52,7 @@ def load_hf_config(model_dir: Path, hf_overrides: dict | None = None) -> Deepsee
     for key in ("architectures", "transformers_version", "torch_dtype"):
         raw.pop(key, None)
     where = f"{config_path}" + (f" with hf_overrides {overrides}" if overrides else "")
+    check_weight_format(raw, where)  # kept on the config: ModelConfig.weight_format reads it
     try:
         hf = DeepseekV4Config(**raw)
     except Exception as exc:  # noqa: BLE001 - transformers' config validators raise their own types
@@ -58,62 +60,6 @@ def load_hf_config(model_dir: Path, hf_overrides: dict | None = None) -> Deepsee
         raise CheckpointError(f"{where}: invalid DeepSeek-V4 config: {message}") from exc
     check_hf_config(hf, where)
     return hf
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
-        files = sorted({model_dir / f for f in weight_map.values()})
-        for f in files:
-            if not f.is_file():
-                raise CheckpointError(f"{index} names shard {f.name}, which is missing")
-        return files
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise CheckpointError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
-
-
-def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():
-                    if name in tensors:
-                        raise CheckpointError(f"tensor {name} appears in more than one shard (again in {f.name})")
-                    tensors[name] = handle.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise CheckpointError(f"cannot read {f}: it is corrupted or truncated ({exc})") from exc
-    return tensors
-
-
-def apply_weights(model: DeepseekV4ForCausalLM, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copy checkpoint tensors into the model; returns the kept `mtp.*` tensors."""
-    expected = model.state_dict()
-    mtp = {k: v for k, v in tensors.items() if k.startswith("mtp.")}
-    main = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
-    missing = sorted(set(expected) - set(main))
-    unexpected = sorted(set(main) - set(expected))
-    if missing:
-        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), first: {', '.join(missing[:5])}")
-    if unexpected:
-        raise CheckpointError(f"checkpoint has {len(unexpected)} unexpected tensor(s), first: {', '.join(unexpected[:5])}")
-    for name, value in main.items():
-        target = expected[name]
-        if tuple(value.shape) != tuple(target.shape):
-            raise CheckpointError(
-                f"tensor {name} has shape {tuple(value.shape)}, the config implies {tuple(target.shape)}"
-            )
-        check_tensor_dtype(name, value, target)
-    with torch.no_grad():
-        for name, value in main.items():
-            expected[name].copy_(value)
-    return mtp
 
 
 @torch.no_grad()
@@ -168,7 +114,7 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(net, seed)
     else:
-        mtp = apply_weights(net, read_tensors(checkpoint_files(model_dir)))
+        mtp = load_checkpoint(net, model_dir, model_config.weight_format)
     net = net.to(device)
     pack_projections(net)  # last: one GEMM per shared input (a later cast or move would undo it)
     return net.eval(), model_config, mtp

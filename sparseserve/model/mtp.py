@@ -7,13 +7,10 @@ The block is a full V4 decoder layer whose attention is sliding-window only (pla
 rope_theta, sinks) and whose MoE is top-k routed. Embedding and lm_head are the main
 model's. Drafting k > 1 tokens feeds the block's output streams back in as h.
 
-Checkpoint names (`mtp.0.` + left) and the module names they load into (right):
-    e_proj.weight, h_proj.weight, enorm.weight, hnorm.weight, norm.weight  -> same
-    hc_head_fn, hc_head_base, hc_head_scale      -> hc_head.hc_fn, hc_head.hc_base, hc_head.hc_scale
-    attn.<name>                                   -> block.self_attn.<name>  (DeepseekV4Attention names)
-    ffn.<name>                                    -> block.mlp.<name>        (DeepseekV4SparseMoeBlock names)
-    attn_norm.weight, ffn_norm.weight             -> block.input_layernorm.weight, block.post_attention_layernorm.weight
-    hc_attn_fn/_base/_scale, hc_ffn_fn/_base/_scale -> block.attn_hc.fn/base/scale, block.ffn_hc.fn/base/scale
+Checkpoint names: `mtp.0.` + the release's names (`e_proj`, `h_proj`, `enorm`, `hnorm`, `norm`,
+`hc_head_{fn,base,scale}`, and the block's `attn.*`, `ffn.*`, `attn_norm`, `hc_attn_*`, ... as in
+a decoder layer), or the project's older layout (`mtp.0.attn.q_a_proj.weight`: module names under
+the release's block prefixes); `checkpoint_names.mtp_target` maps both (docs/checkpoints.md).
 """
 from __future__ import annotations
 
@@ -28,10 +25,13 @@ from .deepseek_v4 import DecoderLayer, DeepseekV4ForCausalLM
 from .layers.fused_linear import pack_projections
 from .layers.hyper_connection import HyperHead
 from .layers.norm import RMSNorm
+from .checkpoint_names import mtp_target, release_mtp_name
 from .loader import KEEP_FP32, CheckpointError, init_dummy_weights
 from .state import ModelState
 from .step_context import build_step_context
+from .weight_loader import load_state
 
+# The project's older MTP names: module names under the release's block prefixes.
 _RENAMES = [
     ("hc_head_fn", "hc_head.hc_fn"), ("hc_head_base", "hc_head.hc_base"), ("hc_head_scale", "hc_head.hc_scale"),
     ("attn_norm.", "block.input_layernorm."), ("ffn_norm.", "block.post_attention_layernorm."),
@@ -43,15 +43,13 @@ PREFIX = "mtp.0."
 
 
 def checkpoint_to_module_name(name: str) -> str:
-    """`mtp.0.attn.q_a_proj.weight` -> `block.self_attn.q_a_proj.weight` (see the module docstring)."""
-    rest = name[len(PREFIX):]
-    for src, dst in _RENAMES:
-        if rest.startswith(src):
-            return dst + rest[len(src):]
-    return rest
+    """`mtp.0.attn.wq_a.weight` or `mtp.0.attn.q_a_proj.weight` -> `block.self_attn.q_a_proj.weight`
+    (routed experts of the release: the stacked tensor they load into)."""
+    return mtp_target(name).name
 
 
 def module_to_checkpoint_name(name: str) -> str:
+    """Module name -> the project's older checkpoint name (what `tools/make_tiny_checkpoint.py` writes)."""
     for src, dst in _RENAMES:
         if name.startswith(dst):
             return PREFIX + src + name[len(dst):]
@@ -94,22 +92,17 @@ class MTPModule(nn.Module):
         return target.logits_of(self.hc_head.collapse_norm(streams, self.norm))
 
 
+def describe(module_name: str) -> str:
+    try:
+        return f"{module_to_checkpoint_name(module_name)} (release name {release_mtp_name(module_name)})"
+    except KeyError:
+        return module_to_checkpoint_name(module_name)
+
+
 def load_mtp_weights(module: MTPModule, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy `mtp.0.*` checkpoint tensors into the module; names every problem it finds."""
-    expected = module.state_dict()
-    given = {checkpoint_to_module_name(k): (k, v) for k, v in tensors.items() if k.startswith(PREFIX)}
-    missing = sorted(module_to_checkpoint_name(k) for k in set(expected) - set(given))
-    unexpected = sorted(given[k][0] for k in set(given) - set(expected))
-    if missing:
-        raise CheckpointError(f"MTP weights are missing {len(missing)} tensor(s), first: {', '.join(missing[:5])}")
-    if unexpected:
-        raise CheckpointError(f"unexpected MTP tensor(s): {', '.join(unexpected[:5])}")
-    with torch.no_grad():
-        for name, (ckpt_name, value) in given.items():
-            if tuple(value.shape) != tuple(expected[name].shape):
-                raise CheckpointError(f"tensor {ckpt_name} has shape {tuple(value.shape)}, "
-                                      f"the config implies {tuple(expected[name].shape)}")
-            expected[name].copy_(value)
+    """Load `mtp.*` checkpoint tensors (any layout, quantized or not) into the module; names every problem."""
+    names = [k for k in tensors if k.startswith("mtp.")]
+    load_state(module, tensors, names, mtp_target, module.config.weight_format, describe, "MTP weights")
 
 
 def load_mtp(model_config: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
@@ -122,7 +115,7 @@ def load_mtp(model_config: ModelConfig, tensors: dict[str, torch.Tensor], device
     elif not tensors:
         raise CheckpointError("speculative decoding needs the MTP layer, but the checkpoint has no mtp.0.* tensors")
     else:
-        load_mtp_weights(mtp, {k: v.to(device) for k, v in tensors.items()})
+        load_mtp_weights(mtp, tensors)  # decoded on the host, written into the module's device tensors
     for name, p in mtp.named_parameters():
         if not any(part in name for part in KEEP_FP32):
             p.data = p.data.to(dtype)

@@ -87,39 +87,28 @@ def compute_dtype_policy(dtype: torch.dtype) -> HeldPolicy:
 
 @dataclass(frozen=True)
 class CheckpointFormat:
-    """A checkpoint's weight format, from config.json's `quantization_config` and `expert_dtype`."""
+    """What the byte count needs of a checkpoint's `ModelConfig.weight_format`."""
 
-    linears: str | None = None  # "fp8" or None (bf16)
-    experts: str | None = None  # "fp8", "fp4" or None (as the linears)
+    linears: str = "bf16"  # "fp8" or "bf16"
+    experts: str = "bf16"  # "fp4", "fp8" or "bf16"
     block: tuple[int, int] = (128, 128)
     scale_bytes: int = 1  # ue8m0: one byte; fp32 scales: four
 
     def describe(self) -> str:
-        if self.linears is None and self.experts is None:
+        if self.linears == "bf16" and self.experts == "bf16":
             return "bf16"
         scales = "ue8m0" if self.scale_bytes == 1 else "fp32"
-        linears = (f"{self.linears} e4m3 linears ({scales} scale per {self.block[0]}x{self.block[1]})"
-                   if self.linears else "bf16 linears")
-        return f"{linears}, {self.experts or self.linears} routed experts"
-
-
-def _field(obj, key: str):
-    return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+        linears = (f"fp8 e4m3 linears ({scales} scale per {self.block[0]}x{self.block[1]})"
+                   if self.linears == "fp8" else "bf16 linears")
+        return f"{linears}, {self.experts} routed experts"
 
 
 def checkpoint_format(model_config) -> CheckpointFormat:
-    """The checkpoint format the config describes: `quantization_config` and `expert_dtype` read from
-    the ModelConfig when it carries them, else from the transformers config; none means bf16."""
-    hf = model_config.hf_config
-    quant = _field(model_config, "quantization_config") or getattr(hf, "quantization_config", None)
-    experts = _field(model_config, "expert_dtype") or getattr(hf, "expert_dtype", None)
-    if not quant:
-        return CheckpointFormat(experts=str(experts) if experts else None)
-    method = _field(quant, "quant_method")
-    block = tuple(_field(quant, "weight_block_size") or (128, 128))
-    scale_bytes = 1 if _field(quant, "scale_fmt") == "ue8m0" else 4
-    return CheckpointFormat(linears=str(method) if method else "fp8", experts=str(experts) if experts else None,
-                            block=(int(block[0]), int(block[1])), scale_bytes=scale_bytes)
+    """The checkpoint's storage format, from `ModelConfig.weight_format` (config.json's
+    `quantization_config` and `expert_dtype`)."""
+    wf = model_config.weight_format
+    return CheckpointFormat(linears=wf.linears, experts=wf.experts, block=tuple(wf.block_size),
+                            scale_bytes=1 if wf.scale_fmt == "ue8m0" else 4)
 
 
 def is_routed_expert(name: str) -> bool:
@@ -138,8 +127,8 @@ def is_release_fp8_linear(name: str) -> bool:
 def checkpoint_policy(fmt: CheckpointFormat) -> HeldPolicy:
     fp8 = HeldFormat(f"fp8 e4m3 ({fmt.block[0]}x{fmt.block[1]} scales)", 8, fmt.block, fmt.scale_bytes)
     fp4 = HeldFormat("fp4 e2m1 (scale per 32)", 4, (1, 32), fmt.scale_bytes)
-    experts = {"fp4": fp4, "fp8": fp8}.get(fmt.experts or fmt.linears or "", BF16)
-    linears = fp8 if fmt.linears else BF16
+    experts = {"fp4": fp4, "fp8": fp8}.get(fmt.experts, BF16)
+    linears = fp8 if fmt.linears == "fp8" else BF16
 
     def policy(name: str, shape: tuple[int, ...]) -> HeldFormat:
         if is_routed_expert(name):

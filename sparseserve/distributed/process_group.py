@@ -21,8 +21,9 @@ from .communicator import ParallelGroup
 
 @dataclass
 class ProcessGroups:
-    device: ParallelGroup  # the model's collectives
-    control: object  # gloo group: step broadcast, start-up checks
+    device: ParallelGroup  # the model's collectives (the step timeout)
+    control: object  # gloo group of the step broadcast (the step timeout)
+    startup: object  # gloo group of the start-up checks and barrier (the start-up timeout: loading is slow)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -37,16 +38,23 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_process_groups(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device,
-                        timeout_s: float, expert_parallel: bool = False) -> ProcessGroups:
-    """Join the rendezvous at master_addr:master_port as `rank` of `world_size`."""
+                        timeout_s: float, expert_parallel: bool = False,
+                        startup_timeout_s: float = 600.0) -> ProcessGroups:
+    """Join the rendezvous at master_addr:master_port as `rank` of `world_size`. The rendezvous
+    and the start-up group wait up to `startup_timeout_s` (nodes start and load at their own
+    pace); the groups used while serving time out after `timeout_s`. Every rank makes the groups
+    in the same order, as torch.distributed requires."""
+    startup = datetime.timedelta(seconds=max(startup_timeout_s, timeout_s))
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = backend_for(device)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timeout, **kwargs)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    group = ParallelGroup(rank=rank, world_size=world_size, group=dist.group.WORLD, expert_parallel=expert_parallel)
-    return ProcessGroups(device=group, control=control)
+                            world_size=world_size, timeout=startup, **kwargs)
+    startup_group = dist.new_group(backend="gloo", timeout=startup)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    model_group = dist.new_group(backend=backend, timeout=timeout)
+    group = ParallelGroup(rank=rank, world_size=world_size, group=model_group, expert_parallel=expert_parallel)
+    return ProcessGroups(device=group, control=control, startup=startup_group)
 
 
 def destroy_process_groups() -> None:

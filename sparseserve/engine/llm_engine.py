@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import CacheConfig, EngineConfig
-from ..config_checks import check_memory, check_model_limits
+from ..config import CacheConfig, EngineConfig, ModelConfig
+from ..config_checks import check_memory, check_model_limits, check_parallel_layout
 from ..errors import CheckpointError, ConfigError, InvalidRequestError, RequestTooLargeError
-from ..model.loader import available_memory_bytes, load_model, resolve_model_dir
+from ..model.loader import available_memory_bytes, load_hf_config, load_model, resolve_model_dir
 from ..model.mtp import load_mtp
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
@@ -34,6 +34,7 @@ from .scheduler import Scheduler
 logger = logging.getLogger("sparseserve")
 
 CPU_DEFAULT_CACHE_BYTES = 4 * 1024**3
+STARTUP_TIMEOUT_S = 1800.0  # workers' rendezvous and loading (a release checkpoint takes minutes)
 
 
 __all__ = ["LLMEngine", "InvalidRequestError"]
@@ -64,8 +65,17 @@ class LLMEngine:
         self.config = config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
-        self.model, self.model_config, self.mtp_tensors = load_model(
-            config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed)
+        self.parallel = config.world_size > 1  # the workers hold the model (executor/); the driver none
+        if self.parallel:
+            model_dir, preset = resolve_model_dir(config.model)
+            hf = load_hf_config(model_dir, {**preset, **(config.hf_overrides or {})})
+            visible = torch.cuda.device_count() if self.device.type == "cuda" else None
+            check_parallel_layout(config, hf, self.device, visible)
+            self.model, self.mtp_tensors = None, {}
+            self.model_config = ModelConfig(hf, dtype=self.dtype, path=str(model_dir))
+        else:
+            self.model, self.model_config, self.mtp_tensors = load_model(
+                config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed)
         hf = self.model_config.hf_config
         model_dir, _ = resolve_model_dir(config.model)
         self.tokenizer = None
@@ -88,18 +98,44 @@ class LLMEngine:
         self.kv_plan: KVPlan = plan_kv(self.model_config, dtype_bytes, self.block_size, self.max_num_batched_tokens,
                                        spec_k)
         self._check_state_fits()
+        if self.parallel:
+            self.runner = self._start_executor()
+        else:
+            self.runner = self._make_runner()
+        self.spec_metrics = SpecDecodeMetrics()
+        self._finish_init()
+
+    def _make_runner(self) -> ModelRunner:
+        config, spec_k = self.config, self.config.num_speculative_tokens
         mtp = (load_mtp(self.model_config, self.mtp_tensors, self.device, self.dtype, config.load_format,
                         config.seed) if spec_k else None)
-        self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, config.max_num_seqs,
-                                  self.max_num_batched_tokens, self.max_model_len, self.block_size,
-                                  RunnerOptions(enforce_eager=config.enforce_eager,
-                                                cuda_graph_sizes=config.cuda_graph_sizes,
-                                                topk_backend=config.topk_backend,
-                                                step_timeout_s=config.step_timeout_s,
-                                                num_speculative_tokens=spec_k,
-                                                side_stream=config.side_stream),
-                                  mtp=mtp)
-        self.spec_metrics = SpecDecodeMetrics()
+        return ModelRunner(self.model, self.model_config, self.device, self.dtype, config.max_num_seqs,
+                           self.max_num_batched_tokens, self.max_model_len, self.block_size,
+                           RunnerOptions(enforce_eager=config.enforce_eager, cuda_graph_sizes=config.cuda_graph_sizes,
+                                         topk_backend=config.topk_backend, step_timeout_s=config.step_timeout_s,
+                                         num_speculative_tokens=spec_k, side_stream=config.side_stream),
+                           mtp=mtp)
+
+    def _start_executor(self):
+        """One worker process per local rank (executor/multiproc.py); rank 0 hosts the rendezvous."""
+        from ..distributed.process_group import free_port
+        from ..executor.multiproc import MultiprocExecutor
+        from ..executor.worker_proc import RunnerLimits, WorkerSpec
+
+        config = self.config
+        addr = config.master_addr or "127.0.0.1"
+        spec = WorkerSpec(config, self.device.type, self.dtype, config.world_size, addr,
+                          config.master_port or free_port(addr), STARTUP_TIMEOUT_S,
+                          RunnerLimits(self.max_model_len, self.max_num_batched_tokens, self.block_size))
+        return MultiprocExecutor(spec, config.max_num_seqs)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel layout (nothing to do in one process)."""
+        if self.parallel:
+            self.runner.shutdown()
+
+    def _finish_init(self) -> None:
+        config, spec_k, hf = self.config, self.config.num_speculative_tokens, self.model_config.hf_config
         # Async scheduling: launch step n + 1 before reading step n back (on by default on CUDA;
         # speculation verifies and drafts from the step's results, so it stays synchronous).
         if config.async_scheduling and spec_k:
@@ -125,7 +161,7 @@ class LLMEngine:
         if config.cudagraph_audit:
             self.runner.audit_graphs()
         self.runner.capture_graphs()
-        if config.cudagraph_audit:
+        if config.cudagraph_audit and not self.parallel:  # the replay half reads the runner in this process
             audit_graph_replays(self.runner, self.kv, seed=config.seed)
         self.eos_token_id = hf.eos_token_id if isinstance(hf.eos_token_id, int) else None
         self.limits = ModelLimits(self.vocab_size, self.max_model_len, config.max_logprobs)
@@ -153,9 +189,7 @@ class LLMEngine:
         if self.config.kv_cache_memory_bytes is not None:
             cache_bytes = self.config.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            peak = self.runner.profile_peak_activation_bytes()
-            free, total = torch.cuda.mem_get_info(self.device)
-            cache_bytes = int(self.config.gpu_memory_utilization * total - (total - free) - peak)
+            cache_bytes = self.runner.cache_bytes_available(self.config.gpu_memory_utilization)
         else:
             full = self.config.max_num_seqs * plan.sequence_bytes(self.max_model_len) + plan.fixed_bytes
             cache_bytes = min(full, max(CPU_DEFAULT_CACHE_BYTES, slots_bytes + plan.sequence_bytes(self.max_model_len)))
@@ -196,6 +230,9 @@ class LLMEngine:
             raise RequestTooLargeError(
                 f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
                 "shorten the prompt or raise max_model_len")
+        if self.parallel and params.structured_outputs is not None:
+            raise InvalidRequestError("structured_outputs are not supported with tensor_parallel_size > 1 yet (the "
+                                      "grammar state stays in the driver); use tensor_parallel_size=1 for them")
         if params.stop_strings and (self.tokenizer is None or not params.detokenize):
             raise InvalidRequestError("stop strings need detokenize=True and a tokenizer; use stop_token_ids instead")
         if params.needs_logits_processing:

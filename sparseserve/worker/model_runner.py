@@ -173,6 +173,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(peak)
 
+    def cache_bytes_available(self, gpu_memory_utilization: float) -> int:
+        """CUDA: the bytes left for the cache under `gpu_memory_utilization`, after the weights, what
+        else is allocated and a worst-case step's activations."""
+        peak = self.profile_peak_activation_bytes()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(gpu_memory_utilization * total - (total - free) - peak)
+
     def allocate_state(self, num_blocks: int) -> None:
         self.state = ModelState(self.model_config, self._layout(num_blocks), self.device, self.dtype)
         if self.mtp is not None:

@@ -1,0 +1,126 @@
+"""Tensor and expert parallelism on the CPU: gloo, one worker process per rank.
+
+Every parallel engine is compared with a one-process engine of the same options: the prompt
+logprobs (every prefill position's logits, through chunked prefill), the logprobs of the
+greedy tokens (decode, verification of MTP drafts) and the tokens themselves. The tiny model's
+indexer top-k has near ties (a 1e-6 gap between the k-th and the next score is seen at some
+positions), which any change of rounding may flip; the prompts below have no such tie.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from sparseserve import LLM, SamplingParams
+from sparseserve.config import EngineConfig
+from sparseserve.config_checks import check_parallel_layout
+from sparseserve.errors import ConfigError, WorkerDiedError
+from sparseserve.model.loader import CONFIGS_DIR, load_hf_config
+
+TINY = str(CONFIGS_DIR / "tiny")
+# Chunked prefill (32-token budget), few blocks (preemption by recompute), float32 on the CPU.
+COMMON = dict(device="cpu", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, step_timeout_s=30.0)
+PROMPTS = [list(range(3, 40)), list(range(50, 61)), [7, 300, 21, 99, 4, 5, 6, 400, 12, 77, 250, 31, 8]]
+TOL = 2e-4
+
+
+def _params(max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, prompt_logprobs=3, ignore_eos=True)
+
+
+def _run(llm: LLM, max_tokens: int = 24):
+    return llm.generate(PROMPTS, _params(max_tokens), use_tqdm=False)
+
+
+def _assert_same(ref_outs, outs) -> None:
+    for ref, out in zip(ref_outs, outs):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        for want, got in zip(ref.prompt_logprobs[1:], out.prompt_logprobs[1:]):
+            assert want.keys() == got.keys()
+            assert max(abs(want[t].logprob - got[t].logprob) for t in want) < TOL
+        for want, got in zip(ref.outputs[0].logprobs, out.outputs[0].logprobs):
+            assert want.keys() == got.keys()
+            assert max(abs(want[t].logprob - got[t].logprob) for t in want) < TOL
+
+
+def _compare(options: dict, max_tokens: int = 24):
+    ref = LLM(TINY, **COMMON, **{k: v for k, v in options.items()
+                                 if k not in ("tensor_parallel_size", "enable_expert_parallel")})
+    want = _run(ref, max_tokens)
+    del ref
+    llm = LLM(TINY, **COMMON, **options)
+    try:
+        got = _run(llm, max_tokens)
+        _assert_same(want, got)
+        assert llm.llm_engine.all_cache_free()
+        return got
+    finally:
+        llm.shutdown()
+        assert all(not p.is_alive() for p in llm.llm_engine.runner.procs.procs)
+
+
+def test_tensor_parallel_2_matches_one_process():
+    _compare(dict(tensor_parallel_size=2))
+
+
+def test_expert_parallel_2_with_preemption_matches_one_process():
+    # 12 blocks of 16 tokens for three sequences of up to 61 tokens: some are preempted and recomputed.
+    outs = _compare(dict(tensor_parallel_size=2, enable_expert_parallel=True, num_gpu_blocks_override=7))
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+
+
+def test_mtp_speculation_with_expert_parallel_matches_one_process():
+    _compare(dict(tensor_parallel_size=2, enable_expert_parallel=True,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2}), max_tokens=16)
+
+
+def test_tensor_and_expert_parallel_4_match_one_process():
+    # 4 ranks: more ranks than the tiny model's 2 output groups (each group's heads on 2 ranks).
+    _compare(dict(tensor_parallel_size=4, enable_expert_parallel=True), max_tokens=12)
+
+
+def test_a_killed_worker_is_a_named_error_not_a_hang():
+    llm = LLM(TINY, **{**COMMON, "step_timeout_s": 10.0}, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    procs = engine.runner.procs.procs
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        os.kill(procs[1].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="worker rank 1"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 10.0
+        with pytest.raises(WorkerDiedError):  # the engine stays failed; nothing waits
+            engine.step()
+        assert all(not p.is_alive() for p in procs)
+    finally:
+        llm.shutdown()
+
+
+def test_layout_checks_name_the_field():
+    hf = load_hf_config(CONFIGS_DIR / "tiny")  # 4 heads, 2 output groups, 8 experts, intermediate 64
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        check_parallel_layout(EngineConfig(tensor_parallel_size=3), hf, cpu)
+    with pytest.raises(ConfigError, match="n_routed_experts"):
+        hf6 = load_hf_config(CONFIGS_DIR / "tiny", {"n_routed_experts": 6})
+        check_parallel_layout(EngineConfig(tensor_parallel_size=4, enable_expert_parallel=True), hf6, cpu)
+    check_parallel_layout(EngineConfig(tensor_parallel_size=4, enable_expert_parallel=True), hf, cpu)
+    with pytest.raises(ConfigError, match="sees 1 GPU"):
+        check_parallel_layout(EngineConfig(tensor_parallel_size=2), hf, cuda, visible_gpus=1)
+    check_parallel_layout(EngineConfig(tensor_parallel_size=2, nnodes=2, master_addr="h", master_port=1), hf, cuda,
+                          visible_gpus=1)
+    with pytest.raises(ConfigError, match="node_rank=2 must be below nnodes=2"):
+        EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, master_addr="h", master_port=1).validate()
+    with pytest.raises(ConfigError, match="multiple of nnodes=2"):
+        EngineConfig(tensor_parallel_size=3, nnodes=2, master_addr="h", master_port=1).validate()
+    with pytest.raises(ConfigError, match="needs master_addr"):
+        EngineConfig(tensor_parallel_size=2, nnodes=2).validate()

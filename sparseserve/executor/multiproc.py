@@ -61,11 +61,19 @@ def _stop(procs: list, conns: list, timeout_s: float = 5.0) -> None:
         conn.close()
 
 
+def _context():
+    """Workers fork from a clean server process that has imported the worker's modules once (no
+    CUDA, no threads in it: safe to fork), so a worker starts without importing torch again."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["sparseserve.executor.worker_proc"])
+    return ctx
+
+
 class _Processes:
     """The local worker processes of a node and their pipes (index i: local rank i)."""
 
     def __init__(self, spec: WorkerSpec, first_rank: int, count: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _context()
         self.ranks = list(range(first_rank, first_rank + count))
         self.procs, self.conns = [], []
         for local_rank, rank in enumerate(self.ranks):

@@ -159,7 +159,7 @@ class _Worker:
 
 
 def worker_main(spec: WorkerSpec, rank: int, local_rank: int, conn) -> None:
-    """The process's entry point (multiprocessing spawn)."""
+    """The process's entry point (a multiprocessing forkserver child)."""
     try:
         worker = _Worker(spec, rank, local_rank, conn)
         if conn is not None:

@@ -66,3 +66,7 @@ class WorkerStepError(DistributedError):
 
 class CollectiveTimeoutError(DistributedError):
     """No answer from the workers within the step timeout (a hung collective or rank)."""
+
+
+class WorkerConfigError(DistributedError, ConfigError):
+    """A worker rejected the options at start-up (e.g. the nodes were started with different ones)."""

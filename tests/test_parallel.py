@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +22,8 @@ import torch
 from sparseserve import LLM, SamplingParams
 from sparseserve.config import EngineConfig
 from sparseserve.config_checks import check_parallel_layout
-from sparseserve.errors import ConfigError, WorkerDiedError
+from sparseserve.distributed.process_group import free_port
+from sparseserve.errors import ConfigError, WorkerConfigError, WorkerDiedError
 from sparseserve.model.loader import CONFIGS_DIR, load_hf_config
 
 TINY = str(CONFIGS_DIR / "tiny")
@@ -127,3 +131,47 @@ def test_layout_checks_name_the_field():
         EngineConfig(tensor_parallel_size=3, nnodes=2, master_addr="h", master_port=1).validate()
     with pytest.raises(ConfigError, match="needs master_addr"):
         EngineConfig(tensor_parallel_size=2, nnodes=2).validate()
+
+
+def _start_node(rank: int, port: int, extra: list[str] = ()) -> subprocess.Popen:
+    """Another "node" on this machine: the CLI with --node-rank, running workers only."""
+    cmd = [sys.executable, "-m", "sparseserve.entrypoints.cli", "generate", "--model", TINY, "--device", "cpu",
+           "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+           "--step-timeout-s", "30", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(rank),
+           "--master-addr", "127.0.0.1", "--master-port", str(port), *extra]
+    # One thread: both "nodes" share this machine's cores.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_nodes_through_the_rendezvous():
+    ref = LLM(TINY, **COMMON)
+    want = _run(ref, 8)
+    del ref
+    port = free_port()
+    node1 = _start_node(1, port)
+    try:
+        llm = LLM(TINY, **COMMON, tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
+                  master_port=port)
+        assert len(llm.llm_engine.runner.procs.procs) == 1  # this node's rank; rank 1 is node 1's
+        try:
+            _assert_same(want, _run(llm, 8))
+        finally:
+            llm.shutdown()
+        assert node1.wait(timeout=30) == 0  # node 1 stops when node 0's engine does
+    finally:
+        node1.kill()
+        node1.communicate()
+
+
+def test_nodes_started_with_different_options_fail_at_start_up():
+    port = free_port()
+    node1 = _start_node(1, port, ["--max-num-seqs", "2"])
+    try:
+        with pytest.raises(WorkerConfigError, match="different options.*max_num_seqs"):
+            LLM(TINY, **COMMON, tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
+                master_port=port)
+        assert node1.wait(timeout=30) == 2  # a ConfigError there too: the CLI's exit code for a bad value
+    finally:
+        node1.kill()
+        node1.communicate()

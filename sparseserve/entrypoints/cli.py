@@ -62,6 +62,14 @@ def check_engine_args(kwargs: dict) -> None:
     check_model_limits(config, load_hf_config(model_dir, {**overrides, **(config.hf_overrides or {})}))
 
 
+def serve_worker_node(kwargs: dict) -> int:
+    """`--node-rank` > 0: this node runs its ranks' workers only, until node 0's engine stops them."""
+    from ..executor.node import serve_worker_node as serve
+
+    serve(EngineConfig(**kwargs))
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from ..llm import LLM
     from ..sampling_params import SamplingParams
@@ -70,6 +78,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     kwargs = engine_kwargs(args)
     check_engine_args(kwargs)
+    if kwargs.get("node_rank", 0) > 0:
+        return serve_worker_node(kwargs)
     llm = LLM(**kwargs)
     prompts = args.prompt or DEFAULT_PROMPTS
     for out in llm.generate(prompts, params, use_tqdm=False):
@@ -136,6 +146,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}); give one")
         args.model = args.model_tag
     names = args.served_model_name
+    if engine_kwargs(args).get("node_rank", 0) > 0:
+        return serve_worker_node(engine_kwargs(args))
     run_server(engine_kwargs(args), ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                                                  served_model_names=names,
                                                  max_waiting_requests=args.max_waiting_requests,

@@ -22,7 +22,7 @@ from multiprocessing.connection import wait as wait_any
 
 import torch
 
-from ..errors import CollectiveTimeoutError, DistributedError, WorkerDiedError, WorkerStepError
+from ..errors import CollectiveTimeoutError, DistributedError, WorkerConfigError, WorkerDiedError, WorkerStepError
 from ..step_types import RunnerOutput, SchedulerOutput
 from .messages import StepEncoder
 from .worker_proc import WorkerSpec, worker_main
@@ -135,7 +135,9 @@ class _Processes:
                 return WorkerDiedError(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} "
                                        f"while the engine ran {what}; the engine has stopped its workers")
         if errors:
-            _, rank, message, text = errors[0]
+            _, rank, message, text, bad_option = errors[0]
+            if bad_option:  # the options themselves (e.g. nodes started with different ones): a ConfigError
+                return WorkerConfigError(f"worker rank {rank}: {message}")
             return WorkerStepError(f"worker rank {rank} failed while running {what}: {message}\n{text}")
         return WorkerDiedError(f"a worker's pipe closed while the engine ran {what}")
 

@@ -99,9 +99,9 @@ class _Worker:
     def __init__(self, spec: WorkerSpec, rank: int, local_rank: int, conn) -> None:
         self.spec, self.rank, self.conn = spec, rank, conn
         self.device = _device(spec, local_rank)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu":  # the node's cores (or OMP_NUM_THREADS of them) shared by its ranks
             local = max(1, spec.world_size // spec.config.nnodes)
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+            torch.set_num_threads(max(1, torch.get_num_threads() // local))
         groups = init_process_groups(rank, spec.world_size, spec.master_addr, spec.master_port, self.device,
                                      spec.config.step_timeout_s, spec.config.enable_expert_parallel,
                                      startup_timeout_s=spec.startup_timeout_s)
@@ -169,7 +169,7 @@ def worker_main(spec: WorkerSpec, rank: int, local_rank: int, conn) -> None:
         text = "".join(traceback.format_exception(exc))
         try:
             if conn is not None:
-                conn.send(("error", rank, f"{type(exc).__name__}: {exc}", text))
+                conn.send(("error", rank, f"{type(exc).__name__}: {exc}", text, isinstance(exc, ConfigError)))
         except (OSError, EOFError):
             pass
         logger.error("worker rank %d failed:\n%s", rank, text)

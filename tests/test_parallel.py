@@ -23,7 +23,7 @@ from sparseserve import LLM, SamplingParams
 from sparseserve.config import EngineConfig
 from sparseserve.config_checks import check_parallel_layout
 from sparseserve.distributed.process_group import free_port
-from sparseserve.errors import ConfigError, WorkerConfigError, WorkerDiedError
+from sparseserve.errors import CollectiveTimeoutError, ConfigError, WorkerConfigError, WorkerDiedError
 from sparseserve.model.loader import CONFIGS_DIR, load_hf_config
 
 TINY = str(CONFIGS_DIR / "tiny")
@@ -107,6 +107,24 @@ def test_a_killed_worker_is_a_named_error_not_a_hang():
         assert time.monotonic() - start < 10.0
         with pytest.raises(WorkerDiedError):  # the engine stays failed; nothing waits
             engine.step()
+        assert all(not p.is_alive() for p in procs)
+    finally:
+        llm.shutdown()
+
+
+def test_a_hung_worker_is_a_collective_timeout():
+    llm = LLM(TINY, **{**COMMON, "step_timeout_s": 4.0}, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    procs = engine.runner.procs.procs
+    try:
+        engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+        engine.step()
+        os.kill(procs[1].pid, signal.SIGSTOP)  # alive but never answers: rank 0 waits in a collective
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match="within 4 s"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 4.0 + 3.0  # the deadline, plus the diagnosis and stopping the workers
         assert all(not p.is_alive() for p in procs)
     finally:
         llm.shutdown()

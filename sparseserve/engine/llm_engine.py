@@ -158,6 +158,9 @@ class LLMEngine:
         logger.info("%s", self.kv_plan.report(self.max_model_len, cache_bytes))
         logger.info("cache: %d blocks of %d tokens, %d slots (%.2f GiB)", num_blocks, self.block_size,
                     config.max_num_seqs, cache_bytes / 1024**3)
+        if self.parallel:  # one shared KV head (MQA): every rank holds the whole state
+            logger.info("the KV state is replicated on each of the %d tensor-parallel ranks: the figures above "
+                        "are per GPU", config.world_size)
         if config.cudagraph_audit:
             self.runner.audit_graphs()
         self.runner.capture_graphs()
@@ -215,7 +218,14 @@ class LLMEngine:
         tables = (seqs + 1) * -(-self.max_model_len // self.block_size) * 8
         check_memory(f"max_num_seqs={seqs} (sequence slots, block tables) with max_num_batched_tokens="
                      f"{self.max_num_batched_tokens}", seqs * plan.bytes_per_slot + plan.fixed_bytes + tables,
-                     available_memory_bytes(self.device), "lower max_num_seqs or max_num_batched_tokens")
+                     self._free_memory(), "lower max_num_seqs or max_num_batched_tokens")
+
+    def _free_memory(self) -> int | None:
+        """Free memory for the state; None for GPUs of a parallel layout (the driver holds no GPU: each
+        rank sizes its cache from its own free memory)."""
+        if self.parallel and self.device.type == "cuda":
+            return None
+        return available_memory_bytes(self.device)
 
     # ---- requests ----
     def validate_request(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:

@@ -53,13 +53,15 @@ def _positive_float(text: str) -> float:
 
 def check_engine_args(kwargs: dict) -> None:
     """The engine options' values, and the limits the model's config.json sets, before any weights load."""
-    from ..config_checks import check_model_limits
+    from ..config_checks import check_model_limits, check_parallel_layout
     from ..model.loader import load_hf_config, resolve_model_dir
 
     config = EngineConfig(**{k: v for k, v in kwargs.items() if k in {f.name for f in dataclasses.fields(EngineConfig)}})
     config.validate()
     model_dir, overrides = resolve_model_dir(config.model)
-    check_model_limits(config, load_hf_config(model_dir, {**overrides, **(config.hf_overrides or {})}))
+    hf = load_hf_config(model_dir, {**overrides, **(config.hf_overrides or {})})
+    check_model_limits(config, hf)
+    check_parallel_layout(config, hf, config.resolve_device())  # the GPU count is checked by the engine
 
 
 def serve_worker_node(kwargs: dict) -> int:

@@ -41,7 +41,7 @@ class RemoteStep:
 
 def _stop(procs: list, conns: list, timeout_s: float = 5.0) -> None:
     """Ask the workers to stop, then terminate and kill the ones still running (never waits longer)."""
-    for conn in conns[:1]:
+    for conn in conns[:1] if timeout_s > 0 else ():
         try:
             conn.send(("shutdown",))
         except (OSError, EOFError, BrokenPipeError):
@@ -142,8 +142,10 @@ class _Processes:
         return WorkerDiedError(f"a worker's pipe closed while the engine ran {what}")
 
     def fail(self, error: DistributedError) -> None:
+        """Record the failure, stop every worker at once (no graceful wait: a peer may be hung) and raise."""
         self.failure = error
-        self.stop()
+        if self._finalizer.detach() is not None:
+            _stop(self.procs, self.conns, timeout_s=0.0)
         raise error
 
     def stop(self) -> None:

@@ -32,6 +32,9 @@ from .messages import StepDecoder
 logger = logging.getLogger("sparseserve")
 
 HEARTBEAT_S = 2.0  # rank 0 broadcasts a no-op after this long without a message (at most)
+# The ranks' collectives time out this long after the driver's deadline: a hang is the driver's
+# CollectiveTimeoutError (named, at the step timeout); the ranks' own timeout only unblocks them.
+COLLECTIVE_MARGIN_S = 5.0
 
 
 @dataclass
@@ -103,7 +106,8 @@ class _Worker:
             local = max(1, spec.world_size // spec.config.nnodes)
             torch.set_num_threads(max(1, torch.get_num_threads() // local))
         groups = init_process_groups(rank, spec.world_size, spec.master_addr, spec.master_port, self.device,
-                                     spec.config.step_timeout_s, spec.config.enable_expert_parallel,
+                                     spec.config.step_timeout_s + COLLECTIVE_MARGIN_S,
+                                     spec.config.enable_expert_parallel,
                                      startup_timeout_s=spec.startup_timeout_s)
         self.control = groups.control
         limits = _check_same_options(spec, groups.startup)

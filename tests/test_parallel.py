@@ -9,6 +9,7 @@ their greedy continuations.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -23,7 +24,8 @@ from sparseserve import LLM, SamplingParams
 from sparseserve.config import EngineConfig
 from sparseserve.config_checks import check_parallel_layout
 from sparseserve.distributed.process_group import free_port
-from sparseserve.errors import CollectiveTimeoutError, ConfigError, WorkerConfigError, WorkerDiedError
+from sparseserve.errors import (CollectiveTimeoutError, ConfigError, InvalidRequestError, WorkerConfigError,
+                                WorkerDiedError)
 from sparseserve.model.loader import CONFIGS_DIR, load_hf_config
 
 TINY = str(CONFIGS_DIR / "tiny")
@@ -95,6 +97,8 @@ def test_a_killed_worker_is_a_named_error_not_a_hang():
     engine = llm.llm_engine
     procs = engine.runner.procs.procs
     try:
+        with pytest.raises(InvalidRequestError, match="structured_outputs are not supported with tensor_parallel"):
+            engine.add_request("json", PROMPTS[1], SamplingParams(structured_outputs={"json_object": True}))
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
         for _ in range(3):
@@ -128,6 +132,12 @@ def test_a_hung_worker_is_a_collective_timeout():
         assert all(not p.is_alive() for p in procs)
     finally:
         llm.shutdown()
+
+
+def test_a_failed_start_stops_the_workers():
+    with pytest.raises(ConfigError, match="no memory left for the KV cache"):
+        LLM(TINY, **COMMON, tensor_parallel_size=2, kv_cache_memory_bytes=1)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparseserve-rank")]
 
 
 def test_layout_checks_name_the_field():

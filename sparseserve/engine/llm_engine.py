@@ -98,12 +98,13 @@ class LLMEngine:
         self.kv_plan: KVPlan = plan_kv(self.model_config, dtype_bytes, self.block_size, self.max_num_batched_tokens,
                                        spec_k)
         self._check_state_fits()
-        if self.parallel:
-            self.runner = self._start_executor()
-        else:
-            self.runner = self._make_runner()
+        self.runner = self._start_executor() if self.parallel else self._make_runner()
         self.spec_metrics = SpecDecodeMetrics()
-        self._finish_init()
+        try:
+            self._finish_init()
+        except BaseException:
+            self.shutdown()  # a parallel layout's workers do not outlive a failed start
+            raise
 
     def _make_runner(self) -> ModelRunner:
         config, spec_k = self.config, self.config.num_speculative_tokens

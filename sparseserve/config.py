@@ -134,8 +134,15 @@ class EngineConfig:
     block_size: int | None = None
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
-    # Routed experts whole on each rank instead of split within each expert (with tensor_parallel_size > 1).
+    # Routed experts split across the tensor-parallel ranks (whole experts per rank) instead of
+    # within each expert (docs/parallelism.md).
     enable_expert_parallel: bool = False
+    # Several nodes: torch.distributed's rendezvous at master_addr:master_port (None: torchrun's
+    # MASTER_ADDR / MASTER_PORT when set, else localhost and a free port on one node).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
     load_format: str = "auto"
     hf_overrides: dict | None = None
     speculative_config: dict | None = None
@@ -151,6 +158,10 @@ class EngineConfig:
     side_stream: str = "auto"
     # The most logprobs / prompt_logprobs a request may ask for per token (vLLM's max_logprobs).
     max_logprobs: int = 20
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
 
     def validate(self) -> None:
         """Types and ranges of every option (sparseserve/config_checks.py); raises ConfigError."""

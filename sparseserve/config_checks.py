@@ -25,6 +25,7 @@ INT_RANGES: dict[str, tuple[int, bool]] = {
     "seed": (0, False), "max_model_len": (2, True), "max_num_seqs": (1, False),
     "max_num_batched_tokens": (1, True), "kv_cache_memory_bytes": (1, True), "block_size": (1, True),
     "tensor_parallel_size": (1, False), "num_gpu_blocks_override": (1, True), "max_logprobs": (0, False),
+    "nnodes": (1, False), "node_rank": (0, False), "master_port": (1, True),
 }
 
 
@@ -100,9 +101,7 @@ def validate_engine_config(config) -> None:
             lo, none_ok = INT_RANGES[f.name]
             hi = 2**63 - 1 if f.name == "seed" else None
             check_int(value, _name(f.name), ConfigError, lo, hi, none_ok=none_ok)
-    if config.tensor_parallel_size != 1:
-        raise NotImplementedError(
-            f"tensor_parallel_size={config.tensor_parallel_size} is not supported yet; sparseserve runs on one GPU")
+    _check_nodes(config)
     _check_path(config.model, "model")
     _check_path(config.tokenizer, "tokenizer")
     _check_device(config.device)
@@ -123,6 +122,63 @@ def validate_engine_config(config) -> None:
         for i, s in enumerate(sizes):
             check_int(s, f"cuda_graph_sizes[{i}]", ConfigError, 1, config.max_num_seqs,
                       hint=" (at most max_num_seqs)")
+
+
+def _check_nodes(config) -> None:
+    """The node options against the world size (the model-dependent checks come once it is known:
+    `check_parallel_layout`)."""
+    tp, nnodes = config.tensor_parallel_size, config.nnodes
+    if config.node_rank >= nnodes:
+        raise ConfigError(f"node_rank={config.node_rank} must be below nnodes={nnodes}; number the nodes "
+                          f"0..{nnodes - 1}")
+    if tp % nnodes:
+        raise ConfigError(f"tensor_parallel_size={tp} must be a multiple of nnodes={nnodes} (the same number of "
+                          "ranks on every node); change one of them")
+    if config.master_port is not None and config.master_port > 65535:
+        raise ConfigError(f"master_port={config.master_port} is not a TCP port; give 1..65535")
+    if config.master_addr is not None and (not isinstance(config.master_addr, str) or not config.master_addr):
+        raise ConfigTypeError(f"master_addr must be a host name or address (str) or None; got {config.master_addr!r}")
+    if nnodes > 1 and config.master_addr is None:
+        raise ConfigError(f"nnodes={nnodes} needs master_addr (the address of node 0, reachable from every node)")
+    if nnodes > 1 and config.master_port is None:
+        raise ConfigError(f"nnodes={nnodes} needs master_port (a free TCP port on node 0, the same on every node)")
+
+
+def check_parallel_layout(config, hf_config, device: torch.device, visible_gpus: int | None = None) -> None:
+    """The parallel layout against the model and the machine, before any worker starts
+    (docs/parallelism.md): the ranks must split the heads, the output groups, the expert
+    intermediate size and (expert parallel) the experts evenly; a node must see a GPU per rank."""
+    tp = config.tensor_parallel_size
+    if tp == 1:
+        return  # one rank holds every head and expert (enable_expert_parallel changes nothing)
+    heads, groups = int(hf_config.num_attention_heads), int(hf_config.o_groups)
+    inter, experts = int(hf_config.moe_intermediate_size), int(hf_config.n_routed_experts)
+    if heads % tp:
+        raise ConfigError(f"tensor_parallel_size={tp} must divide the model's num_attention_heads ({heads}); "
+                          f"use a divisor of {heads}")
+    if groups % tp and tp % groups:
+        raise ConfigError(f"tensor_parallel_size={tp} and the model's o_groups ({groups}) must divide one another "
+                          "(each rank holds whole output groups, or an equal share of one)")
+    if inter % tp:
+        raise ConfigError(f"tensor_parallel_size={tp} must divide the model's moe_intermediate_size ({inter}): the "
+                          "shared expert (and, without expert parallelism, every routed expert) is split across ranks")
+    if config.enable_expert_parallel and experts % tp:
+        raise ConfigError(f"enable_expert_parallel=True with tensor_parallel_size={tp} needs the model's "
+                          f"n_routed_experts ({experts}) divisible by {tp}; use a divisor of {experts} or "
+                          "enable_expert_parallel=False")
+    per_node = tp // config.nnodes
+    if device.type == "cuda" and visible_gpus is not None and per_node > visible_gpus:
+        raise ConfigError(f"tensor_parallel_size={tp} over nnodes={config.nnodes} puts {per_node} ranks on this "
+                          f"node, but it sees {visible_gpus} GPU(s); lower tensor_parallel_size, raise nnodes, "
+                          "or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+
+
+def layout_fingerprint(config) -> dict:
+    """The options every node must agree on (compared across ranks at start-up)."""
+    keys = ("model", "dtype", "tensor_parallel_size", "enable_expert_parallel", "nnodes", "max_model_len",
+            "max_num_seqs", "max_num_batched_tokens", "block_size", "load_format", "hf_overrides",
+            "speculative_config", "seed", "enforce_eager", "num_gpu_blocks_override", "kv_cache_memory_bytes")
+    return {k: repr(getattr(config, k)) for k in keys}
 
 
 def check_model_limits(config, hf_config) -> int:

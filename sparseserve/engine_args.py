@@ -9,7 +9,9 @@ import dataclasses
 import json
 import typing
 
+from . import envs
 from .config import EngineConfig
+from .errors import ConfigError
 
 
 def parse_bool(text: str) -> bool:
@@ -52,13 +54,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=str, default=default, help=doc)
 
 
+NODE_OPTIONS = ("nnodes", "node_rank", "master_addr", "master_port")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The LLM(...) keyword arguments the flags set: only values that differ from the defaults, so a
-    flag whose option is left at its default never reaches LLM(...)."""
+    flag whose option is left at its default never reaches LLM(...). Under torchrun (one process
+    per node) its node layout fills the node options that no flag gives."""
     out = {}
     for f in dataclasses.fields(EngineConfig):
         if hasattr(args, f.name):
             value = getattr(args, f.name)
             if value != _field_default(f) or f.name == "model":
                 out[f.name] = value
+    layout = envs.torchrun_layout()
+    if layout is not None and hasattr(args, "nnodes"):
+        if layout["local_world_size"] != 1:
+            raise ConfigError(f"torchrun started {layout['local_world_size']} processes per node; start one "
+                              "(--nproc-per-node 1): sparseserve starts a worker per local rank itself")
+        for name in NODE_OPTIONS:
+            out.setdefault(name, layout[name])
     return out

@@ -52,3 +52,25 @@ TYPE_ERRORS: dict[type[ValueError], type[ValueError]] = {
 
 # The finish reason of a request that failed inside a step; its `stop_reason` holds the message.
 FINISH_ERROR = "error"
+
+
+class DistributedError(RuntimeError):
+    """A rank of a parallel layout (tensor/expert parallelism) failed; the engine cannot go on.
+
+    Not a bad-input error: the executor has stopped its workers when this is raised."""
+
+
+class WorkerDiedError(DistributedError):
+    """A worker process exited (killed, crashed) while the engine needed it."""
+
+
+class WorkerStepError(DistributedError):
+    """A worker raised while running a step or a call; the message carries its traceback."""
+
+
+class CollectiveTimeoutError(DistributedError):
+    """No answer from the workers within the step timeout (a hung collective or rank)."""
+
+
+class WorkerConfigError(DistributedError, ConfigError):
+    """A worker rejected the options at start-up (e.g. the nodes were started with different ones)."""

@@ -35,6 +35,10 @@ class LLM:
         self.llm_engine = LLMEngine(self.engine_config)
         self._next_id = 0
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel layout (tensor_parallel_size > 1); no-op otherwise."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

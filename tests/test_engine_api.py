@@ -156,8 +156,8 @@ def test_n_completions_and_prompt_logprobs(llm):
 
 
 def test_unsupported_options_are_loud():
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
-        LLM(TINY, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's num_attention_heads"):
+        LLM(TINY, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(TINY, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="speculative_config must be"):

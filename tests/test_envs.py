@@ -49,7 +49,8 @@ def test_the_checker_catches_a_read():
 def test_every_variable_read_is_documented():
     source = (PACKAGE / "envs.py").read_text()
     read = set(re.findall(r"os\.environ\.get\(\"([A-Z_]+)\"", source))
-    assert read == {"SPARSESERVE_LOGGING_LEVEL", "SPARSESERVE_DISABLE_KERNELS", "SPARSESERVE_API_KEY", "TRITON_INTERPRET"}
+    assert read == {"SPARSESERVE_LOGGING_LEVEL", "SPARSESERVE_DISABLE_KERNELS", "SPARSESERVE_API_KEY", "TRITON_INTERPRET",
+                    "GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     doc = envs.__doc__
     for name in read:
         assert re.search(rf"^\s+{name}\s+\S", doc, re.M), f"{name} lacks its line in envs.py's docstring"
@@ -65,3 +66,15 @@ def test_readers(monkeypatch):
     assert envs.logging_level() == "DEBUG"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not envs.triton_interpret()
+
+
+def test_torchrun_layout(monkeypatch):
+    for name in ("GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert envs.torchrun_layout() is None
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert envs.torchrun_layout() == {"nnodes": 2, "node_rank": 1, "master_addr": "node0", "master_port": 29501,
+                                      "local_world_size": 1}

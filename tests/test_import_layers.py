@@ -17,10 +17,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("benchmarks", ("sparseserve.benchmarks",)),
     ("api", ("sparseserve", "sparseserve.llm", "sparseserve.engine_args", "sparseserve.beam_search")),
     ("engine", ("sparseserve.engine",)),
+    ("executor", ("sparseserve.executor",)),
     ("worker", ("sparseserve.worker",)),
     ("spec_decode", ("sparseserve.spec_decode",)),
     ("sample", ("sparseserve.sample", "sparseserve.structured_output")),
     ("model", ("sparseserve.model",)),
+    ("distributed", ("sparseserve.distributed",)),
     ("kernels", ("sparseserve.kernels",)),
 ]
 # Importable from every layer; they import only each other (and outside libraries). The public

@@ -7,7 +7,8 @@ and finished with `finish_reason="error"` (the message in `stop_reason`, the tra
 while the others go on. When every request fails alone, a probe step (one token on the padding
 slot, no request) tells a request fault from an engine fault: if the probe fails too, the original
 exception is raised, so a real engine bug is never hidden. A hung step (`StepTimeoutError`) is
-always raised.
+always raised, and so is a failed rank of a parallel layout (`DistributedError`: the executor has
+stopped its workers).
 
 With async scheduling a failure drops the step in flight and sends its requests (and the failing
 step's) back to the waiting queue to be recomputed; those requests then run in synchronous steps
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import FINISH_ERROR
+from ..errors import FINISH_ERROR, DistributedError
 from ..model.batch import SequenceChunk
 from ..worker.watchdog import StepTimeoutError
 from .request import Request, RequestStatus
@@ -70,7 +71,7 @@ def run_step(engine, sched: SchedulerOutput) -> list:
     saved = _snapshot(engine, sched.chunks)
     try:
         launched, result = _launch_and_collect(engine, sched)
-    except StepTimeoutError:
+    except (StepTimeoutError, DistributedError):
         raise
     except Exception as exc:  # noqa: BLE001 - narrowed down below, re-raised if it is the engine's
         _restore(engine, saved)
@@ -90,7 +91,7 @@ def _bisect(engine, chunks: list[ScheduledChunk], exc: Exception) -> list:
         saved = _snapshot(engine, part)
         try:
             launched, result = _launch_and_collect(engine, SchedulerOutput(chunks=part))
-        except StepTimeoutError:
+        except (StepTimeoutError, DistributedError):
             raise
         except Exception as part_exc:  # noqa: BLE001
             _restore(engine, saved)
@@ -175,7 +176,7 @@ def fail_request(engine, req: Request, exc: Exception) -> list:
 
 def requeue_after_failure(engine, exc: Exception, scheds: list[SchedulerOutput | None]) -> list:
     """An async step failed: drop what is in flight and recompute its requests (synchronously)."""
-    if isinstance(exc, StepTimeoutError):
+    if isinstance(exc, (StepTimeoutError, DistributedError)):
         raise exc
     logger.warning("an async step failed (%s: %s); its requests are recomputed in synchronous steps",
                    type(exc).__name__, exc)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import CacheConfig, EngineConfig, ModelConfig
-from ..config_checks import check_memory, check_model_limits
+from ..config_checks import check_memory, check_model_limits, check_parallel_layout
 from ..errors import CheckpointError, ConfigError, InvalidRequestError, RequestTooLargeError
 from ..model.fit_check import available_memory_bytes, check_weights_fit
 from ..model.loader import load_hf_config, load_model, resolve_model_dir
@@ -38,6 +38,7 @@ from .scheduler import Scheduler
 logger = logging.getLogger("sparseserve")
 
 CPU_DEFAULT_CACHE_BYTES = 4 * 1024**3
+STARTUP_TIMEOUT_S = 1800.0  # workers' rendezvous and loading (a release checkpoint takes minutes)
 
 
 __all__ = ["LLMEngine", "InvalidRequestError"]
@@ -69,16 +70,24 @@ class LLMEngine:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         model_dir, overrides = resolve_model_dir(config.model)
-        self.weight_plan = weight_plan(
-            ModelConfig(load_hf_config(model_dir, {**overrides, **(config.hf_overrides or {})}), dtype=self.dtype),
-            self.dtype, include_mtp=config.num_speculative_tokens > 0)
-        # Before anything is allocated: the weights (and the MTP layer with speculation) as held.
+        hf = load_hf_config(model_dir, {**overrides, **(config.hf_overrides or {})})
+        self.parallel = config.world_size > 1  # the workers hold the model (executor/); the driver none
+        if self.parallel:
+            visible = torch.cuda.device_count() if self.device.type == "cuda" else None
+            check_parallel_layout(config, hf, self.device, visible)
+        self.weight_plan = weight_plan(ModelConfig(hf, dtype=self.dtype), self.dtype,
+                                       include_mtp=config.num_speculative_tokens > 0)
+        # Before anything is allocated: the weights (and the MTP layer with speculation) as held, per GPU.
         self.parallel_layout = ParallelLayout(config.tensor_parallel_size, config.enable_expert_parallel)
         self.weight_bytes = check_weights_fit(self.weight_plan, self.parallel_layout,
                                               available_memory_bytes(self.device),
                                               str(config.model or DEFAULT_MODEL), str(self.device))
-        self.model, self.model_config, self.mtp_tensors = load_model(
-            config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed)
+        if self.parallel:
+            self.model, self.mtp_tensors = None, {}
+            self.model_config = ModelConfig(hf, dtype=self.dtype, path=str(model_dir))
+        else:
+            self.model, self.model_config, self.mtp_tensors = load_model(
+                config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed)
         hf = self.model_config.hf_config
         self.tokenizer = None
         if not config.skip_tokenizer_init:  # before the state is allocated
@@ -100,18 +109,45 @@ class LLMEngine:
         self.kv_plan: KVPlan = plan_kv(self.model_config, dtype_bytes, self.block_size, self.max_num_batched_tokens,
                                        spec_k)
         self._check_state_fits()
+        self.runner = self._start_executor() if self.parallel else self._make_runner()
+        self.spec_metrics = SpecDecodeMetrics()
+        try:
+            self._finish_init()
+        except BaseException:
+            self.shutdown()  # a parallel layout's workers do not outlive a failed start
+            raise
+
+    def _make_runner(self) -> ModelRunner:
+        config, spec_k = self.config, self.config.num_speculative_tokens
         mtp = (load_mtp(self.model_config, self.mtp_tensors, self.device, self.dtype, config.load_format,
                         config.seed) if spec_k else None)
-        self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, config.max_num_seqs,
-                                  self.max_num_batched_tokens, self.max_model_len, self.block_size,
-                                  RunnerOptions(enforce_eager=config.enforce_eager,
-                                                cuda_graph_sizes=config.cuda_graph_sizes,
-                                                topk_backend=config.topk_backend,
-                                                step_timeout_s=config.step_timeout_s,
-                                                num_speculative_tokens=spec_k,
-                                                side_stream=config.side_stream),
-                                  mtp=mtp)
-        self.spec_metrics = SpecDecodeMetrics()
+        return ModelRunner(self.model, self.model_config, self.device, self.dtype, config.max_num_seqs,
+                           self.max_num_batched_tokens, self.max_model_len, self.block_size,
+                           RunnerOptions(enforce_eager=config.enforce_eager, cuda_graph_sizes=config.cuda_graph_sizes,
+                                         topk_backend=config.topk_backend, step_timeout_s=config.step_timeout_s,
+                                         num_speculative_tokens=spec_k, side_stream=config.side_stream),
+                           mtp=mtp)
+
+    def _start_executor(self):
+        """One worker process per local rank (executor/multiproc.py); rank 0 hosts the rendezvous."""
+        from ..distributed.process_group import free_port
+        from ..executor.multiproc import MultiprocExecutor
+        from ..executor.worker_proc import RunnerLimits, WorkerSpec
+
+        config = self.config
+        addr = config.master_addr or "127.0.0.1"
+        spec = WorkerSpec(config, self.device.type, self.dtype, config.world_size, addr,
+                          config.master_port or free_port(addr), STARTUP_TIMEOUT_S,
+                          RunnerLimits(self.max_model_len, self.max_num_batched_tokens, self.block_size))
+        return MultiprocExecutor(spec, config.max_num_seqs)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel layout (nothing to do in one process)."""
+        if self.parallel:
+            self.runner.shutdown()
+
+    def _finish_init(self) -> None:
+        config, spec_k, hf = self.config, self.config.num_speculative_tokens, self.model_config.hf_config
         # Async scheduling: launch step n + 1 before reading step n back (on by default on CUDA;
         # speculation verifies and drafts from the step's results, so it stays synchronous).
         if config.async_scheduling and spec_k:
@@ -135,10 +171,13 @@ class LLMEngine:
         logger.info("%s", self.kv_plan.report(self.max_model_len, cache_bytes))
         logger.info("cache: %d blocks of %d tokens, %d slots (%.2f GiB)", num_blocks, self.block_size,
                     config.max_num_seqs, cache_bytes / 1024**3)
+        if self.parallel:  # one shared KV head (MQA): every rank holds the whole state
+            logger.info("the KV state is replicated on each of the %d tensor-parallel ranks: the figures above "
+                        "are per GPU", config.world_size)
         if config.cudagraph_audit:
             self.runner.audit_graphs()
         self.runner.capture_graphs()
-        if config.cudagraph_audit:
+        if config.cudagraph_audit and not self.parallel:  # the replay half reads the runner in this process
             audit_graph_replays(self.runner, self.kv, seed=config.seed)
         self.eos_token_id = hf.eos_token_id if isinstance(hf.eos_token_id, int) else None
         self.limits = ModelLimits(self.vocab_size, self.max_model_len, config.max_logprobs)
@@ -166,9 +205,7 @@ class LLMEngine:
         if self.config.kv_cache_memory_bytes is not None:
             cache_bytes = self.config.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            peak = self.runner.profile_peak_activation_bytes()
-            free, total = torch.cuda.mem_get_info(self.device)
-            cache_bytes = int(self.config.gpu_memory_utilization * total - (total - free) - peak)
+            cache_bytes = self.runner.cache_bytes_available(self.config.gpu_memory_utilization)
         else:
             full = self.config.max_num_seqs * plan.sequence_bytes(self.max_model_len) + plan.fixed_bytes
             cache_bytes = min(full, max(CPU_DEFAULT_CACHE_BYTES, slots_bytes + plan.sequence_bytes(self.max_model_len)))
@@ -194,7 +231,14 @@ class LLMEngine:
         tables = (seqs + 1) * -(-self.max_model_len // self.block_size) * 8
         check_memory(f"max_num_seqs={seqs} (sequence slots, block tables) with max_num_batched_tokens="
                      f"{self.max_num_batched_tokens}", seqs * plan.bytes_per_slot + plan.fixed_bytes + tables,
-                     available_memory_bytes(self.device), "lower max_num_seqs or max_num_batched_tokens")
+                     self._free_memory(), "lower max_num_seqs or max_num_batched_tokens")
+
+    def _free_memory(self) -> int | None:
+        """Free memory for the state; None for GPUs of a parallel layout (the driver holds no GPU: each
+        rank sizes its cache from its own free memory)."""
+        if self.parallel and self.device.type == "cuda":
+            return None
+        return available_memory_bytes(self.device)
 
     # ---- requests ----
     def validate_request(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
@@ -209,6 +253,9 @@ class LLMEngine:
             raise RequestTooLargeError(
                 f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
                 "shorten the prompt or raise max_model_len")
+        if self.parallel and params.structured_outputs is not None:
+            raise InvalidRequestError("structured_outputs are not supported with tensor_parallel_size > 1 yet (the "
+                                      "grammar state stays in the driver); use tensor_parallel_size=1 for them")
         if params.stop_strings and (self.tokenizer is None or not params.detokenize):
             raise InvalidRequestError("stop strings need detokenize=True and a tokenizer; use stop_token_ids instead")
         if params.needs_logits_processing:
@@ -283,7 +330,7 @@ class LLMEngine:
         # the next step's forward is launched first, the in-flight step is read back while the device
         # runs it, and the sampling is queued after that.
         defer_sampling = self._in_flight is not None and self._num_host_state > 0
-        if defer_sampling and self._suspects:
+        if defer_sampling and (self._suspects or not self.runner.defers_sampling):
             early, self._in_flight = self._collect(self._in_flight), None
             defer_sampling = False
         sched = self.scheduler.schedule()
@@ -296,7 +343,7 @@ class LLMEngine:
             launched = self._launch(sched, defer_sampling) if sched.chunks else None
             self._in_flight = launched
             outputs = self._collect(previous) if previous is not None else []
-            if launched is not None and launched.pending_sampling is not None:
+            if defer_sampling and launched is not None:
                 self.runner.launch_sampling(launched)
         except Exception as exc:  # noqa: BLE001 - isolation.py re-raises engine faults
             return early + isolation.requeue_after_failure(self, exc, [sched, previous.sched if previous else None])
@@ -307,7 +354,7 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> LaunchedStep:
         for req in sched.preempted:
             self.runner.forget(req.request_id)
-        launched = self.runner.launch(sched, defer_sampling)
+        launched = self.runner.launch(sched, defer_sampling) if defer_sampling else self.runner.launch(sched)
         for chunk in sched.chunks:
             # Drafts count once verified (in _collect); a sampled token is pending until read back.
             chunk.request.num_computed_tokens += chunk.num_tokens - chunk.num_draft

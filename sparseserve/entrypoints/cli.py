@@ -57,13 +57,23 @@ def _positive_float(text: str) -> float:
 
 def check_engine_args(kwargs: dict) -> None:
     """The engine options' values, and the limits the model's config.json sets, before any weights load."""
-    from ..config_checks import check_model_limits
+    from ..config_checks import check_model_limits, check_parallel_layout
     from ..model.loader import load_hf_config, resolve_model_dir
 
     config = EngineConfig(**{k: v for k, v in kwargs.items() if k in {f.name for f in dataclasses.fields(EngineConfig)}})
     config.validate()
     model_dir, overrides = resolve_model_dir(config.model)
-    check_model_limits(config, load_hf_config(model_dir, {**overrides, **(config.hf_overrides or {})}))
+    hf = load_hf_config(model_dir, {**overrides, **(config.hf_overrides or {})})
+    check_model_limits(config, hf)
+    check_parallel_layout(config, hf, config.resolve_device())  # the GPU count is checked by the engine
+
+
+def serve_worker_node(kwargs: dict) -> int:
+    """`--node-rank` > 0: this node runs its ranks' workers only, until node 0's engine stops them."""
+    from ..executor.node import serve_worker_node as serve
+
+    serve(EngineConfig(**kwargs))
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -74,6 +84,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     kwargs = engine_kwargs(args)
     check_engine_args(kwargs)
+    if kwargs.get("node_rank", 0) > 0:
+        return serve_worker_node(kwargs)
     llm = LLM(**kwargs)
     prompts = args.prompt or DEFAULT_PROMPTS
     for out in llm.generate(prompts, params, use_tqdm=False):
@@ -163,6 +175,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}); give one")
         args.model = args.model_tag
     names = args.served_model_name
+    if engine_kwargs(args).get("node_rank", 0) > 0:
+        return serve_worker_node(engine_kwargs(args))
     run_server(engine_kwargs(args), ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                                                  served_model_names=names,
                                                  max_waiting_requests=args.max_waiting_requests,

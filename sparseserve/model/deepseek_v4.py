@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed.communicator import ParallelGroup
 from ..kernels.dispatch import use_triton
 from ..kernels.embed import embed_streams
 from .batch import BatchMetadata
@@ -84,6 +85,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             self.register_buffer(name, value, persistent=False)
         self._rope_tables = RopeTablePlan.for_model(model_config)  # static; its tensors are the buffers
         self.side_streams = SideStreams()
+        # Tensor parallel (model/sharding.py): lm_head holds this rank's vocabulary rows and the
+        # logits are gathered from the ranks. None: one process.
+        self.tp: ParallelGroup | None = None
 
     @staticmethod
     def rope_buffers(model_config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -133,6 +137,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     def logits_of(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits of the LM head's inputs. On CUDA the GEMM writes fp32 itself (bf16/fp16
         inputs, fp32 accumulate, no rounding to bf16 and no conversion kernel after it)."""
+        if self.tp is None:
+            return self._head_logits(hidden, out)
+        # Vocabulary shards, gathered (the last rank's trailing padding rows dropped).
+        full = self.tp.all_gather_last(self._head_logits(hidden))[:, :self.model_config.hf_config.vocab_size]
+        return full if out is None else out.copy_(full)
+
+    def _head_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if _MM_OUT_DTYPE and hidden.dtype in (torch.bfloat16, torch.float16) and use_triton("lm_head_fp32", hidden):
             weight = self.lm_head.weight.t()
             if out is None:

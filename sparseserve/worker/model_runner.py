@@ -72,6 +72,9 @@ class RunnerOptions:
 
 
 class ModelRunner:
+    # `launch(sched, defer_sampling=True)` and `launch_sampling` (the engine's split step).
+    defers_sampling = True
+
     def __init__(self, model: DeepseekV4ForCausalLM, model_config: ModelConfig, device: torch.device,
                  dtype: torch.dtype, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  block_size: int, options: RunnerOptions | None = None, mtp: MTPModule | None = None) -> None:
@@ -173,6 +176,13 @@ class ModelRunner:
         del state, streams, logits
         torch.cuda.empty_cache()
         return int(peak)
+
+    def cache_bytes_available(self, gpu_memory_utilization: float) -> int:
+        """CUDA: the bytes left for the cache under `gpu_memory_utilization`, after the weights, what
+        else is allocated and a worst-case step's activations."""
+        peak = self.profile_peak_activation_bytes()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(gpu_memory_utilization * total - (total - free) - peak)
 
     def allocate_state(self, num_blocks: int) -> None:
         self.state = ModelState(self.model_config, self._layout(num_blocks), self.device, self.dtype)

@@ -23,6 +23,7 @@ from ...kernels.indexer import indexer_scores
 from ...kernels.norm_rope import norm_rope
 from ...kernels.rows import entry_pool_rows
 from ...kernels.attention import sparse_mqa_attention
+from ...distributed.communicator import ParallelGroup
 from ..state import LayerState
 from ..step_context import StepContext
 from .fused_linear import PackedWeight, Span, shared_input_linear
@@ -90,6 +91,9 @@ class Attention(nn.Module):
         self.o_b_proj = nn.Linear(self.o_groups * self.o_lora_rank, hf.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.empty(self.num_heads))
         self.compressor = Compressor(hf, rate, is_csa) if rate else None
+        # Tensor parallel (model/sharding.py): this rank's query heads and output groups; the
+        # partial output is summed over the ranks. None: one process, nothing more runs.
+        self.tp: ParallelGroup | None = None
         self._packed: dict[str, PackedWeight] = {}  # "x" / "q" -> packed weights of that input's linears
 
     # ---- projections that share an input (one GEMM per input once packed) ----
@@ -176,7 +180,9 @@ class Attention(nn.Module):
         staged_rows = staged.value if staged is not None else (None, None)
         side.keep_until_done(*staged_rows)
         side.run(self._commit, staged_rows, kv, ctx, state)
-        return self._project_out(out)
+        if self.tp is None:
+            return self._project_out(out)
+        return self.tp.all_reduce(self._project_out(out))
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         num_tokens = out.shape[0]

@@ -9,6 +9,7 @@ from torch import nn
 from ...kernels.gemv import decode_linear
 from ...kernels.moe import fused_moe, swiglu_fused
 from ...kernels.router import router_select
+from ...distributed.communicator import ParallelGroup
 from ..side_stream import SideStream
 from .fused_linear import PackedWeight, shared_input_linear
 
@@ -69,6 +70,11 @@ class SparseMoE(nn.Module):
         self.gate = Router(hf, is_hash)
         self.experts = Experts(hf)
         self.shared_experts = SharedExpert(hf)
+        # Tensor/expert parallel (model/sharding.py): the partial output (this rank's share of the
+        # shared expert and of the routed experts) is summed over the ranks. `local_experts`:
+        # (first global id, count) of the experts this rank holds under expert parallelism.
+        self.tp: ParallelGroup | None = None
+        self.local_experts: tuple[int, int] | None = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, side: SideStream | None = None) -> torch.Tensor:
         """x [T, D] -> [T, D]. The shared expert runs on `side` (the step's side stream, if any),
@@ -82,5 +88,17 @@ class SparseMoE(nn.Module):
         else:
             weights, ids = router_select(x, self.gate.weight, self.top_k, self.scoring_func,
                                          self.routed_scaling_factor, correction_bias=self.gate.e_score_correction_bias)
-        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.limit,
-                         shared=shared.result)
+        if self.local_experts is not None:
+            weights, ids = self._local_assignments(weights, ids)
+        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.limit,
+                        shared=shared.result)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _local_assignments(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallel: every rank holds every token (attention leaves them replicated), so the
+        dispatch is local: assignments to this rank's experts get local ids, the others weight 0
+        (on local expert 0) and add nothing; the combine is the all-reduce after the MoE."""
+        first, count = self.local_experts
+        local = ids - first
+        mine = (local >= 0) & (local < count)
+        return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, torch.zeros_like(local))

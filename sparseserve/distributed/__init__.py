@@ -1,0 +1,1 @@
+"""Collectives and process groups for tensor and expert parallelism (docs/parallelism.md)."""

@@ -45,6 +45,18 @@ def round_e4m3(v):
 
 
 @triton.jit
+def round_to(v, DTYPE: tl.constexpr):
+    """fp32 -> the nearest DTYPE value (ties to even), as fp32. bf16 on the bits: the interpreter's cast
+    truncates."""
+    if DTYPE == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
 def pow2_ceil(s):
     """2^ceil(log2(s)) of positive normal fp32 values (the release's fast_round_scale)."""
     bits = s.to(tl.int32, bitcast=True)
@@ -133,3 +145,24 @@ def fp4_weight_partial(a_op, w_ptrs, ws_ptrs, w_mask, W_E8M0: tl.constexpr, DOT:
     a_even, a_odd = tl.split(tl.reshape(a_op, (a_op.shape[0], a_op.shape[1] // 2, 2)))
     acc = tl.dot(a_even, tl.trans(lo))
     return tl.dot(a_odd, tl.trans(hi), acc)
+
+
+@triton.jit
+def weight_group_partial(a_op, g, w_base, ws_base, ws_row0, offs_n, n_ok, K, stride_wn, stride_wsn,
+                         FP4: tl.constexpr, W_E8M0: tl.constexpr, DOT: tl.constexpr):
+    """a_op [BM, 128] (K group g of the activation) times group g of the weight rows offs_n -> fp32
+    [BM, BN] with the weight's scales applied. w_base/ws_base: the weight's and its scales' first row (an
+    expert's, or its up half's); fp8_block scales of row n are in block row ws_row0 + n // 128."""
+    rows = offs_n.to(tl.int64)
+    if FP4:
+        j = g * 64 + tl.arange(0, 64)
+        mask = n_ok[:, None] & (j[None, :] < K // 2)
+        w_ptrs = w_base + rows[:, None] * stride_wn + j[None, :]
+        ws_ptrs = ws_base + rows[:, None] * stride_wsn + (j // 16)[None, :]
+        return fp4_weight_partial(a_op, w_ptrs, ws_ptrs, mask, W_E8M0, DOT)
+    else:
+        offs_k = g * 128 + tl.arange(0, 128)
+        mask = (offs_k[:, None] < K) & n_ok[None, :]
+        part = fp8_weight_partial(a_op, w_base + rows[None, :] * stride_wn + offs_k[:, None], mask, DOT)
+        sb = load_scale(ws_base + (ws_row0 + offs_n // 128) * stride_wsn + g, n_ok, W_E8M0)
+        return part * sb[None, :]

@@ -40,8 +40,9 @@ def round_e4m3(v):
     bits = v.to(tl.int32, bitcast=True)
     bias = 0x7FFFF + ((bits >> 20) & 1)
     normal = ((bits + bias) & -1048576).to(tl.float32, bitcast=True)  # clear the low 20 mantissa bits
-    sub = (v + 24576.0) - 24576.0  # 1.5 * 2^14: the fp32 add rounds to a multiple of 2^-9
-    return tl.where(tl.abs(v) >= 0.015625, normal, sub)
+    mag = tl.abs(v)
+    sub = (mag + 24576.0) - 24576.0  # 1.5 * 2^14: the fp32 add rounds to a multiple of 2^-9
+    return tl.where(mag >= 0.015625, normal, tl.where(v < 0, -sub, sub))  # the sign kept, zeros too
 
 
 @triton.jit

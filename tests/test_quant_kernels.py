@@ -370,3 +370,22 @@ def test_gpu_moe_at_v4_flash_expert_shapes_and_graph_replay(fmt, num_tokens):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y_graph, y)
+
+
+# ------------------------------------------------------------------ the benchmark script
+
+
+@needs_kernels
+def test_benchmark_smoke_run_writes_its_result(tmp_path):
+    """benchmarks/quant_gemm.py end to end at tiny shapes on the CPU: every case runs and is correct."""
+    if CUDA:
+        pytest.skip("the smoke run is the CPU version")
+    import json
+
+    from benchmarks import quant_gemm
+
+    out = tmp_path / "quant_gemm.json"
+    assert quant_gemm.main(["--smoke", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["cases"]) == 6 and not result["skipped"]
+    assert all(row["correct"] and row["kernel_us"] > 0 and row["bytes"] > 0 for row in result["cases"])

@@ -166,8 +166,8 @@ def quantize_fp4(w: torch.Tensor, e8m0: bool = True) -> QuantWeight:
     if e8m0:
         s = pow2_ceil(s)
     v = (wf / s.unsqueeze(-1)).clamp(-6.0, 6.0).reshape(*lead, n, k)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
-    mag = (v.abs().unsqueeze(-1) - table).abs().argmin(dim=-1)
-    codes = (mag | ((v < 0) & (mag > 0)).to(mag.dtype) << 3).to(torch.uint8)
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32, device=w.device)
+    mag = torch.bucketize(v.abs(), midpoints).to(torch.uint8)  # a tie goes to the lower code
+    codes = mag | (((v < 0) & (mag > 0)).to(torch.uint8) << 3)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
     return QuantWeight(packed, (s.to(torch.float8_e8m0fnu) if e8m0 else s).contiguous(), "fp4")

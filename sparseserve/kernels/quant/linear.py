@@ -74,7 +74,7 @@ if HAS_TRITON:
         w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
         ws_ptrs = ws_ptr + (offs_n // 128) * stride_wsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(0, tl.cdiv(K, 128)):
+        for g in range(0, (K + 127) // 128):
             k_ok = g * 128 + offs_k < K
             a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g, m_ok[:, None] & k_ok[None, :], m_ok,
                                         QUANT_A, UE8M0, DOT)

@@ -96,7 +96,7 @@ if HAS_TRITON:
             up_row0 = up_scale_row
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(0, tl.cdiv(hidden, 128)):
+        for g in range(0, (hidden + 127) // 128):
             k_ok = g * 128 + offs_k < hidden
             a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g, row_ok[:, None] & k_ok[None, :], row_ok,
                                         QUANT_A, UE8M0, DOT)
@@ -144,7 +144,7 @@ if HAS_TRITON:
         w_e = w_ptr + expert * stride_we
         ws_e = ws_ptr + expert * stride_wse
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(0, tl.cdiv(inter, 128)):
+        for g in range(0, (inter + 127) // 128):
             k_ok = g * 128 + offs_k < inter
             a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g, row_ok[:, None] & k_ok[None, :], row_ok,
                                         QUANT_A, UE8M0, DOT)

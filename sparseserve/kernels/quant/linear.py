@@ -50,7 +50,7 @@ if HAS_TRITON:
         stride_am, stride_asm, stride_wn, stride_wsn, stride_cm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
         QUANT_A: tl.constexpr, UE8M0: tl.constexpr, W_E8M0: tl.constexpr, DOT: tl.constexpr,
-        PDL: tl.constexpr,
+        K_STEP: tl.constexpr, PDL: tl.constexpr,
     ):
         wait_for_prior_grid(PDL)
         pid = tl.program_id(0)
@@ -74,13 +74,18 @@ if HAS_TRITON:
         w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
         ws_ptrs = ws_ptr + (offs_n // 128) * stride_wsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(0, (K + 127) // 128):
-            k_ok = g * 128 + offs_k < K
-            a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g, m_ok[:, None] & k_ok[None, :], m_ok,
-                                        QUANT_A, UE8M0, DOT)
-            part = fp8_weight_partial(a_op, w_ptrs + g * 128, k_ok[:, None] & n_ok[None, :], DOT)
-            sb = load_scale(ws_ptrs + g, n_ok, W_E8M0)
-            acc += part * (sa[:, None] * sb[None, :])
+        num_groups = (K + 127) // 128
+        for g0 in range(0, num_groups, K_STEP):
+            # K_STEP groups per iteration: more weight bytes in flight per pipeline stage (the streaming form).
+            for gi in tl.static_range(K_STEP):
+                g = g0 + gi
+                g_scale = tl.minimum(g, num_groups - 1)  # a group past K: loads masked, its partial 0
+                k_ok = g * 128 + offs_k < K
+                a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g_scale, m_ok[:, None] & k_ok[None, :],
+                                            m_ok, QUANT_A, UE8M0, DOT)
+                part = fp8_weight_partial(a_op, w_ptrs + g * 128, k_ok[:, None] & n_ok[None, :], DOT)
+                sb = load_scale(ws_ptrs + g_scale, n_ok, W_E8M0)
+                acc += part * (sa[:, None] * sb[None, :])
         c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -118,7 +123,7 @@ def quant_linear_triton(x: torch.Tensor, w: QuantWeight, scale_fmt: str | None =
         a.stride(0), a_s.stride(0), w.data.stride(0), w.scale.stride(0), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
         QUANT_A=cfg.quant_a, UE8M0=scale_fmt == "ue8m0", W_E8M0=w.scale_is_e8m0, DOT=cfg.dot,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
+        K_STEP=cfg.k_step, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
     return y
 
 

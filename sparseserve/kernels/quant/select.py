@@ -6,7 +6,7 @@ Block-scaled linear (``linear_config``; M rows, N outputs; K is walked in 128-co
 
 | row | M        | form      | A operand                    | dot          | BLOCK_M x BLOCK_N | warps | stages |
 |-----|----------|-----------|------------------------------|--------------|-------------------|-------|--------|
-| 1   | <= 16    | streaming | bf16 x, quantized in-kernel  | bf16 (exact) | 16 x 32 (64 when N >= 64 x SMs) | 4 | 4 |
+| 1   | <= 16    | streaming | bf16 x, quantized in-kernel  | bf16 (exact) | 16 x 32 (64 when N >= 64 x SMs), 512 K columns a stage | 4 | 3 |
 | 2   | <= 128   | tensor    | act_quant codes + scales     | fp8          | 64 x 64           | 4     | 4      |
 | 3   | <= 1024  | tensor    | act_quant codes + scales     | fp8          | 64 x 128          | 4     | 4      |
 | 4   | larger   | tensor    | act_quant codes + scales     | fp8          | 128 x 128         | 8     | 3      |
@@ -14,7 +14,8 @@ Block-scaled linear (``linear_config``; M rows, N outputs; K is walked in 128-co
 Row 1 is the weight-streaming form: one M tile, so W is read once; narrow N tiles give >= 1 program per SM
 on every V4-Flash projection; the activation is quantized inside the kernel (the release's numerics, no extra
 launch per projection: a decode step has ~250 of them), and the e4m3 codes go through the bf16 mma at M = 16
-(exact products, fp32 accumulation): at 16 rows the dot's rate is irrelevant, the weight read is all.
+(exact products, fp32 accumulation): at 16 rows the dot's rate is irrelevant, the weight read is all, so each
+pipeline stage covers four groups (16 KB of a 32-column tile) to keep enough bytes in flight without split-K.
 
 Routed experts (``moe_quant_config``; by mean assignments per expert, like kernels/moe.py's table):
 
@@ -53,13 +54,14 @@ class GemmConfig:
     quant_a: bool
     dot: int
     group_m: int = 8  # M tiles per L2 swizzle group
+    k_step: int = 1  # 128-column groups of K per loop iteration (pipeline stage)
 
 
 def linear_config(m: int, n: int, k: int, num_sms: int = 132, interpret: bool = False) -> GemmConfig:
     """The table above (m, n, k: static shapes)."""
     if m <= STREAM_MAX_M:
         block_n = 64 if n >= 64 * num_sms else 32
-        cfg = GemmConfig(16, block_n, 4, 4, True, DOT_BF16)
+        cfg = GemmConfig(16, block_n, 4, 3, True, DOT_BF16, k_step=4)
     elif m <= 128:
         cfg = GemmConfig(64, 64, 4, 4, False, DOT_FP8)
     elif m <= 1024:

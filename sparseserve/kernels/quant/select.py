@@ -23,8 +23,12 @@ Routed experts (``moe_quant_config``; by mean assignments per expert, like kerne
 |-----|------------------|---------|----------------------------|----------------------|--------------|----------------|
 | 1   | <= 4             | 16      | 64                         | bf16 act             | 128          | quantized here |
 | 2   | <= 24            | 32      | 64                         | bf16 act             | 128          | quantized here |
-| 3   | <= 48            | 64      | 128                        | e4m3 act + scales    | 128          | codes + scales |
-| 4   | larger           | 128     | 128                        | e4m3 act + scales    | 128          | codes + scales |
+| 3   | <= 48; FP4 above | 64      | 128                        | e4m3 act + scales    | 128          | codes + scales |
+| 4   | larger (FP8)     | 128     | 128                        | e4m3 act + scales    | 128          | codes + scales |
+
+Rows 3-4 run 8 warps and 3 stages. Compiled for sm_90a (`tools/quant_kernel_resources.py`), the FP4 gate-up
+tile of 128 rows needs more than 255 registers a thread (the decoded weight tiles beside two accumulators), so
+FP4 keeps 64-row tiles at every prefill size.
 
 Rows 3-4 quantize the activation in the gate-up epilogue (its 128 columns are one group), so the down GEMM
 reads e4m3 codes; x is quantized once by act_quant before the gate-up GEMM there. FP8 expert weights use the
@@ -99,9 +103,10 @@ def moe_quant_config(num_tokens: int, top_k: int, num_experts: int, fmt: str, in
     if avg <= 4:
         cfg = MoeQuantConfig(16, 64, 4, 4, 128, 4, 4, False, False, DOT_BF16)
     elif avg <= 24:
-        cfg = MoeQuantConfig(32, 64, 4, 4, 128, 4, 4, False, False, DOT_BF16)
-    elif avg <= 48:
-        cfg = MoeQuantConfig(64, 128, 4, 3, 128, 4, 3, True, True, big_dot)
+        warps = 8 if fmt == "fp4" else 4  # the decoded FP4 tiles need the registers of 8 warps
+        cfg = MoeQuantConfig(32, 64, warps, 4, 128, warps, 4, False, False, DOT_BF16)
+    elif avg <= 48 or fmt == "fp4":
+        cfg = MoeQuantConfig(64, 128, 8, 3, 128, 8, 3, True, True, big_dot)
     else:
         cfg = MoeQuantConfig(128, 128, 8, 3, 128, 8, 3, True, True, big_dot)
     if interpret and cfg.dot == DOT_BF16:

@@ -2,7 +2,7 @@
 SPARSESERVE_DISABLE_KERNELS=name[,name...] (or `all`) sends the named ones to their
 plain-PyTorch references on CUDA too: attention (`attention_hopper` only turns off the Hopper Gluon kernels, so the
 64-head shapes take the portable Triton kernel), indexer, compressor, rows, mhc, mhc_fused, rmsnorm,
-rope, argmax, embed, norm_rope, router, gemv; `overlap` runs the whole step on one stream (see model/side_stream.py),
+rope, argmax, embed, norm_rope, router, gemv, quant (the FP8/FP4 kernels); `overlap` runs the whole step on one stream (see model/side_stream.py),
 `lm_head_fp32` rounds the logits to the model dtype before converting them (as the oracle does), and `pdl` launches
 every kernel without programmatic dependent launch (see kernels/pdl.py), and `moe` sends the expert selection
 and the grouped expert GEMMs to their references."""

@@ -4,6 +4,7 @@ same batch where none do.
 
     python benchmarks/sampling_overhead.py [--model PATH_OR_PRESET] [--tokenizer DIR] [--load-format dummy] [--batch 64]
     python benchmarks/sampling_overhead.py --smoke          # CPU, tiny model, a few steps (CI)
+    python benchmarks/sampling_overhead.py --profile        # also: where the host's time per step goes
 
 Writes benchmarks/results/sampling_overhead.json (or --out). A step's time is the wall time of
 `LLMEngine.step()` once every request is decoding (the prefill steps and the steps after the
@@ -15,7 +16,9 @@ the sampling after it; the JSON shows what that costs."""
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -53,7 +56,14 @@ def workload(batch: int, prompt_len: int, max_tokens: int, vocab: int, features:
     return prompts, params
 
 
-def time_steps(llm: LLM, prompts, params) -> dict:
+def host_profile(profile: cProfile.Profile, steps: int, top: int = 15) -> list[dict]:
+    """The functions with the most host time per decode step (cProfile's own time), as a list."""
+    stats = pstats.Stats(profile).stats
+    rows = sorted(((vals[2], f"{Path(f).name}:{line}:{fn}") for (f, line, fn), vals in stats.items()), reverse=True)
+    return [{"function": name, "us_per_step": 1e6 * t / max(steps, 1)} for t, name in rows[:top]]
+
+
+def time_steps(llm: LLM, prompts, params, profile: cProfile.Profile | None = None) -> dict:
     engine = llm.llm_engine
     for n, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{n}", p, sp)
@@ -64,13 +74,20 @@ def time_steps(llm: LLM, prompts, params) -> dict:
     while engine.has_unfinished_requests():
         decoding = all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in engine.scheduler.running) and \
             len(engine.scheduler.running) == len(prompts)
+        if profile is not None and decoding:
+            profile.enable()
         start = time.perf_counter()
         finished = engine.step()
         elapsed = time.perf_counter() - start
+        if profile is not None:
+            profile.disable()
         if decoding and not finished:
             times.append(elapsed)
     times = times[2:] or times  # the first decode steps may build kernels
-    return {"steps": len(times), "median_ms": 1e3 * statistics.median(times), "mean_ms": 1e3 * statistics.fmean(times)}
+    result = {"steps": len(times), "median_ms": 1e3 * statistics.median(times), "mean_ms": 1e3 * statistics.fmean(times)}
+    if profile is not None:
+        result["host_profile"] = host_profile(profile, len(times) + 2)
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -83,6 +100,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--load-format", default="auto", help="'dummy' for a preset without weights")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--smoke", action="store_true", help="CPU, the tiny model, batch 4, a few steps")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed runs, run each workload again under cProfile and record where the host's "
+                         "time per decode step goes (the timed figures are not profiled)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sampling_overhead.json"))
     args = ap.parse_args(argv)
     kwargs = {"load_format": args.load_format}
@@ -100,6 +120,10 @@ def main(argv: list[str] | None = None) -> dict:
     for name, features in FEATURES.items():
         prompts, params = workload(args.batch, args.prompt_len, args.steps, vocab, features)
         results[name] = time_steps(llm, prompts, params)
+    if args.profile:
+        for name, features in FEATURES.items():
+            prompts, params = workload(args.batch, args.prompt_len, args.steps, vocab, features)
+            results[name]["host_profile"] = time_steps(llm, prompts, params, cProfile.Profile())["host_profile"]
     base, other = results["none"]["median_ms"], results["quarter_penalties_and_json"]["median_ms"]
     report = {"device": torch.cuda.get_device_name() if llm.llm_engine.device.type == "cuda" else "cpu",
               "model": args.model or "demo", "batch": args.batch, "prompt_len": args.prompt_len,

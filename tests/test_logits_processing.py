@@ -196,6 +196,8 @@ def test_preemption_and_async_scheduling_keep_the_tokens(llm):
     tight = LLM(TINY, **BASE, num_gpu_blocks_override=6, max_num_batched_tokens=32)
     got = tight.generate(ps, params, use_tqdm=False)
     assert tight.llm_engine.scheduler.num_preemptions > 0
+    # The per-request prompt masks of the repetition penalty are dropped with their requests.
+    assert tight.llm_engine.debug_state_counts()["prompt_masks"] == 0
     asyn = LLM(TINY, **BASE, async_scheduling=True).generate(ps, params, use_tqdm=False)
     for a, b, c in zip(roomy, got, asyn):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids

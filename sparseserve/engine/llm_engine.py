@@ -538,4 +538,5 @@ class LLMEngine:
                 "double_freed": len(kv.free_blocks) - len(set(kv.free_blocks))
                 + len(kv.free_slots) - len(set(kv.free_slots)),
                 "draft_probs": len(self.runner.draft_probs), "in_flight": int(self._in_flight is not None),
+                "prompt_masks": len(getattr(self.runner, "prompt_masks", ())),
                 "suspects": sum(not r.is_finished for r in self._suspects)}

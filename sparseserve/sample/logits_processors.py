@@ -30,6 +30,7 @@ class LogitsRow:
     pending: int | None = None  # index in `pending_tokens` of one more output token, still on the device
     grammar: object | None = None  # a structured_output.GrammarState
     grammar_prefix: list[int] = field(default_factory=list)  # tokens to advance the grammar by (drafts)
+    prompt_mask: torch.Tensor | None = None  # bool [V] on the device: the prompt's tokens (repetition penalty)
 
 
 def stop_ids(params: SamplingParams, eos_token_id: int | None) -> list[int]:
@@ -120,19 +121,35 @@ def _apply_penalties(out: torch.Tensor, rows: list[LogitsRow], pending_tokens: t
     sel = to_device(pen, device)
     logits = out.index_select(0, sel)
     params = [rows[i].params for i in pen]
+    # One copy for the three per-row factors.
+    rp, fp, pp = to_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                            [p.presence_penalty for p in params]], device, torch.float32).unsqueeze(2)
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = counts > 0
-        prompt_flat = [n * vocab + t for n, i in enumerate(pen) for t in rows[i].prompt
-                       if rows[i].params.repetition_penalty != 1.0]
-        if prompt_flat:
-            seen.view(-1)[to_device(prompt_flat, device)] = True
-        rp = to_device([p.repetition_penalty for p in params], device, torch.float32).unsqueeze(1)
+        prompt_seen = [prompt_seen_mask(rows[i], vocab, device) for i in pen]
+        seen |= torch.stack(prompt_seen)
         penalised = torch.where(logits > 0, logits / rp, logits * rp)
         logits = torch.where(seen, penalised, logits)
     if any(p.frequency_penalty for p in params):
-        fp = to_device([p.frequency_penalty for p in params], device, torch.float32).unsqueeze(1)
         logits = logits - fp * counts
     if any(p.presence_penalty for p in params):
-        pp = to_device([p.presence_penalty for p in params], device, torch.float32).unsqueeze(1)
         logits = logits - pp * (counts > 0).float()
     out.index_copy_(0, sel, logits)
+
+
+def prompt_seen_mask(row: LogitsRow, vocab: int, device: torch.device) -> torch.Tensor:
+    """bool [vocab]: the tokens of the row's prompt when its repetition penalty counts them (the
+    runner caches it per request, so a prompt is not re-read every step), else none."""
+    if row.params.repetition_penalty == 1.0:
+        return torch.zeros(vocab, dtype=torch.bool, device=device)
+    if row.prompt_mask is not None:
+        return row.prompt_mask
+    return build_prompt_mask(row.prompt, vocab, device)
+
+
+def build_prompt_mask(prompt: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    ids = [t for t in prompt if t < vocab]
+    if ids:
+        mask[to_device(ids, device)] = True
+    return mask

@@ -36,15 +36,15 @@ def _random(name: str, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
     """Random values of the right kind for `name`, made a few million at a time (in place, so a
     vocabulary-sized bf16 tensor needs no float32 copy of itself)."""
     leaf = name.rsplit(".", 1)[-1]
-    out = torch.empty(shape, dtype=dtype)
+    out = torch.empty(shape, dtype=dtype, device=gen.device)
     rows = out.view(-1, shape[-1]) if out.dim() else out.view(1, 1)
     step = max(1, (1 << 22) // rows.shape[1])
     for r in range(0, rows.shape[0], step):
         chunk = rows[r:r + step]
         if leaf in ("scale", "hc_scale"):
-            values = torch.rand(chunk.shape, generator=gen).add_(0.5)
+            values = torch.rand(chunk.shape, generator=gen, device=gen.device).add_(0.5)
         else:
-            values = torch.randn(chunk.shape, generator=gen)
+            values = torch.randn(chunk.shape, generator=gen, device=gen.device)
             if "norm" in name and leaf == "weight":
                 values.mul_(0.1).add_(1.0)
             else:
@@ -54,8 +54,8 @@ def _random(name: str, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
 
 
 def _tid2eid(shape: tuple[int, ...], num_experts: int, gen: torch.Generator) -> torch.Tensor:
-    first = torch.randint(0, num_experts, (shape[0], 1), generator=gen)
-    return (first + torch.arange(shape[1])) % num_experts  # distinct experts per token
+    first = torch.randint(0, num_experts, (shape[0], 1), generator=gen, device=gen.device)
+    return (first + torch.arange(shape[1], device=gen.device)) % num_experts  # distinct experts per token
 
 
 class _Encoder:
@@ -96,7 +96,7 @@ def _release_tensors(module: torch.nn.Module, to_release, prefix_of_layer, num_e
         if name.endswith("tid2eid"):
             yield encoder.tensor(to_release(name), _tid2eid(shape, num_experts, gen))
         elif name.endswith("e_score_correction_bias"):
-            yield encoder.tensor(to_release(name), 0.1 * torch.randn(shape, generator=gen))
+            yield encoder.tensor(to_release(name), 0.1 * torch.randn(shape, generator=gen, device=gen.device))
         elif name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             prefix = prefix_of_layer(name)
             for e in range(shape[0]):
@@ -131,7 +131,7 @@ class _ShardWriter:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if self.current and self.size + nbytes > self.max_bytes:
             self.flush()
-        self.current.update(tensors)
+        self.current.update({k: v.cpu() for k, v in tensors.items()})  # drawn on the writer's device
         self.size += nbytes
         self.total += nbytes
 
@@ -170,11 +170,14 @@ def release_config(hf_config, expert_dtype: str) -> dict:
 def write_release_checkpoint(out_dir: str | os.PathLike, model: str | os.PathLike | None = "tiny",
                              hf_overrides: dict | None = None, expert_dtype: str = "fp4", seed: int = 0,
                              max_shard_bytes: int = 4 << 30, mtp: bool = True,
-                             tokenizer_dir: str | os.PathLike | None = None) -> Path:
+                             tokenizer_dir: str | os.PathLike | None = None,
+                             device: str | torch.device = "cpu") -> Path:
     """Write a random release-format checkpoint of `model`'s config (a preset or a directory, with
     `hf_overrides`) into `out_dir`: FP8 linears with FP4 (`expert_dtype="fp4"`, as DeepSeek-V4-Flash)
     or FP8 (`"fp8"`, as -Flash-Base) routed experts, or everything unquantized (`"bf16"`).
-    The tokenizer files of `tokenizer_dir` (default: the config's directory, if it has them) are copied."""
+    The tokenizer files of `tokenizer_dir` (default: the config's directory, if it has them) are copied.
+    `device` draws and encodes the values there (a GPU writes V4-Flash-sized files in seconds); the
+    same arguments on the same kind of device write the same files."""
     if expert_dtype not in EXPERT_DTYPES:
         raise ValueError(f"expert_dtype must be one of {EXPERT_DTYPES}, got {expert_dtype!r}")
     if max_shard_bytes < 1:
@@ -187,7 +190,7 @@ def write_release_checkpoint(out_dir: str | os.PathLike, model: str | os.PathLik
     with torch.device("meta"):
         net = DeepseekV4ForCausalLM(model_config)
         mtp_module = MTPModule(model_config) if mtp and hf.num_nextn_predict_layers > 0 else None
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     encoder = _Encoder(expert_dtype)
     writer = _ShardWriter(out, max_shard_bytes)
     for group in _release_tensors(net, release_name, _layer_prefix, hf.n_routed_experts, encoder, gen):

@@ -125,3 +125,25 @@ def test_quantization_is_validated(value):
 def test_quantization_needs_one_gpu():
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         LLM("tiny", device="cpu", load_format="dummy", quantization="auto", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("rows,packs", [((128, 256), True), ((128, 64), False)])
+def test_quantized_groups_pack_on_128_row_members(rows, packs):
+    from torch import nn
+
+    from sparseserve.model.layers.fused_linear import PackedWeight, shared_input_linear
+
+    gen = torch.Generator().manual_seed(3)
+    linears = [nn.Linear(200, r, bias=False) for r in rows]
+    for lin in linears:
+        lin.qweight = quant_ref.quantize_fp8_block(torch.randn(lin.out_features, 200, generator=gen) * 0.05)
+        lin.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+    x = torch.randn(5, 200, generator=gen)
+    want = torch.cat([quant_ref.quant_linear_ref(x, lin.qweight) for lin in linears], dim=-1)
+    packed = PackedWeight.pack(linears)
+    assert (packed is not None) == packs
+    if packed is not None:
+        assert packed.holds(linears) and packed.quant.shape == (sum(rows), 200)
+    with torch.no_grad():
+        got = shared_input_linear(x, linears, packed, [(0, 2)])[0]
+    assert torch.allclose(got, want, atol=1e-6)

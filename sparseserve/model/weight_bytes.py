@@ -10,9 +10,9 @@ parameter is held in. Buffers (router tables, rope tables) are held in their own
 - `checkpoint_policy(fmt)`: the release's storage (FP8 e4m3 linears with one scale per 128 x 128
   block, FP4 e2m1 or FP8 routed experts, bf16 embedding, head, router and compressor projections,
   float32 islands), for the checkpoint's size.
-- `HeldFormat` takes block scales, so a policy that keeps weights quantized on the GPU (FP8: 1 byte
-  per value + a 4-byte scale per 128 x 128 block; FP4: half a byte + a 1-byte scale per 32 values)
-  is one function away: `FP8_BLOCK`, `FP4_E2M1`.
+- `quantized_policy(dtype, quantization, fmt)`: under `LLM(quantization="auto"|"fp8")` the tensors
+  `held_quant` names (the rule `model/quantize.py` applies) as held: FP8 1 byte per value + a 1-byte
+  ue8m0 scale per 128 x 128 block, FP4 half a byte + a 1-byte scale per 32 values.
 
 Per GPU under `tensor_parallel_size=N` (`TP_SPLITS`): attention heads split (q_b, sinks, the output
 groups of o_a, o_b's input), the indexer's heads split, the LM head and the embedding split over the

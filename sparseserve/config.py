@@ -144,6 +144,9 @@ class EngineConfig:
     master_addr: str | None = None
     master_port: int | None = None
     load_format: str = "auto"
+    # Weights held quantized (model/quantize.py, docs/quantization.md): "none" (decoded to the compute
+    # dtype at load), "auto" (what the checkpoint stores in FP8/FP4 stays so), "fp8" (block-FP8 at load).
+    quantization: str = "none"
     hf_overrides: dict | None = None
     speculative_config: dict | None = None
     topk_backend: str = "auto"

@@ -12,7 +12,7 @@ import os
 import torch
 
 from .errors import ConfigError, ConfigTypeError
-from .names import SIDE_STREAM_MODES
+from .names import QUANTIZATION_MODES, SIDE_STREAM_MODES
 from .validation import check_bool, check_choice, check_float, check_int, is_int
 
 DTYPE_NAMES = ("auto", "float32", "float", "bfloat16", "float16", "half")
@@ -110,6 +110,10 @@ def validate_engine_config(config) -> None:
                 lo_open=True)
     check_float(config.step_timeout_s, _name("step_timeout_s"), ConfigError, 0.0, lo_open=True)
     check_choice(config.load_format, _name("load_format"), ConfigError, LOAD_FORMATS)
+    check_choice(config.quantization, _name("quantization"), ConfigError, QUANTIZATION_MODES)
+    if config.quantization != "none" and config.tensor_parallel_size > 1:
+        raise ConfigError(f"quantization={config.quantization!r} runs on one GPU; with tensor_parallel_size="
+                          f"{config.tensor_parallel_size} use quantization='none' (weights decoded at load)")
     check_choice(config.topk_backend, _name("topk_backend"), ConfigError, TOPK_BACKENDS)
     check_choice(config.side_stream, _name("side_stream"), ConfigError, SIDE_STREAM_MODES)
     _check_speculative(config.speculative_config)

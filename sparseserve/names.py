@@ -5,4 +5,5 @@ from __future__ import annotations
 LAYER_SLIDING = "sliding_attention"
 LAYER_CSA = "compressed_sparse_attention"
 LAYER_HCA = "heavily_compressed_attention"
+QUANTIZATION_MODES = ("auto", "fp8", "none")  # EngineConfig.quantization (model/quantize.py)
 SIDE_STREAM_MODES = ("auto", "graphs", "always", "never")

@@ -348,13 +348,13 @@ def shared_weights():
     original = llm_engine.load_model
     cache: dict = {}
 
-    def cached(model, dtype, device, load_format="auto", hf_overrides=None, seed=0):
+    def cached(model, dtype, device, load_format="auto", hf_overrides=None, seed=0, quantization="none"):
         key = (str(model), str(dtype), str(torch.device(device)), load_format,
-               json.dumps(hf_overrides, sort_keys=True, default=str), seed)
+               json.dumps(hf_overrides, sort_keys=True, default=str), seed, quantization)
         if key not in cache:
             cache.clear()
             free_device_memory()
-            cache[key] = original(model, dtype, device, load_format, hf_overrides, seed)
+            cache[key] = original(model, dtype, device, load_format, hf_overrides, seed, quantization)
         return cache[key]
 
     llm_engine.load_model = cached

@@ -76,7 +76,8 @@ class LLMEngine:
             visible = torch.cuda.device_count() if self.device.type == "cuda" else None
             check_parallel_layout(config, hf, self.device, visible)
         self.weight_plan = weight_plan(ModelConfig(hf, dtype=self.dtype), self.dtype,
-                                       include_mtp=config.num_speculative_tokens > 0)
+                                       include_mtp=config.num_speculative_tokens > 0,
+                                       quantization=config.quantization)
         # Before anything is allocated: the weights (and the MTP layer with speculation) as held, per GPU.
         self.parallel_layout = ParallelLayout(config.tensor_parallel_size, config.enable_expert_parallel)
         self.weight_bytes = check_weights_fit(self.weight_plan, self.parallel_layout,
@@ -87,7 +88,8 @@ class LLMEngine:
             self.model_config = ModelConfig(hf, dtype=self.dtype, path=str(model_dir))
         else:
             self.model, self.model_config, self.mtp_tensors = load_model(
-                config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed)
+                config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed,
+                config.quantization)
         hf = self.model_config.hf_config
         self.tokenizer = None
         if not config.skip_tokenizer_init:  # before the state is allocated

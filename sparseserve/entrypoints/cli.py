@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from .. import envs
 from ..config import EngineConfig, ModelConfig
 from ..engine_args import parse_bool, add_engine_args, engine_kwargs
+from ..names import QUANTIZATION_MODES
 
 if TYPE_CHECKING:
     from ..model.weight_bytes import ParallelLayout
@@ -94,7 +95,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def weights_report(model_config: ModelConfig, dtype_name: str, layout: ParallelLayout, include_mtp: bool) -> str:
+def weights_report(model_config: ModelConfig, dtype_name: str, layout: ParallelLayout, include_mtp: bool,
+                   quantization: str = "none") -> str:
     """The weights as held for `layout`, and per GPU at the other even layouts (meta device: no memory)."""
     import torch
 
@@ -102,7 +104,7 @@ def weights_report(model_config: ModelConfig, dtype_name: str, layout: ParallelL
     from ..model.meta_model import weight_plan
 
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype_name]
-    plan = weight_plan(model_config, dtype, include_mtp)
+    plan = weight_plan(model_config, dtype, include_mtp, quantization)
     others = {}
     for other in candidate_layouts(model_config.hf_config, 8)[1:]:
         key = "with enable_expert_parallel" if other.enable_expert_parallel else "tensor_parallel_size"
@@ -136,7 +138,7 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
     if layout_problem(model_config.hf_config, layout):
         print(f"note: {layout_problem(model_config.hf_config, layout)}; the weights per GPU count the largest "
               "shard", file=sys.stderr)
-    print(weights_report(model_config, dtype_name, layout, args.num_speculative_tokens > 0))
+    print(weights_report(model_config, dtype_name, layout, args.num_speculative_tokens > 0, args.quantization))
     print(plan.report(args.max_model_len, cache_bytes))
     gib = 1024**3
     compressed = plan.bytes_per_token * args.max_model_len
@@ -272,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the layout the weights per GPU are given for")
     kv.add_argument("--enable-expert-parallel", type=parse_bool, nargs="?", const=True, default=False,
                     help="routed experts whole on each rank (with --tensor-parallel-size > 1)")
+    kv.add_argument("--quantization", default="none", choices=list(QUANTIZATION_MODES),
+                    help="the weights as held under LLM(quantization=...): FP8/FP4 tensors counted as such")
     kv.set_defaults(func=cmd_kv_plan)
     return parser
 

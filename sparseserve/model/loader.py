@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -24,11 +25,14 @@ from ..checkpoint_checks import check_hf_config, check_override_keys, check_raw_
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .fit_check import available_memory_bytes, check_weights_fit
 from .layers.fused_linear import pack_projections
+from .quantize import describe_quantized, quantize_model
 from .presets import CONFIGS_DIR, DEFAULT_MODEL, PRESETS, resolve_model_dir  # noqa: F401 (re-exported)
 from .weight_bytes import KEEP_FP32, ParallelLayout, WeightPlan, held_dtype  # noqa: F401 (KEEP_FP32 re-exported)
 from .weight_loader import apply_weights, checkpoint_files, load_checkpoint, read_tensors  # noqa: F401 (re-exported)
 
 __all__ = ["CheckpointError", "load_model", "resolve_model_dir", "load_hf_config"]
+
+logger = logging.getLogger(__name__)
 
 
 def load_hf_config(model_dir: Path, hf_overrides: dict | None = None) -> DeepseekV4Config:
@@ -92,6 +96,7 @@ def load_model(
     load_format: str = "auto",
     hf_overrides: dict | None = None,
     seed: int = 0,
+    quantization: str = "none",
 ) -> tuple[DeepseekV4ForCausalLM, ModelConfig, dict[str, torch.Tensor]]:
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
@@ -101,7 +106,7 @@ def load_model(
     model_config = ModelConfig(hf_config, dtype=dtype, path=str(model_dir))
     with torch.device("meta"):
         net = DeepseekV4ForCausalLM(model_config)
-    check_weights_fit(WeightPlan.of([("", net)], model_config, dtype), ParallelLayout(),
+    check_weights_fit(WeightPlan.of([("", net)], model_config, dtype, quantization), ParallelLayout(),
                       available_memory_bytes(device), str(model), str(device))
     for name, p in net.named_parameters():  # on meta: to_empty then allocates the held dtypes directly
         p.data = p.data.to(held_dtype(name, dtype))
@@ -116,5 +121,8 @@ def load_model(
     else:
         mtp = load_checkpoint(net, model_dir, model_config.weight_format)
     net = net.to(device)
+    if quantization != "none":  # before packing: quantized groups pack their codes and scales
+        logger.info("%s", describe_quantized(quantization, quantize_model(net, quantization,
+                                                                          model_config.weight_format)))
     pack_projections(net)  # last: one GEMM per shared input (a later cast or move would undo it)
     return net.eval(), model_config, mtp

@@ -13,10 +13,12 @@ from .mtp import MTPModule
 from .weight_bytes import WeightPlan
 
 
-def weight_plan(model_config: ModelConfig, dtype: torch.dtype, include_mtp: bool = False) -> WeightPlan:
-    """The weights as the loader holds them in `dtype`; with the MTP layer (`mtp.` names) when asked."""
+def weight_plan(model_config: ModelConfig, dtype: torch.dtype, include_mtp: bool = False,
+                quantization: str = "none") -> WeightPlan:
+    """The weights as the loader holds them in `dtype` under `quantization`; with the MTP layer (`mtp.`
+    names) when asked."""
     with torch.device("meta"):
         modules = [("", DeepseekV4ForCausalLM(model_config))]
         if include_mtp:
             modules.append(("mtp.", MTPModule(model_config)))
-    return WeightPlan.of(modules, model_config, dtype)
+    return WeightPlan.of(modules, model_config, dtype, quantization)

@@ -10,9 +10,9 @@ parameter is held in. Buffers (router tables, rope tables) are held in their own
 - `checkpoint_policy(fmt)`: the release's storage (FP8 e4m3 linears with one scale per 128 x 128
   block, FP4 e2m1 or FP8 routed experts, bf16 embedding, head, router and compressor projections,
   float32 islands), for the checkpoint's size.
-- `HeldFormat` takes block scales, so a policy that keeps weights quantized on the GPU (FP8: 1 byte
-  per value + a 4-byte scale per 128 x 128 block; FP4: half a byte + a 1-byte scale per 32 values)
-  is one function away: `FP8_BLOCK`, `FP4_E2M1`.
+- `quantized_policy(dtype, quantization, fmt)`: under `LLM(quantization="auto"|"fp8")` the tensors
+  `held_quant` names (the rule `model/quantize.py` applies) as held: FP8 1 byte per value + a 1-byte
+  ue8m0 scale per 128 x 128 block, FP4 half a byte + a 1-byte scale per 32 values.
 
 Per GPU under `tensor_parallel_size=N` (`TP_SPLITS`): attention heads split (q_b, sinks, the output
 groups of o_a, o_b's input), the indexer's heads split, the LM head and the embedding split over the
@@ -122,6 +122,41 @@ def is_release_fp8_linear(name: str) -> bool:
     if not name.endswith("_proj.weight") or is_routed_expert(name):
         return False
     return ".compressor." not in name or name.endswith("indexer.q_b_proj.weight")
+
+
+def held_quant(name: str, quantization: str, fmt, shape: tuple[int, ...]) -> str | None:
+    """The format parameter `name` of `shape` is held in under `quantization` (model/quantize.py):
+    "fp8", "fp4" or None (the compute dtype). Routed experts quantize where the kernels take their
+    shapes: FP8 with the intermediate size a multiple of 128, FP4 with both sizes multiples of 32."""
+    if quantization == "none" or name.startswith("mtp."):  # the MTP layer stays in the compute dtype
+        return None
+    if is_routed_expert(name):
+        kind = "fp8" if quantization == "fp8" else fmt.experts if fmt.experts in ("fp8", "fp4") else None
+        inter = shape[-2] // 2 if name.endswith("gate_up_proj") else shape[-1]
+        hidden = shape[-1] if name.endswith("gate_up_proj") else shape[-2]
+        if (kind == "fp8" and inter % 128) or (kind == "fp4" and (inter % 32 or hidden % 32)):
+            return None
+        return kind
+    if name.endswith("o_a_proj.weight") or not is_release_fp8_linear(name):
+        return None
+    return "fp8" if quantization == "fp8" or fmt.linears == "fp8" else None
+
+
+# Held quantized by model/quantize.py: e4m3 with one e8m0 scale byte per 128 x 128 block; e2m1
+# with one e8m0 byte per 32 values.
+FP8_HELD = HeldFormat("fp8 e4m3 (ue8m0 scale per 128x128)", 8, (128, 128), 1)
+FP4_HELD = HeldFormat("fp4 e2m1 (ue8m0 scale per 32)", 4, (1, 32), 1)
+
+
+def quantized_policy(dtype: torch.dtype, quantization: str, fmt) -> HeldPolicy:
+    """The compute-dtype policy with the tensors `held_quant` names in FP8/FP4."""
+    base = compute_dtype_policy(dtype)
+    held = {"fp8": FP8_HELD, "fp4": FP4_HELD}
+
+    def policy(name: str, shape: tuple[int, ...]) -> HeldFormat:
+        kind = held_quant(name, quantization, fmt, shape)
+        return base(name, shape) if kind is None else held[kind]
+    return policy
 
 
 def checkpoint_policy(fmt: CheckpointFormat) -> HeldPolicy:
@@ -276,10 +311,20 @@ class WeightPlan:
     checkpoint: CheckpointFormat
 
     @classmethod
-    def of(cls, modules: Iterable[tuple[str, nn.Module]], model_config, dtype: torch.dtype) -> WeightPlan:
-        """As the loader holds them today: `dtype` with float32 islands."""
-        return cls(tensor_specs(modules), compute_dtype_policy(dtype), describe_held(dtype),
-                   model_config.hf_config, checkpoint_format(model_config))
+    def of(cls, modules: Iterable[tuple[str, nn.Module]], model_config, dtype: torch.dtype,
+           quantization: str = "none") -> WeightPlan:
+        """As the loader holds them: `dtype` with float32 islands, and under `quantization` (auto, fp8)
+        the tensors model/quantize.py keeps in FP8/FP4."""
+        specs = tensor_specs(modules)
+        if quantization == "none":
+            return cls(specs, compute_dtype_policy(dtype), describe_held(dtype), model_config.hf_config,
+                       checkpoint_format(model_config))
+        policy = quantized_policy(dtype, quantization, model_config.weight_format)
+        kinds = sorted({k for s in specs if s.is_parameter
+                        for k in [held_quant(s.name, quantization, model_config.weight_format, s.shape)] if k})
+        held = (f"quantization={quantization!r}: " + (", ".join(f"{k} where quantized" for k in kinds) or
+                                                       "nothing quantized") + f", else {describe_held(dtype)}")
+        return cls(specs, policy, held, model_config.hf_config, checkpoint_format(model_config))
 
     def at(self, layout: ParallelLayout = ParallelLayout()) -> WeightBytes:
         return count_bytes(self.specs, self.policy, layout, self.held)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ...kernels.compressor import compress_windows
-from ...kernels.gemv import decode_grouped_linear, decode_linear
+from ...kernels.gemv import decode_grouped_linear
 from ...kernels.indexer import indexer_scores
 from ...kernels.norm_rope import norm_rope
 from ...kernels.rows import entry_pool_rows
@@ -26,7 +26,7 @@ from ...kernels.attention import sparse_mqa_attention
 from ...distributed.communicator import ParallelGroup
 from ..state import LayerState
 from ..step_context import StepContext
-from .fused_linear import PackedWeight, Span, shared_input_linear
+from .fused_linear import PackedWeight, Span, linear_weight_or_quant, shared_input_linear
 from .norm import RMSNorm
 from .rope import apply_rope
 
@@ -189,14 +189,14 @@ class Attention(nn.Module):
         # One row: both projections as weight streams (kernels/gemv.py), o_a's groups in one launch.
         mid = decode_grouped_linear(out.reshape(num_tokens, -1), self.o_a_proj.weight, self.o_groups)
         if mid is not None:
-            return decode_linear(mid, self.o_b_proj.weight)
+            return linear_weight_or_quant(mid, self.o_b_proj)
         grouped = out.reshape(num_tokens, self.o_groups, -1).transpose(0, 1)  # [G, T, in/G]
         w = self.o_a_proj.weight.view(self.o_groups, self.o_lora_rank, -1)  # [G, r, in/G]
         # The batched GEMM writes each group's [T, r] block straight into its columns of mid
         # (cuBLAS takes the row stride G*r), instead of a [G, T, r] result copied across.
         mid = torch.empty(num_tokens, self.o_groups, self.o_lora_rank, dtype=out.dtype, device=out.device)
         torch.bmm(grouped, w.transpose(1, 2), out=mid.transpose(0, 1))
-        return self.o_b_proj(mid.view(num_tokens, -1))
+        return linear_weight_or_quant(mid.view(num_tokens, -1), self.o_b_proj)
 
     def _stage_compress(self, x_proj: list[torch.Tensor], ctx: StepContext,
                         state: LayerState) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...kernels.gemv import decode_linear
 from ...kernels.moe import fused_moe, swiglu_fused
+from ...kernels.quant import QuantWeight, fused_moe_quant
 from ...kernels.router import router_select
 from ...distributed.communicator import ParallelGroup
 from ..side_stream import SideStream
-from .fused_linear import PackedWeight, shared_input_linear
+from .fused_linear import PackedWeight, linear_weight_or_quant, shared_input_linear
 
 
 class Router(nn.Module):
@@ -30,6 +30,9 @@ class Experts(nn.Module):
         inter = hf.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(hf.n_routed_experts, 2 * inter, hf.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(hf.n_routed_experts, hf.hidden_size, inter))
+        # Held quantized (model/quantize.py): the QuantWeights, and the two Parameters left empty.
+        self.q_gate_up: QuantWeight | None = None
+        self.q_down: QuantWeight | None = None
 
 
 class SharedExpert(nn.Module):
@@ -56,7 +59,7 @@ class SharedExpert(nn.Module):
         linears = self._gate_up()
         packed = self._packed if self._packed is not None and self._packed.holds(linears) else None
         gate_up = shared_input_linear(x, linears, packed, [(0, 2)])[0]
-        return decode_linear(swiglu_fused(gate_up, self.limit), self.down_proj.weight)
+        return linear_weight_or_quant(swiglu_fused(gate_up, self.limit), self.down_proj)
 
 
 class SparseMoE(nn.Module):
@@ -90,8 +93,12 @@ class SparseMoE(nn.Module):
                                          self.routed_scaling_factor, correction_bias=self.gate.e_score_correction_bias)
         if self.local_experts is not None:
             weights, ids = self._local_assignments(weights, ids)
-        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.limit,
-                        shared=shared.result)
+        experts = self.experts
+        if experts.q_gate_up is None:
+            out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, self.limit, shared=shared.result)
+        else:
+            out = fused_moe_quant(x, experts.q_gate_up, experts.q_down, weights, ids, self.limit,
+                                  shared=shared.result)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _local_assignments(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Sequence
 
@@ -36,14 +37,40 @@ class LLM:
         self._next_id = 0
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a parallel layout (tensor_parallel_size > 1); no-op otherwise."""
-        self.llm_engine.shutdown()
+        """Free what this engine holds: its workers (tensor_parallel_size > 1), the model, the KV state,
+        the CUDA graphs and the runner's buffers, so another `LLM` can start in this process. Later
+        calls to `generate` raise `EngineClosedError`; a second `shutdown()` does nothing."""
+        engine = self.__dict__.get("llm_engine")
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        # At interpreter exit modules may already be torn down: then only the workers are stopped
+        # (their processes would otherwise linger), never a collection or a CUDA call.
+        engine = self.__dict__.get("llm_engine")
+        if engine is None or engine.closed:
+            return
+        try:
+            if sys.is_finalizing():
+                if engine.parallel and engine.runner is not None:
+                    engine.runner.shutdown()
+            else:
+                engine.shutdown()
+        except Exception:  # noqa: BLE001 - a finalizer must not raise
+            pass
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        self.llm_engine.check_open()
         prompts = split_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

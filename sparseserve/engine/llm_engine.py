@@ -5,6 +5,7 @@ appends tokens, detokenises, checks stops and frees finished requests.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import random
@@ -14,7 +15,7 @@ import torch
 
 from ..config import CacheConfig, EngineConfig, ModelConfig
 from ..config_checks import check_memory, check_model_limits, check_parallel_layout
-from ..errors import CheckpointError, ConfigError, InvalidRequestError, RequestTooLargeError
+from ..errors import CheckpointError, ConfigError, EngineClosedError, InvalidRequestError, RequestTooLargeError
 from ..model.fit_check import available_memory_bytes, check_weights_fit
 from ..model.loader import load_hf_config, load_model, resolve_model_dir
 from ..model.meta_model import weight_plan
@@ -65,6 +66,7 @@ def load_tokenizer(path: Path, explicit: bool = False):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        self.closed = False
         config.validate()
         self.config = config
         self.device = config.resolve_device()
@@ -108,13 +110,13 @@ class LLMEngine:
         spec_k = config.num_speculative_tokens
         self.kv_plan: KVPlan = plan_kv(self.model_config, dtype_bytes, self.block_size, self.max_num_batched_tokens,
                                        spec_k)
-        self._check_state_fits()
-        self.runner = self._start_executor() if self.parallel else self._make_runner()
-        self.spec_metrics = SpecDecodeMetrics()
         try:
+            self._check_state_fits()
+            self.runner = self._start_executor() if self.parallel else self._make_runner()
+            self.spec_metrics = SpecDecodeMetrics()
             self._finish_init()
         except BaseException:
-            self.shutdown()  # a parallel layout's workers do not outlive a failed start
+            self.shutdown()  # neither the workers nor the model outlive a failed start
             raise
 
     def _make_runner(self) -> ModelRunner:
@@ -142,9 +144,36 @@ class LLMEngine:
         return MultiprocExecutor(spec, config.max_num_seqs)
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a parallel layout (nothing to do in one process)."""
-        if self.parallel:
-            self.runner.shutdown()
+        """Stop the workers of a parallel layout, drop the model, the KV state, the CUDA graphs and the
+        runner's buffers, and hand the freed device memory back (`gc.collect()`, then CUDA's cache), so
+        that another engine can start in this process. Requests still queued are dropped; every later
+        call raises `EngineClosedError`. A second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        runner = self.__dict__.get("runner")
+        try:
+            if runner is not None and self.parallel:
+                runner.shutdown()
+            elif runner is not None:
+                runner.release()
+        finally:
+            for name in ("runner", "model", "kv", "scheduler", "_in_flight", "_grammars"):
+                if name in self.__dict__:
+                    setattr(self, name, None)
+            for name in ("mtp_tensors", "requests", "groups", "prompts"):
+                if name in self.__dict__:
+                    setattr(self, name, {})
+            self._suspects = set()
+            runner = None
+            gc.collect()  # the model's modules hold reference cycles
+            if self.device.type == "cuda" and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise EngineClosedError("this engine was shut down (LLM.shutdown() or the end of its `with` block) and "
+                                    "its model is freed; create a new LLM to run more requests")
 
     def _finish_init(self) -> None:
         config, spec_k, hf = self.config, self.config.num_speculative_tokens, self.model_config.hf_config
@@ -243,6 +272,7 @@ class LLMEngine:
     # ---- requests ----
     def validate_request(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """Everything that can be checked before a request is queued; raises with a clear message."""
+        self.check_open()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate(self.limits)  # again: fields may have changed since construction
@@ -307,6 +337,8 @@ class LLMEngine:
         self.prompts[request_id] = (text, list(ids))
 
     def abort_request(self, request_id: str) -> None:
+        if self.closed:
+            return  # shutdown dropped every request
         for req in self.groups.pop(request_id, []):
             if not req.is_finished:
                 self._release(req)
@@ -317,6 +349,8 @@ class LLMEngine:
         self.prompts.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
+        if self.closed:
+            return False  # shutdown dropped every request
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- stepping ----
@@ -325,6 +359,7 @@ class LLMEngine:
         `SamplingParams.output_kind` asks (CUMULATIVE, DELTA or FINAL_ONLY). With async scheduling
         the step launched here is read back by the next call, so the host's bookkeeping and the next
         schedule overlap the GPU's work (outputs arrive one call later)."""
+        self.check_open()
         early: list[RequestOutput] = []
         # A request's sampling needs its previous token on the host (a grammar, a bad word's prefix):
         # the next step's forward is launched first, the in-flight step is read back while the device

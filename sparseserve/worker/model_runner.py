@@ -191,6 +191,12 @@ class ModelRunner:
             self.speculator = MTPSpeculator(self.mtp, self.model, mtp_state, self.options.num_speculative_tokens,
                                             self.mtp_forward)
 
+    def release(self) -> None:
+        """Drop the model, the state, the graphs and the step buffers (the engine's shutdown frees them)."""
+        self.graphs, self.mtp_graphs, self._topk = {}, {}, {}
+        self.state = self.speculator = self.mtp = self._last_sampled = self.last_streams = None
+        self.model = self.capture_stream = None
+
     @property
     def draft_probs(self) -> dict:
         """The speculator's per-request draft distributions (empty without speculation)."""

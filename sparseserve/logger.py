@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from . import envs
 
@@ -18,3 +19,20 @@ def init_logger() -> logging.Logger:
     level = envs.logging_level()
     logger.setLevel(getattr(logging, level, logging.INFO))
     return logger
+
+
+def show_progress() -> bool:
+    """Whether long work draws a progress bar (tqdm, on stderr): stderr is a terminal, the package
+    logs at INFO or below, and this process is rank 0 of a parallel layout (as vLLM's loader)."""
+    if not sys.stderr.isatty() or logging.getLogger("sparseserve").getEffectiveLevel() > logging.INFO:
+        return False
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def progress_bar(iterable=None, **kwargs):
+    """A tqdm bar on stderr, drawn only when `show_progress()`; `kwargs` go to tqdm."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, disable=not show_progress(), dynamic_ncols=True, file=sys.stderr, **kwargs)

@@ -20,6 +20,7 @@ from transformers import DeepseekV4Config
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
+from ..logger import progress_bar
 from ..checkpoint_checks import check_hf_config, check_override_keys, check_raw_config, check_weight_format
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .fit_check import available_memory_bytes, check_weights_fit
@@ -69,7 +70,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, hf_config=None) ->
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     hf = hf_config if hf_config is not None else model.model_config.hf_config
-    for name, p in model.named_parameters():
+    params = list(model.named_parameters())
+    for name, p in progress_bar(params, desc="Initializing dummy weights", unit="tensor"):
         if "norm" in name and name.endswith("weight"):
             p.fill_(1.0)
         elif p.dim() >= 2:

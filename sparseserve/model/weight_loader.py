@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from ..checkpoint_checks import check_quantized_weight, check_tensor_dtype
 from ..config import WeightFormat
 from ..errors import CheckpointError
+from ..logger import progress_bar
 from ..quant_formats import FP4_STORAGE_DTYPES, dequantize_fp4, dequantize_fp8_block
 from .checkpoint_names import Target, main_target, release_name
 
@@ -196,9 +197,17 @@ def load_state(module: torch.nn.Module, source: Mapping, names: list[str], to_ta
         for name, target in entries:
             view = _expert_view(dest, target) if target.expert is not None else dest
             work.append((name, view, ".experts." in target_name))
-    if isinstance(source, ShardedTensors):
+    used = set()
+    if isinstance(source, ShardedTensors):  # read from disk: a bar over the bytes of the parameters
         work.sort(key=lambda item: source.shard_of(item[0]))  # shard after shard
-    used = {load_tensor(view, source, name, fmt, expert) for name, view, expert in work}
+        total = sum(view.numel() * view.element_size() for _, view, _ in work)
+        with progress_bar(total=total, desc=f"Loading safetensors {what} ({len(source.files)} shards)", unit="B",
+                          unit_scale=True, unit_divisor=1024) as bar:
+            for name, view, expert in work:
+                used.add(load_tensor(view, source, name, fmt, expert))
+                bar.update(view.numel() * view.element_size())
+    else:
+        used = {load_tensor(view, source, name, fmt, expert) for name, view, expert in work}
     stray = sorted(scales - used)
     if stray:
         raise CheckpointError(f"tensor {stray[0]} is a scale, but its weight is stored unquantized; remove the "

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..logger import progress_bar
 from ..model.batch import INT64_FIELDS, BatchMetadata, BlockTableCache, SequenceChunk, build_batch
 from ..model.state import ModelState
 from ..model.step_context import TopKFn
@@ -260,7 +261,9 @@ class CudaGraphRunner:
     def capture_all(self) -> None:
         start = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
-        for size in sorted(self.sizes, reverse=True):  # largest first: smaller ones reuse its pool
+        sizes = sorted(self.sizes, reverse=True)  # largest first: smaller ones reuse its pool
+        for size in progress_bar(sizes, desc=f"Capturing CUDA graphs ({self.name}, query_len={self.query_len})",
+                                 unit="graph"):
             graph = self.capture(size, self.short_len)
             self.graphs[graph.key] = graph
         torch.cuda.synchronize(self.device)
@@ -303,7 +306,8 @@ class CudaGraphRunner:
     def audit_captures(self, long_len: int) -> list[str]:
         """Capture every graph under short and long dummy lengths; return the differences found."""
         problems = []
-        for size in self.sizes:
+        for size in progress_bar(self.sizes, desc=f"Auditing CUDA graph captures ({self.name}, "
+                                 f"query_len={self.query_len})", unit="graph"):
             short = self.capture(size, self.short_len, debug_dump=True)
             long = self.capture(size, long_len, debug_dump=True)
             name = f"{self.name} graph {short.key}"

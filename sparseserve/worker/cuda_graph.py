@@ -215,6 +215,7 @@ class CudaGraphRunner:
         self.hidden = (torch.zeros((rows, *hidden.tail), dtype=hidden.dtype, device=self.device)
                        if hidden is not None else None)
         self.graphs: dict[GraphKey, CapturedGraph] = {}
+        self.first_warmup_s: float | None = None  # wall time of the first eager warm-up step
 
     def _rows(self, batch_size: int) -> int:
         """Output rows of a graph: one per sequence, or one per token of a verify step."""
@@ -242,8 +243,12 @@ class CudaGraphRunner:
         # Made inside a capture, it would come from the graph pool and outlive the graphs, and
         # torch refuses to capture into a pool whose graphs are all gone but which still holds memory.
         self.stream.wait_stream(torch.cuda.current_stream())
+        start = time.perf_counter()
         with torch.cuda.stream(self.stream):
             step()
+        if self.first_warmup_s is None:  # the start-up report's first warm-up step (kernel builds included)
+            self.stream.synchronize()
+            self.first_warmup_s = time.perf_counter() - start
         graph = torch.cuda.CUDAGraph(keep_graph=True) if debug_dump else torch.cuda.CUDAGraph()
         if debug_dump:
             graph.enable_debug_mode()

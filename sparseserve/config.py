@@ -144,6 +144,7 @@ class EngineConfig:
     master_addr: str | None = None
     master_port: int | None = None
     load_format: str = "auto"
+    use_tqdm_on_load: bool = True  # vLLM's: a progress bar while the weights load (on a terminal only)
     hf_overrides: dict | None = None
     speculative_config: dict | None = None
     topk_backend: str = "auto"

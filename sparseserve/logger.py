@@ -31,8 +31,8 @@ def show_progress() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def progress_bar(iterable=None, **kwargs):
-    """A tqdm bar on stderr, drawn only when `show_progress()`; `kwargs` go to tqdm."""
+def progress_bar(iterable=None, enabled: bool = True, **kwargs):
+    """A tqdm bar on stderr, drawn when `enabled` and `show_progress()`; `kwargs` go to tqdm."""
     from tqdm import tqdm
 
-    return tqdm(iterable, disable=not show_progress(), dynamic_ncols=True, file=sys.stderr, **kwargs)
+    return tqdm(iterable, disable=not (enabled and show_progress()), dynamic_ncols=True, file=sys.stderr, **kwargs)

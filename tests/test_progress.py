@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sparseserve import LLM
+from sparseserve.errors import ConfigTypeError
 from sparseserve.logger import progress_bar, show_progress
 from sparseserve.model.loader import CONFIGS_DIR, load_model
 
@@ -48,6 +49,15 @@ def test_loading_and_dummy_weights_show_bars(monkeypatch, info_level):
     assert "Loading safetensors checkpoint (1 shards)" in text and "100%" in text, text
     load_model(str(TINY), torch.float32, torch.device("cpu"), load_format="dummy")
     assert "Initializing dummy weights" in terminal.getvalue()
+    terminal.seek(0)
+    terminal.truncate()
+    load_model(str(TINY), torch.float32, torch.device("cpu"), progress=False)  # LLM(use_tqdm_on_load=False)
+    assert terminal.getvalue() == ""
+
+
+def test_use_tqdm_on_load_is_checked():
+    with pytest.raises(ConfigTypeError, match="use_tqdm_on_load"):
+        LLM(str(TINY), device="cpu", use_tqdm_on_load="no")
 
 
 def test_startup_report_names_the_forwards_it_ran(caplog, info_level):

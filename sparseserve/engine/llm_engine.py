@@ -91,7 +91,8 @@ class LLMEngine:
             self.model_config = ModelConfig(hf, dtype=self.dtype, path=str(model_dir))
         else:
             self.model, self.model_config, self.mtp_tensors = load_model(
-                config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed)
+                config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed,
+                config.use_tqdm_on_load)
         hf = self.model_config.hf_config
         self.tokenizer = None
         if not config.skip_tokenizer_init:  # before the state is allocated

@@ -167,7 +167,8 @@ def _expert_view(dest: torch.Tensor, target: Target) -> torch.Tensor:
 
 @torch.no_grad()
 def load_state(module: torch.nn.Module, source: Mapping, names: list[str], to_target: Callable[[str], Target],
-               fmt: WeightFormat, describe: Callable[[str], str], what: str = "checkpoint") -> None:
+               fmt: WeightFormat, describe: Callable[[str], str], what: str = "checkpoint", progress: bool = True
+               ) -> None:
     """Load the checkpoint tensors `names` (weights and scales) of `source` into `module`'s state
     dict, mapping names with `to_target`; every missing, unexpected or malformed tensor is an error
     that names it (`describe` turns an engine name into the checkpoint names it may have)."""
@@ -201,8 +202,8 @@ def load_state(module: torch.nn.Module, source: Mapping, names: list[str], to_ta
     if isinstance(source, ShardedTensors):  # read from disk: a bar over the bytes of the parameters
         work.sort(key=lambda item: source.shard_of(item[0]))  # shard after shard
         total = sum(view.numel() * view.element_size() for _, view, _ in work)
-        with progress_bar(total=total, desc=f"Loading safetensors {what} ({len(source.files)} shards)", unit="B",
-                          unit_scale=True, unit_divisor=1024) as bar:
+        with progress_bar(total=total, enabled=progress, desc=f"Loading safetensors {what} ({len(source.files)} "
+                          "shards)", unit="B", unit_scale=True, unit_divisor=1024) as bar:
             for name, view, expert in work:
                 used.add(load_tensor(view, source, name, fmt, expert))
                 bar.update(view.numel() * view.element_size())
@@ -239,12 +240,13 @@ def describe_main(engine_name: str) -> str:
     return engine_name
 
 
-def load_checkpoint(model: torch.nn.Module, model_dir: Path, fmt: WeightFormat) -> dict[str, torch.Tensor]:
+def load_checkpoint(model: torch.nn.Module, model_dir: Path, fmt: WeightFormat, progress: bool = True
+                    ) -> dict[str, torch.Tensor]:
     """Load a checkpoint directory into `model` (any of the three layouts, quantized or not);
     returns the `mtp.*` tensors as stored (read into memory: one layer), for speculative decoding."""
     with ShardedTensors(checkpoint_files(model_dir)) as source:
         main = [n for n in source if not n.startswith("mtp.")]
-        load_state(model, source, main, main_target, fmt, describe_main)
+        load_state(model, source, main, main_target, fmt, describe_main, progress=progress)
         return {n: source[n] for n in source if n.startswith("mtp.")}
 
 

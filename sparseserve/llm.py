@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from collections.abc import Sequence
 
@@ -39,7 +38,8 @@ class LLM:
     def shutdown(self) -> None:
         """Free what this engine holds: its workers (tensor_parallel_size > 1), the model, the KV state,
         the CUDA graphs and the runner's buffers, so another `LLM` can start in this process. Later
-        calls to `generate` raise `EngineClosedError`; a second `shutdown()` does nothing."""
+        calls to `generate` raise `EngineClosedError`; a second `shutdown()` does nothing. Deleting the
+        last reference to the engine (`del llm`) frees it too (`LLMEngine.__del__`)."""
         engine = self.__dict__.get("llm_engine")
         if engine is not None:
             engine.shutdown()
@@ -49,21 +49,6 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-    def __del__(self) -> None:
-        # At interpreter exit modules may already be torn down: then only the workers are stopped
-        # (their processes would otherwise linger), never a collection or a CUDA call.
-        engine = self.__dict__.get("llm_engine")
-        if engine is None or engine.closed:
-            return
-        try:
-            if sys.is_finalizing():
-                if engine.parallel and engine.runner is not None:
-                    engine.runner.shutdown()
-            else:
-                engine.shutdown()
-        except Exception:  # noqa: BLE001 - a finalizer must not raise
-            pass
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -9,6 +9,7 @@ import gc
 import itertools
 import logging
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -152,8 +153,8 @@ class LLMEngine:
         runner's buffers, and hand the freed device memory back (`gc.collect()`, then CUDA's cache), so
         that another engine can start in this process. Requests still queued are dropped; every later
         call raises `EngineClosedError`. A second call does nothing."""
-        if self.closed:
-            return
+        if self.__dict__.get("closed", True):
+            return  # shut down already, or __init__ failed before anything was made
         self.closed = True
         runner = self.__dict__.get("runner")
         try:
@@ -171,8 +172,22 @@ class LLMEngine:
             self._suspects = set()
             runner = None
             gc.collect()  # the model's modules hold reference cycles
-            if self.device.type == "cuda" and torch.cuda.is_initialized():
+            device = self.__dict__.get("device")
+            if device is not None and device.type == "cuda" and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
+
+    def __del__(self) -> None:
+        # The last reference is gone (`del llm`): free the engine. At interpreter exit modules may be
+        # torn down already: then only a parallel layout's workers are stopped, with no collection.
+        try:
+            if sys.is_finalizing():
+                runner = self.__dict__.get("runner")
+                if self.__dict__.get("parallel") and runner is not None and not self.__dict__.get("closed", True):
+                    runner.shutdown()
+            else:
+                self.shutdown()
+        except Exception:  # noqa: BLE001 - a finalizer must not raise
+            pass
 
     def _log_startup(self, seconds: float) -> None:
         """The start-up report's last line: no warm-up request runs, so it gives the forwards start-up ran

@@ -351,13 +351,13 @@ def shared_weights():
     original = llm_engine.load_model
     cache: dict = {}
 
-    def cached(model, dtype, device, load_format="auto", hf_overrides=None, seed=0):
+    def cached(model, dtype, device, load_format="auto", hf_overrides=None, seed=0, progress=True):
         key = (str(model), str(dtype), str(torch.device(device)), load_format,
                json.dumps(hf_overrides, sort_keys=True, default=str), seed)
         if key not in cache:
             cache.clear()
             free_device_memory()
-            cache[key] = original(model, dtype, device, load_format, hf_overrides, seed)
+            cache[key] = original(model, dtype, device, load_format, hf_overrides, seed, progress)
         return cache[key]
 
     llm_engine.load_model = cached

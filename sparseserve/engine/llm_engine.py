@@ -170,7 +170,7 @@ class LLMEngine:
                 if name in self.__dict__:
                     setattr(self, name, {})
             self._suspects = set()
-            runner = None
+            runner = None  # this frame's reference too, before the collection
             gc.collect()  # the model's modules hold reference cycles
             device = self.__dict__.get("device")
             if device is not None and device.type == "cuda" and torch.cuda.is_initialized():

@@ -24,7 +24,9 @@ def init_logger() -> logging.Logger:
 def show_progress() -> bool:
     """Whether long work draws a progress bar (tqdm, on stderr): stderr is a terminal, the package
     logs at INFO or below, and this process is rank 0 of a parallel layout (as vLLM's loader)."""
-    if not sys.stderr.isatty() or logging.getLogger("sparseserve").getEffectiveLevel() > logging.INFO:
+    # The package logger's level once set (init_logger), else SPARSESERVE_LOGGING_LEVEL's (a bench client).
+    level = logging.getLogger("sparseserve").level or getattr(logging, envs.logging_level(), logging.INFO)
+    if not sys.stderr.isatty() or level > logging.INFO:
         return False
     import torch.distributed as dist
 

@@ -39,6 +39,11 @@ def test_bars_only_on_a_terminal_at_info(monkeypatch, info_level):
     assert show_progress()
     info_level.setLevel(logging.WARNING)
     assert not show_progress()
+    info_level.setLevel(logging.NOTSET)  # not set up (a bench client): SPARSESERVE_LOGGING_LEVEL decides
+    monkeypatch.setenv("SPARSESERVE_LOGGING_LEVEL", "ERROR")
+    assert not show_progress()
+    monkeypatch.delenv("SPARSESERVE_LOGGING_LEVEL")
+    assert show_progress()
 
 
 def test_loading_and_dummy_weights_show_bars(monkeypatch, info_level):

@@ -163,12 +163,10 @@ class LLMEngine:
             elif runner is not None:
                 runner.release()
         finally:
-            for name in ("runner", "model", "kv", "scheduler", "_in_flight", "_grammars"):
-                if name in self.__dict__:
-                    setattr(self, name, None)
-            for name in ("mtp_tensors", "requests", "groups", "prompts"):
-                if name in self.__dict__:
-                    setattr(self, name, {})
+            made = self.__dict__  # a failed start may not have made them all
+            dropped = ("runner", "model", "kv", "scheduler", "_in_flight", "_grammars")
+            made.update({n: None for n in dropped if n in made})
+            made.update({n: {} for n in ("mtp_tensors", "requests", "groups", "prompts") if n in made})
             self._suspects = set()
             runner = None  # this frame's reference too, before the collection
             gc.collect()  # the model's modules hold reference cycles

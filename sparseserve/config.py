@@ -147,6 +147,7 @@ class EngineConfig:
     # Weights held quantized (model/quantize.py, docs/quantization.md): "none" (decoded to the compute
     # dtype at load), "auto" (what the checkpoint stores in FP8/FP4 stays so), "fp8" (block-FP8 at load).
     quantization: str = "none"
+    use_tqdm_on_load: bool = True  # vLLM's: a progress bar while the weights load (on a terminal only)
     hf_overrides: dict | None = None
     speculative_config: dict | None = None
     topk_backend: str = "auto"

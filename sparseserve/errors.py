@@ -42,6 +42,11 @@ class RequestTooLargeError(InvalidRequestError):
     """The request can never fit in this engine's cache or context."""
 
 
+class EngineClosedError(RuntimeError):
+    """The engine was shut down (`LLM.shutdown()`, the end of a `with LLM(...)` block): its model and
+    state are freed, so it runs no more requests. Not a bad-input error."""
+
+
 # The error raised for a wrong type, for each family of value errors.
 TYPE_ERRORS: dict[type[ValueError], type[ValueError]] = {
     ConfigError: ConfigTypeError,

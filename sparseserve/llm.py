@@ -36,14 +36,26 @@ class LLM:
         self._next_id = 0
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a parallel layout (tensor_parallel_size > 1); no-op otherwise."""
-        self.llm_engine.shutdown()
+        """Free what this engine holds: its workers (tensor_parallel_size > 1), the model, the KV state,
+        the CUDA graphs and the runner's buffers, so another `LLM` can start in this process. Later
+        calls to `generate` raise `EngineClosedError`; a second `shutdown()` does nothing. Deleting the
+        last reference to the engine (`del llm`) frees it too (`LLMEngine.__del__`)."""
+        engine = self.__dict__.get("llm_engine")
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        self.llm_engine.check_open()
         prompts = split_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -80,8 +80,17 @@ def test_bench_latency(backend, capsys, tmp_path):
     assert re.search(r"^Avg latency: [\d.]+ seconds$", out, re.M)
     assert re.search(r"^99% percentile latency: [\d.]+ seconds$", out, re.M)
     assert "Decode throughput:" in out and "Floors at" in out
+    ttft = re.search(STEP_RE.format(re.escape("Time to first token (ms)")).replace("steps", "requests"), out, re.M)
+    batch_ttft = re.search(STEP_RE.format(re.escape("Time to first token of the batch (ms)"))
+                           .replace("steps", "iterations"), out, re.M)
+    assert ttft and batch_ttft, out
+    assert int(ttft.group(5)) == 2 * 2 and int(batch_ttft.group(5)) == 2
     result = json.loads(out_json.read_text())
     assert result["output_tokens_per_iteration"] == [8, 8]
+    # The first token comes with the prefill: TTFT covers the prefill step, never a whole iteration.
+    assert result["ttft"]["count"] == 4 and result["batch_ttft"]["count"] == 2
+    assert result["prefill_step"]["min_ms"] <= result["batch_ttft"]["min_ms"] < result["iteration"]["min_ms"]
+    assert result["ttft"]["max_ms"] == pytest.approx(result["batch_ttft"]["max_ms"])
     assert result["decode_step"]["count"] == 6 and len(result["latencies"]) == 2
     assert result["roofline"]["decode_weight_bytes"] > 0
 

@@ -62,6 +62,7 @@ def _compare(options: dict, max_tokens: int = 24):
     want = _run(ref, max_tokens)
     del ref
     llm = LLM(TINY, **COMMON, **options)
+    procs = llm.llm_engine.runner.procs.procs  # shutdown drops the executor
     try:
         got = _run(llm, max_tokens)
         _assert_same(want, got)
@@ -69,7 +70,7 @@ def _compare(options: dict, max_tokens: int = 24):
         return got
     finally:
         llm.shutdown()
-        assert all(not p.is_alive() for p in llm.llm_engine.runner.procs.procs)
+        assert all(not p.is_alive() for p in procs)
 
 
 def test_tensor_parallel_2_matches_one_process():

@@ -5,9 +5,11 @@ exactly `output_len` tokens (greedy, `ignore_eos`), and runs `LLMEngine.step()` 
 done, reading the clock around every step (after synchronising CUDA; steps run synchronously, without
 async scheduling, unless `--async-scheduling` is given). A step that carries any
 prompt tokens is a *prefill* step (with chunked prefill a batch's prompts may take several; the
-last one also samples the first token); every other step is a *decode* step. `--num-iters-warmup`
-iterations run first and are not counted. `--backend hf` times `transformers` `generate` on the
-same prompts and weights: prefill = call to first token, decode step = token to token.
+last one also samples the first token); every other step is a *decode* step. A request's *time to
+first token* (TTFT) is the time to add the iteration's requests plus every step up to the one that
+gave it its first token; the batch's TTFT is its last request's (the whole prefill of the batch and
+its first tokens). `--num-iters-warmup` iterations run first and are not counted. `--backend hf` times `transformers` `generate` on the
+same prompts and weights: prefill = call to first token (every request's TTFT), decode step = token to token.
 
 The figures are printed with roofline floors from the model's shapes (weights read once per
 decode step at the HBM rate; prefill matmul FLOPs at the bf16 tensor-core rate); the default
@@ -21,6 +23,7 @@ import time
 import numpy as np
 import torch
 
+from ..logger import progress_bar
 from ..model.loader import DEFAULT_MODEL
 from .throughput import (load_hf_for, run_with_engine, add_workload_args, device_name, free_device_memory, jsonable,
                          random_prompts, run_and_report, synchronize)
@@ -111,7 +114,7 @@ def roofline(model: str | None, hf_overrides: dict | None, batch: int, input_len
 
 
 # ---- the two backends ----
-def _engine_iterations(args, llm, prompts_for) -> tuple[list, list, list, list, list]:
+def _engine_iterations(args, llm, prompts_for) -> dict[str, list]:
     from ..sampling_params import RequestOutputKind, SamplingParams
 
     engine = llm.llm_engine
@@ -128,13 +131,23 @@ def _engine_iterations(args, llm, prompts_for) -> tuple[list, list, list, list, 
         engine.async_scheduling = was_async
 
 
-def _timed_iterations(args, engine, params, prompts_for) -> tuple[list, list, list, list, list]:
-    prefill, decode, iter_total, iter_prefill, tokens = [], [], [], [], []
-    for it in range(args.num_iters_warmup + args.num_iters):
+def _timed_iterations(args, engine, params, prompts_for) -> dict[str, list]:
+    """Seconds per prefill and decode step, per iteration (all steps, prefill steps), each request's
+    TTFT and each iteration's batch TTFT, and output tokens per iteration (timed iterations only)."""
+    m: dict[str, list] = {k: [] for k in ("prefill", "decode", "iteration", "iteration_prefill", "tokens", "ttft",
+                                          "batch_ttft")}
+    total_iters = args.num_iters_warmup + args.num_iters
+    for it in progress_bar(range(total_iters), desc=f"Iterations ({args.num_iters_warmup} warm-up first)"):
         timed = it >= args.num_iters_warmup
+        synchronize(engine.device)
+        t0 = time.perf_counter()
+        waiting_first = []
         for i, prompt in enumerate(prompts_for(it)):
             engine.add_request(f"latency-{it}-{i}", {"prompt_token_ids": prompt}, params)
-        total = pre = 0.0
+            waiting_first.append(f"latency-{it}-{i}")
+        total = time.perf_counter() - t0  # adding the requests counts towards their TTFT
+        pre = 0.0
+        ttfts: list[float] = []
         outputs = []
         while engine.has_unfinished_requests():
             is_prefill = any(r.num_computed_tokens < len(r.prompt_token_ids)
@@ -148,12 +161,19 @@ def _timed_iterations(args, engine, params, prompts_for) -> tuple[list, list, li
             if is_prefill:
                 pre += dt
             if timed:
-                (prefill if is_prefill else decode).append(dt)
+                m["prefill" if is_prefill else "decode"].append(dt)
+            if waiting_first:  # a finished request has left engine.requests: it had its first token
+                got = [rid for rid in waiting_first
+                       if rid not in engine.requests or engine.requests[rid].output_token_ids]
+                ttfts += [total] * len(got)
+                waiting_first = [rid for rid in waiting_first if rid not in got]
         if timed:
-            iter_total.append(total)
-            iter_prefill.append(pre)
-            tokens.append(sum(len(c.token_ids) for o in outputs for c in o.outputs))
-    return prefill, decode, iter_total, iter_prefill, tokens
+            m["iteration"].append(total)
+            m["iteration_prefill"].append(pre)
+            m["tokens"].append(sum(len(c.token_ids) for o in outputs for c in o.outputs))
+            m["ttft"] += ttfts
+            m["batch_ttft"].append(max(ttfts, default=0.0))
+    return m
 
 
 def run_engine(args: argparse.Namespace) -> dict:
@@ -167,7 +187,7 @@ def _measure_engine(args: argparse.Namespace, llm, kwargs: dict, **extra) -> dic
         args, llm, lambda it: random_prompts(args.batch_size, args.input_len, vocab, args.seed + it))
     extra.update(device=device_name(engine.device), dtype=str(engine.dtype),
                  dtype_bytes=torch.tensor([], dtype=engine.dtype).element_size(), engine_args=jsonable(kwargs))
-    return _result(args, *measured, **extra)
+    return _result(args, measured, **extra)
 
 
 def run_hf(args: argparse.Namespace) -> dict:
@@ -175,38 +195,44 @@ def run_hf(args: argparse.Namespace) -> dict:
 
     model, device, dtype, init_s = load_hf_for(args)
     try:
-        prefill, decode, iter_total, iter_prefill, tokens = [], [], [], [], []
-        for it in range(args.num_iters_warmup + args.num_iters):
+        m: dict[str, list] = {k: [] for k in ("prefill", "decode", "iteration", "iteration_prefill", "tokens",
+                                              "ttft", "batch_ttft")}
+        for it in progress_bar(range(args.num_iters_warmup + args.num_iters),
+                               desc=f"Iterations ({args.num_iters_warmup} warm-up first)"):
             prompts = random_prompts(args.batch_size, args.input_len, model.config.vocab_size, args.seed + it)
             pre, steps, outputs = hf_step_times(model, prompts, args.output_len)
             if it >= args.num_iters_warmup:
-                prefill.append(pre)
-                decode.extend(steps)
-                iter_prefill.append(pre)
-                iter_total.append(pre + sum(steps))
-                tokens.append(sum(len(o) for o in outputs))
+                m["prefill"].append(pre)
+                m["decode"].extend(steps)
+                m["iteration_prefill"].append(pre)
+                m["iteration"].append(pre + sum(steps))
+                m["tokens"].append(sum(len(o) for o in outputs))
+                m["ttft"] += [pre] * len(prompts)  # one batched call: every request's first token at once
+                m["batch_ttft"].append(pre)
         extra = {"init_time_s": init_s, "device": device_name(device), "dtype": str(dtype),
                  "dtype_bytes": torch.tensor([], dtype=dtype).element_size(),
                  "engine_args": jsonable({"model": args.model, "load_format": args.load_format,
                                           "hf_overrides": args.hf_overrides, "seed": args.seed,
                                           "dtype": str(dtype), "device": str(device)})}
-        return _result(args, prefill, decode, iter_total, iter_prefill, tokens, **extra)
+        return _result(args, m, **extra)
     finally:
         del model
         free_device_memory()
 
 
-def _result(args, prefill, decode, iter_total, iter_prefill, tokens, **extra) -> dict:
+def _result(args, m: dict[str, list], **extra) -> dict:
+    decode, iter_total = m["decode"], m["iteration"]
     decode_stats = summarize(decode)
     out = {
         "benchmark": "latency", "backend": args.backend, "model": args.model or DEFAULT_MODEL,
         "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
         "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
-        "prefill_step": summarize(prefill), "decode_step": decode_stats,
-        "prefill_per_iteration": summarize(iter_prefill), "iteration": summarize(iter_total),
+        "prefill_step": summarize(m["prefill"]), "decode_step": decode_stats,
+        "prefill_per_iteration": summarize(m["iteration_prefill"]), "iteration": summarize(iter_total),
+        "ttft": summarize(m["ttft"]), "batch_ttft": summarize(m["batch_ttft"]),
         "avg_latency": float(np.mean(iter_total)),
         "percentiles": {str(p): float(np.percentile(iter_total, p)) for p in PERCENTILES},
-        "output_tokens_per_iteration": tokens,
+        "output_tokens_per_iteration": m["tokens"],
         "decode_tokens_per_s": (args.batch_size / (decode_stats["p50_ms"] / 1e3)) if decode else None,
         "latencies": list(iter_total), "torch": torch.__version__,
     }
@@ -234,6 +260,10 @@ def report_lines(r: dict) -> list[str]:
         _stat_line("Decode step latency (ms)", r["decode_step"]),
         _stat_line("Prefill per iteration (ms)", r["prefill_per_iteration"]).replace(" steps)", " iterations)"),
     ]
+    if "ttft" in r:
+        lines += [_stat_line("Time to first token (ms)", r["ttft"]).replace(" steps)", " requests)"),
+                  _stat_line("Time to first token of the batch (ms)", r["batch_ttft"]).replace(" steps)",
+                                                                                          " iterations)")]
     if r.get("decode_tokens_per_s"):
         lines.append(f"Decode throughput: {r['decode_tokens_per_s']:.2f} output tokens/s "
                      f"(batch {r['batch_size']} / p50 decode step)")

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..logger import progress_bar
+
 
 @dataclass
 class RequestResult:
@@ -54,6 +56,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-result", action="store_true", help="write the JSON result")
     parser.add_argument("--result-file", default="benchmarks/results/serve.json")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar (as vLLM's; one is drawn "
+                        "only on a terminal anyway)")
 
 
 def _lengths(mean: int, ratio: float, n: int, rng: random.Random) -> list[int]:
@@ -148,11 +152,17 @@ async def run_async(args) -> dict:
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     async with httpx.AsyncClient(base_url=base, timeout=args.timeout_s,
                                  limits=httpx.Limits(max_connections=args.max_concurrency or 1000)) as client:
+        bar = progress_bar(total=len(workload), enabled=not getattr(args, "disable_tqdm", False), desc="Requests")
+
         async def task(prompt, max_tokens):
             if limit is None:
-                return await _one(client, args.endpoint, args.model, prompt, max_tokens, headers, args.timeout_s)
-            async with limit:
-                return await _one(client, args.endpoint, args.model, prompt, max_tokens, headers, args.timeout_s)
+                result = await _one(client, args.endpoint, args.model, prompt, max_tokens, headers, args.timeout_s)
+            else:
+                async with limit:
+                    result = await _one(client, args.endpoint, args.model, prompt, max_tokens, headers,
+                                        args.timeout_s)
+            bar.update(1)
+            return result
 
         start = time.perf_counter()
         tasks = []
@@ -162,6 +172,7 @@ async def run_async(args) -> dict:
                 await asyncio.sleep(float(rng.exponential(1.0 / args.request_rate)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        bar.close()
     summary = summarize(list(results), duration, percentiles)
     summary["config"] = {k: (v if v != float("inf") else "inf") for k, v in vars(args).items()
                          if isinstance(v, (int, float, str, bool, type(None)))}

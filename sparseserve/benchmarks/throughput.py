@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..config import EngineConfig
+from ..logger import show_progress
 from ..model.loader import DEFAULT_MODEL
 from .jit_watch import TritonBuilds
 
@@ -176,6 +177,8 @@ def run_with_engine(args: argparse.Namespace, measure) -> dict:
         return result
     finally:
         kept = keep_llm(llm, failed)
+        if not kept:
+            llm.shutdown()
         del llm
         if not kept:
             free_device_memory()
@@ -202,13 +205,13 @@ def _measure_engine(args: argparse.Namespace, llm, kwargs: dict, **extra) -> dic
         with TritonBuilds() as warmup_builds:
             llm.generate([{"prompt_token_ids": p} for p in warm],
                          SamplingParams(temperature=0.0, max_tokens=args.output_len if full else min(4, args.output_len),
-                                        ignore_eos=True, detokenize=detok), use_tqdm=False)
+                                        ignore_eos=True, detokenize=detok), use_tqdm=show_progress())
         warmup_s = time.perf_counter() - t0
         extra["triton_builds_in_warmup"] = warmup_builds.count
     synchronize(engine.device)
     start = time.perf_counter()
     with TritonBuilds() as timed_builds:
-        outputs = llm.generate(inputs, params, use_tqdm=False)
+        outputs = llm.generate(inputs, params, use_tqdm=show_progress())  # as vLLM's: a bar only on a terminal
         synchronize(engine.device)
     elapsed = time.perf_counter() - start
     extra["triton_builds_in_timed_run"] = timed_builds.count
@@ -348,13 +351,14 @@ def shared_weights():
     original = llm_engine.load_model
     cache: dict = {}
 
-    def cached(model, dtype, device, load_format="auto", hf_overrides=None, seed=0, quantization="none"):
+    def cached(model, dtype, device, load_format="auto", hf_overrides=None, seed=0, quantization="none",
+               progress=True):
         key = (str(model), str(dtype), str(torch.device(device)), load_format,
                json.dumps(hf_overrides, sort_keys=True, default=str), seed, quantization)
         if key not in cache:
             cache.clear()
             free_device_memory()
-            cache[key] = original(model, dtype, device, load_format, hf_overrides, seed, quantization)
+            cache[key] = original(model, dtype, device, load_format, hf_overrides, seed, quantization, progress)
         return cache[key]
 
     llm_engine.load_model = cached

@@ -83,13 +83,19 @@ class AsyncLLMEngine:
             self._thread = threading.Thread(target=self._loop, name="sparseserve-engine", daemon=True)
             self._thread.start()
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the loop; requests still in flight get `EngineDeadError`."""
+    def shutdown(self, timeout_s: float = 10.0, release_engine: bool = False) -> None:
+        """Stop the loop; requests still in flight get `EngineDeadError`. `release_engine` then shuts the
+        wrapped engine down too (`LLMEngine.shutdown`: its model, state and graphs are freed)."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+            if self._thread.is_alive():  # a step still runs: freeing its model under it would crash it
+                logger.warning("the engine loop did not stop within %.0f s; the engine is not released", timeout_s)
+                return
             self._thread = None
+        if release_engine:
+            self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:

@@ -5,16 +5,19 @@ appends tokens, detokenises, checks stops and frees finished requests.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import random
+import sys
+import time
 from pathlib import Path
 
 import torch
 
 from ..config import CacheConfig, EngineConfig, ModelConfig
 from ..config_checks import check_memory, check_model_limits, check_parallel_layout
-from ..errors import CheckpointError, ConfigError, InvalidRequestError, RequestTooLargeError
+from ..errors import CheckpointError, ConfigError, EngineClosedError, InvalidRequestError, RequestTooLargeError
 from ..model.fit_check import available_memory_bytes, check_weights_fit
 from ..model.loader import load_hf_config, load_model, resolve_model_dir
 from ..model.meta_model import weight_plan
@@ -65,6 +68,8 @@ def load_tokenizer(path: Path, explicit: bool = False):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        self.closed = False
+        started = time.perf_counter()
         config.validate()
         self.config = config
         self.device = config.resolve_device()
@@ -89,7 +94,7 @@ class LLMEngine:
         else:
             self.model, self.model_config, self.mtp_tensors = load_model(
                 config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed,
-                config.quantization)
+                config.quantization, config.use_tqdm_on_load)
         hf = self.model_config.hf_config
         self.tokenizer = None
         if not config.skip_tokenizer_init:  # before the state is allocated
@@ -110,13 +115,14 @@ class LLMEngine:
         spec_k = config.num_speculative_tokens
         self.kv_plan: KVPlan = plan_kv(self.model_config, dtype_bytes, self.block_size, self.max_num_batched_tokens,
                                        spec_k)
-        self._check_state_fits()
-        self.runner = self._start_executor() if self.parallel else self._make_runner()
-        self.spec_metrics = SpecDecodeMetrics()
         try:
+            self._check_state_fits()
+            self.runner = self._start_executor() if self.parallel else self._make_runner()
+            self.spec_metrics = SpecDecodeMetrics()
             self._finish_init()
+            self._log_startup(time.perf_counter() - started)
         except BaseException:
-            self.shutdown()  # a parallel layout's workers do not outlive a failed start
+            self.shutdown()  # neither the workers nor the model outlive a failed start
             raise
 
     def _make_runner(self) -> ModelRunner:
@@ -144,9 +150,57 @@ class LLMEngine:
         return MultiprocExecutor(spec, config.max_num_seqs)
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a parallel layout (nothing to do in one process)."""
-        if self.parallel:
-            self.runner.shutdown()
+        """Stop the workers of a parallel layout, drop the model, the KV state, the CUDA graphs and the
+        runner's buffers, and hand the freed device memory back (`gc.collect()`, then CUDA's cache), so
+        that another engine can start in this process. Requests still queued are dropped; every later
+        call raises `EngineClosedError`. A second call does nothing."""
+        if self.__dict__.get("closed", True):
+            return  # shut down already, or __init__ failed before anything was made
+        self.closed = True
+        runner = self.__dict__.get("runner")
+        try:
+            if runner is not None and self.parallel:
+                runner.shutdown()
+            elif runner is not None:
+                runner.release()
+        finally:
+            made = self.__dict__  # a failed start may not have made them all
+            dropped = ("runner", "model", "kv", "scheduler", "_in_flight", "_grammars")
+            made.update({n: None for n in dropped if n in made})
+            made.update({n: {} for n in ("mtp_tensors", "requests", "groups", "prompts") if n in made})
+            self._suspects = set()
+            runner = None  # this frame's reference too, before the collection
+            gc.collect()  # the model's modules hold reference cycles
+            device = self.__dict__.get("device")
+            if device is not None and device.type == "cuda" and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+
+    def __del__(self) -> None:
+        # The last reference is gone (`del llm`): free the engine. At interpreter exit modules may be
+        # torn down already: then only a parallel layout's workers are stopped, with no collection.
+        try:
+            if sys.is_finalizing():
+                runner = self.__dict__.get("runner")
+                if self.__dict__.get("parallel") and runner is not None and not self.__dict__.get("closed", True):
+                    runner.shutdown()
+            else:
+                self.shutdown()
+        except Exception:  # noqa: BLE001 - a finalizer must not raise
+            pass
+
+    def _log_startup(self, seconds: float) -> None:
+        """The start-up report's last line: no warm-up request runs, so it gives the forwards start-up ran
+        (cache profiling: a full-budget prefill to its logits; graph warm-ups), kernel builds included."""
+        steps = getattr(self.runner, "startup_steps", None)  # None: the ranks of a parallel layout ran them
+        ran = ("; ".join(f"{what}: {s * 1e3:.1f} ms" for what, s in steps) if steps else
+               "none (no cache profiling or graph capture here): the first request's steps are the first forwards")
+        logger.info("engine ready in %.1f s; no warm-up request runs at start-up; its forwards: %s", seconds,
+                    ran if steps is not None else "run by the workers")
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise EngineClosedError("this engine was shut down (LLM.shutdown() or the end of its `with` block) and "
+                                    "its model is freed; create a new LLM to run more requests")
 
     def _finish_init(self) -> None:
         config, spec_k, hf = self.config, self.config.num_speculative_tokens, self.model_config.hf_config
@@ -245,6 +299,7 @@ class LLMEngine:
     # ---- requests ----
     def validate_request(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """Everything that can be checked before a request is queued; raises with a clear message."""
+        self.check_open()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate(self.limits)  # again: fields may have changed since construction
@@ -309,6 +364,8 @@ class LLMEngine:
         self.prompts[request_id] = (text, list(ids))
 
     def abort_request(self, request_id: str) -> None:
+        if self.closed:
+            return  # shutdown dropped every request
         for req in self.groups.pop(request_id, []):
             if not req.is_finished:
                 self._release(req)
@@ -319,6 +376,8 @@ class LLMEngine:
         self.prompts.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
+        if self.closed:
+            return False  # shutdown dropped every request
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- stepping ----
@@ -327,6 +386,7 @@ class LLMEngine:
         `SamplingParams.output_kind` asks (CUMULATIVE, DELTA or FINAL_ONLY). With async scheduling
         the step launched here is read back by the next call, so the host's bookkeeping and the next
         schedule overlap the GPU's work (outputs arrive one call later)."""
+        self.check_open()
         early: list[RequestOutput] = []
         # A request's sampling needs its previous token on the host (a grammar, a bad word's prefix):
         # the next step's forward is launched first, the in-flight step is read back while the device

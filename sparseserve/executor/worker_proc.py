@@ -70,7 +70,7 @@ def _device(spec: WorkerSpec, local_rank: int) -> torch.device:
 def _build_runner(spec: WorkerSpec, limits: RunnerLimits, device: torch.device, group) -> ModelRunner:
     config = spec.config
     model, model_config, mtp_tensors = load_model(config.model, spec.dtype, device, config.load_format,
-                                                  config.hf_overrides, config.seed)
+                                                  config.hf_overrides, config.seed, progress=config.use_tqdm_on_load)
     k = config.num_speculative_tokens
     mtp = (load_mtp(model_config, mtp_tensors, device, spec.dtype, config.load_format, config.seed) if k else None)
     shard_model(model, group, mtp)

@@ -21,6 +21,7 @@ from transformers import DeepseekV4Config
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
+from ..logger import progress_bar
 from ..checkpoint_checks import check_hf_config, check_override_keys, check_raw_config, check_weight_format
 from .deepseek_v4 import DeepseekV4ForCausalLM
 from .fit_check import available_memory_bytes, check_weights_fit
@@ -67,13 +68,14 @@ def load_hf_config(model_dir: Path, hf_overrides: dict | None = None) -> Deepsee
 
 
 @torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, seed: int = 0, hf_config=None) -> None:
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, hf_config=None, progress: bool = True) -> None:
     """Random weights of the right shapes (for benchmarks at real shapes; never zeros).
     Drawn on the parameters' device, so billions of values take seconds on a GPU."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     hf = hf_config if hf_config is not None else model.model_config.hf_config
-    for name, p in model.named_parameters():
+    params = list(model.named_parameters())
+    for name, p in progress_bar(params, enabled=progress, desc="Initializing dummy weights", unit="tensor"):
         if "norm" in name and name.endswith("weight"):
             p.fill_(1.0)
         elif p.dim() >= 2:
@@ -97,6 +99,7 @@ def load_model(
     hf_overrides: dict | None = None,
     seed: int = 0,
     quantization: str = "none",
+    progress: bool = True,
 ) -> tuple[DeepseekV4ForCausalLM, ModelConfig, dict[str, torch.Tensor]]:
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
@@ -117,9 +120,9 @@ def load_model(
         getattr(net, name).copy_(value)
     mtp: dict[str, torch.Tensor] = {}
     if load_format == "dummy":
-        init_dummy_weights(net, seed)
+        init_dummy_weights(net, seed, progress=progress)
     else:
-        mtp = load_checkpoint(net, model_dir, model_config.weight_format)
+        mtp = load_checkpoint(net, model_dir, model_config.weight_format, progress)
     net = net.to(device)
     if quantization != "none":  # before packing: quantized groups pack their codes and scales
         logger.info("%s", describe_quantized(quantization, quantize_model(net, quantization,

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from ..checkpoint_checks import check_quantized_weight, check_tensor_dtype
 from ..config import WeightFormat
 from ..errors import CheckpointError
+from ..logger import progress_bar
 from ..quant_formats import FP4_STORAGE_DTYPES, dequantize_fp4, dequantize_fp8_block
 from .checkpoint_names import Target, main_target, release_name
 
@@ -166,7 +167,8 @@ def _expert_view(dest: torch.Tensor, target: Target) -> torch.Tensor:
 
 @torch.no_grad()
 def load_state(module: torch.nn.Module, source: Mapping, names: list[str], to_target: Callable[[str], Target],
-               fmt: WeightFormat, describe: Callable[[str], str], what: str = "checkpoint") -> None:
+               fmt: WeightFormat, describe: Callable[[str], str], what: str = "checkpoint", progress: bool = True
+               ) -> None:
     """Load the checkpoint tensors `names` (weights and scales) of `source` into `module`'s state
     dict, mapping names with `to_target`; every missing, unexpected or malformed tensor is an error
     that names it (`describe` turns an engine name into the checkpoint names it may have)."""
@@ -196,9 +198,17 @@ def load_state(module: torch.nn.Module, source: Mapping, names: list[str], to_ta
         for name, target in entries:
             view = _expert_view(dest, target) if target.expert is not None else dest
             work.append((name, view, ".experts." in target_name))
-    if isinstance(source, ShardedTensors):
+    used = set()
+    if isinstance(source, ShardedTensors):  # read from disk: a bar over the bytes of the parameters
         work.sort(key=lambda item: source.shard_of(item[0]))  # shard after shard
-    used = {load_tensor(view, source, name, fmt, expert) for name, view, expert in work}
+        total = sum(view.numel() * view.element_size() for _, view, _ in work)
+        with progress_bar(total=total, enabled=progress, desc=f"Loading safetensors {what} ({len(source.files)} "
+                          "shards)", unit="B", unit_scale=True, unit_divisor=1024) as bar:
+            for name, view, expert in work:
+                used.add(load_tensor(view, source, name, fmt, expert))
+                bar.update(view.numel() * view.element_size())
+    else:
+        used = {load_tensor(view, source, name, fmt, expert) for name, view, expert in work}
     stray = sorted(scales - used)
     if stray:
         raise CheckpointError(f"tensor {stray[0]} is a scale, but its weight is stored unquantized; remove the "
@@ -230,12 +240,13 @@ def describe_main(engine_name: str) -> str:
     return engine_name
 
 
-def load_checkpoint(model: torch.nn.Module, model_dir: Path, fmt: WeightFormat) -> dict[str, torch.Tensor]:
+def load_checkpoint(model: torch.nn.Module, model_dir: Path, fmt: WeightFormat, progress: bool = True
+                    ) -> dict[str, torch.Tensor]:
     """Load a checkpoint directory into `model` (any of the three layouts, quantized or not);
     returns the `mtp.*` tensors as stored (read into memory: one layer), for speculative decoding."""
     with ShardedTensors(checkpoint_files(model_dir)) as source:
         main = [n for n in source if not n.startswith("mtp.")]
-        load_state(model, source, main, main_target, fmt, describe_main)
+        load_state(model, source, main, main_target, fmt, describe_main, progress=progress)
         return {n: source[n] for n in source if n.startswith("mtp.")}
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..logger import progress_bar
 from ..model.batch import INT64_FIELDS, BatchMetadata, BlockTableCache, SequenceChunk, build_batch
 from ..model.state import ModelState
 from ..model.step_context import TopKFn
@@ -214,6 +215,7 @@ class CudaGraphRunner:
         self.hidden = (torch.zeros((rows, *hidden.tail), dtype=hidden.dtype, device=self.device)
                        if hidden is not None else None)
         self.graphs: dict[GraphKey, CapturedGraph] = {}
+        self.first_warmup_s: float | None = None  # wall time of the first eager warm-up step
 
     def _rows(self, batch_size: int) -> int:
         """Output rows of a graph: one per sequence, or one per token of a verify step."""
@@ -241,8 +243,12 @@ class CudaGraphRunner:
         # Made inside a capture, it would come from the graph pool and outlive the graphs, and
         # torch refuses to capture into a pool whose graphs are all gone but which still holds memory.
         self.stream.wait_stream(torch.cuda.current_stream())
+        start = time.perf_counter()
         with torch.cuda.stream(self.stream):
             step()
+        if self.first_warmup_s is None:  # the start-up report's first warm-up step (kernel builds included)
+            self.stream.synchronize()
+            self.first_warmup_s = time.perf_counter() - start
         graph = torch.cuda.CUDAGraph(keep_graph=True) if debug_dump else torch.cuda.CUDAGraph()
         if debug_dump:
             graph.enable_debug_mode()
@@ -260,7 +266,9 @@ class CudaGraphRunner:
     def capture_all(self) -> None:
         start = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
-        for size in sorted(self.sizes, reverse=True):  # largest first: smaller ones reuse its pool
+        sizes = sorted(self.sizes, reverse=True)  # largest first: smaller ones reuse its pool
+        for size in progress_bar(sizes, desc=f"Capturing CUDA graphs ({self.name}, query_len={self.query_len})",
+                                 unit="graph"):
             graph = self.capture(size, self.short_len)
             self.graphs[graph.key] = graph
         torch.cuda.synchronize(self.device)
@@ -303,7 +311,8 @@ class CudaGraphRunner:
     def audit_captures(self, long_len: int) -> list[str]:
         """Capture every graph under short and long dummy lengths; return the differences found."""
         problems = []
-        for size in self.sizes:
+        for size in progress_bar(self.sizes, desc=f"Auditing CUDA graph captures ({self.name}, "
+                                 f"query_len={self.query_len})", unit="graph"):
             short = self.capture(size, self.short_len, debug_dump=True)
             long = self.capture(size, long_len, debug_dump=True)
             name = f"{self.name} graph {short.key}"

@@ -7,6 +7,7 @@ receives a `SchedulerOutput` and returns a `RunnerOutput` (sparseserve/step_type
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -131,6 +132,8 @@ class ModelRunner:
         self._prompt_masks: dict[str, torch.Tensor] = {}  # request id -> its prompt tokens (repetition penalty)
         eos = model_config.hf_config.eos_token_id
         self.eos_token_id = eos if isinstance(eos, int) else None
+        # The forwards start-up runs before any request, with their wall time (kernel builds included).
+        self.startup_steps: list[tuple[str, float]] = []
 
     # ---- top-k paths: fixed per row bucket from static facts (docs/design.md, invariant 3) ----
     def topk_for(self, max_rows: int) -> tuple[TopKFn, str]:
@@ -166,6 +169,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
         chunk = SequenceChunk(slot=0, start_pos=0, token_ids=[1] * length, block_ids=list(range(blocks)))
         batch = build_batch([chunk], self.model_config.rates, self.device)
         streams = self.model(batch, state, topk=self.topk_for(self.max_num_batched_tokens)[0])
@@ -173,6 +177,8 @@ class ModelRunner:
         logits = self.model.compute_logits(streams[-rows:])
         torch.log_softmax(logits, dim=-1)
         torch.cuda.synchronize()
+        self.startup_steps.append((f"cache profiling: a {length}-token prefill to its logits",
+                                   time.perf_counter() - start))
         peak = torch.cuda.max_memory_allocated() - base
         del state, streams, logits
         torch.cuda.empty_cache()
@@ -191,6 +197,12 @@ class ModelRunner:
             mtp_state = ModelState(self.mtp.config, self._layout(0), self.device, self.dtype)
             self.speculator = MTPSpeculator(self.mtp, self.model, mtp_state, self.options.num_speculative_tokens,
                                             self.mtp_forward)
+
+    def release(self) -> None:
+        """Drop the model, the state, the graphs and the step buffers (the engine's shutdown frees them)."""
+        self.graphs, self.mtp_graphs, self._topk = {}, {}, {}
+        self.state = self.speculator = self.mtp = self._last_sampled = self.last_streams = None
+        self.model = self.capture_stream = None
 
     @property
     def draft_probs(self) -> dict:
@@ -254,6 +266,9 @@ class ModelRunner:
             return
         for runner in self._new_graph_runners():
             runner.capture_all()
+            if runner.sizes:
+                self.startup_steps.append((f"first graph warm-up: {runner.name}, batch {max(runner.sizes)} of "
+                                           f"{runner.query_len} token(s)", runner.first_warmup_s))
             (self.graphs if runner.name == "target" else self.mtp_graphs)[runner.query_len] = runner
 
     def audit_graphs(self) -> None:

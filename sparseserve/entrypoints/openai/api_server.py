@@ -158,3 +158,4 @@ def run_server(engine_kwargs: dict, config: ServerConfig) -> None:
                     timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()
+        llm.shutdown()  # the model, the state and the workers

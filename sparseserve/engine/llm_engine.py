@@ -416,7 +416,7 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> LaunchedStep:
         for req in sched.preempted:
             self.runner.forget(req.request_id)
-        launched = self.runner.launch(sched, defer_sampling) if defer_sampling else self.runner.launch(sched)
+        launched = self.runner.launch(sched, defer_sampling)
         for chunk in sched.chunks:
             # Drafts count once verified (in _collect); a sampled token is pending until read back.
             chunk.request.num_computed_tokens += chunk.num_tokens - chunk.num_draft

@@ -209,7 +209,9 @@ class MultiprocExecutor:
     # read back before the next step is launched (the engine's unsplit path).
     defers_sampling = False
 
-    def launch(self, sched: SchedulerOutput) -> RemoteStep:
+    def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> RemoteStep:
+        if defer_sampling:
+            raise RuntimeError("the multiprocess executor samples inside launch (defers_sampling is False)")
         self._send(("launch", self.encoder.encode(sched)))
         return RemoteStep(sched)
 

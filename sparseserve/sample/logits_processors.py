@@ -126,8 +126,10 @@ def _apply_penalties(out: torch.Tensor, rows: list[LogitsRow], pending_tokens: t
                             [p.presence_penalty for p in params]], device, torch.float32).unsqueeze(2)
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = counts > 0
-        prompt_seen = [prompt_seen_mask(rows[i], vocab, device) for i in pen]
-        seen |= torch.stack(prompt_seen)
+        # A row without the repetition penalty divides by 1, so its mask does not matter: one blank serves them.
+        blank = torch.zeros(vocab, dtype=torch.bool, device=device)
+        seen |= torch.stack([prompt_seen_mask(rows[i], vocab, device) if rows[i].params.repetition_penalty != 1.0
+                             else blank for i in pen])
         penalised = torch.where(logits > 0, logits / rp, logits * rp)
         logits = torch.where(seen, penalised, logits)
     if any(p.frequency_penalty for p in params):
@@ -138,10 +140,8 @@ def _apply_penalties(out: torch.Tensor, rows: list[LogitsRow], pending_tokens: t
 
 
 def prompt_seen_mask(row: LogitsRow, vocab: int, device: torch.device) -> torch.Tensor:
-    """bool [vocab]: the tokens of the row's prompt when its repetition penalty counts them (the
-    runner caches it per request, so a prompt is not re-read every step), else none."""
-    if row.params.repetition_penalty == 1.0:
-        return torch.zeros(vocab, dtype=torch.bool, device=device)
+    """bool [vocab]: the tokens of the row's prompt (the runner caches it per request, so a prompt
+    is not re-read every step)."""
     if row.prompt_mask is not None:
         return row.prompt_mask
     return build_prompt_mask(row.prompt, vocab, device)

@@ -184,8 +184,9 @@ def test_logits_error_is_that_of_e4m3_rounding(checkpoints, name, monkeypatch):
         noise.append(rel(logits(quant), want))
     print(f"{name}: logits error {error:.4f}; under e4m3 noise {statistics.mean(noise):.4f} "
           f"(min {min(noise):.4f}, max {max(noise):.4f})")
-    # Measured (8 seeds): quantized execution within 3 standard deviations of the noise's mean, which
-    # spreads by 6-8% of itself; 1.5x the mean leaves room and still fails on any real error.
+    # Measured (8 seeds, FP4 and FP8 experts): the noise's error spreads by 2-8% of its mean, and
+    # quantized execution lies within 3 standard deviations of it; 1.5x the mean leaves room and
+    # still fails on a real error (a coarser rounding, e5m2 for e4m3, gives 1.75x on the demo).
     assert 0.0 < error <= 1.5 * statistics.mean(noise), (error, noise)
     if name == "demo":  # the trained model: a few percent (about 0.07); the random tiny one about 0.3
         assert error < 0.15
@@ -194,7 +195,7 @@ def test_logits_error_is_that_of_e4m3_rounding(checkpoints, name, monkeypatch):
 @pytest.mark.parametrize("name", ["demo", "tiny"])
 def test_greedy_agreement_is_that_of_e4m3_rounding(checkpoints, name, monkeypatch):
     """64 random prompts, 4 greedy tokens: quantized execution against the decoded path, and the
-    decoded path under e4m3 noise against itself (what rounding allows)."""
+    decoded path under e4m3 noise against the unperturbed one (what rounding allows)."""
     # The held weights are the decoded ones: the noise runs below are the decoded path's.
     vocab = load_both(checkpoints[name])[0].model_config.hf_config.vocab_size
     gen = torch.Generator().manual_seed(0)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+from ..errors import ConfigError
+from ..kernels.dispatch import capability
 from ..kv_format import KVFormat
 
 
@@ -101,6 +103,9 @@ class ModelState:
         self.layers: list[LayerState] = []
         base_rows = layout.comp_base()
         fp8 = kv_cache_dtype == "fp8"
+        if fp8 and device.type == "cuda" and capability(device) < (8, 9):
+            raise ConfigError(f"kv_cache_dtype='fp8' needs e4m3 conversions (sm_89 or newer: Ada, Hopper); this GPU "
+                              f"is sm_{''.join(map(str, capability(device)))}; use kv_cache_dtype='auto'")
         kv_format = KVFormat(hf.head_dim, hf.qk_rope_head_dim) if fp8 else None
         kv_dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else dtype
         for layer_idx in range(hf.num_hidden_layers):

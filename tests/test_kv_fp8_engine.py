@@ -74,6 +74,16 @@ def test_state_allocates_what_the_plan_counts(kv_cache_dtype, dtype):
     assert (layer.kv_pool.dtype == torch.uint8) == fp8 and (layer.kv_format is not None) == fp8
 
 
+def test_engine_reports_and_allocates_the_fp8_bytes():
+    llm = LLM("tiny", device="cpu", kv_cache_dtype="fp8", max_model_len=128, max_num_seqs=4)
+    engine = llm.llm_engine
+    row, key = KVFormat(64, 16).row_bytes, IndexFormat(32).row_bytes
+    assert f"kv_cache_dtype fp8: {row} B per KV row, {key} B per indexer key" in engine.kv_report()
+    # What is allocated is what the start-up report counts, plus the padded graph rows' dummy slot.
+    assert engine.runner.state.nbytes() == engine.cache_bytes + engine.kv_plan.bytes_per_slot
+    llm.shutdown()
+
+
 def test_kv_plan_command_takes_the_option(capsys):
     assert main(["kv-plan", "--model", "deepseek-v4-flash", "--max-model-len", "131072",
                  "--kv-cache-dtype", "fp8"]) == 0

@@ -131,7 +131,7 @@ def quantize_kv_rows(rows: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     pad = fmt.num_scales * FP8_KV_GROUP - fmt.nope_dim
     groups = torch.nn.functional.pad(nope, (0, pad)).view(m, fmt.num_scales, FP8_KV_GROUP)
     exps = pow2_scale_bytes(groups.abs().amax(dim=2))  # [M, G]
-    codes = _e4m3_codes(groups, exps.unsqueeze(-1)).view(m, -1)[:, :fmt.nope_dim]
+    codes = _e4m3_codes(groups, exps.unsqueeze(-1)).reshape(m, fmt.num_scales * FP8_KV_GROUP)[:, :fmt.nope_dim]
     out[:, :fmt.nope_dim] = codes
     rope = x[:, fmt.nope_dim:].to(torch.bfloat16).contiguous().view(torch.uint8)
     out[:, fmt.rope_offset:fmt.scale_offset] = rope

@@ -83,6 +83,14 @@ def test_quantize_matches_an_independent_reference(head_dim, rope_dim):
     assert ((back[:, :nope] - x[:, :nope]).abs() <= torch.maximum(2**-4 * x[:, :nope].abs(), abs_bound)).all()
 
 
+def test_no_rows():
+    fmt = KVFormat(64, 16)
+    assert quantize_kv_rows(torch.zeros(0, 64), fmt).shape == (0, fmt.row_bytes)
+    assert dequantize_kv_rows(torch.zeros(0, fmt.row_bytes, dtype=torch.uint8), fmt).shape == (0, 64)
+    codes, scales = quantize_index_rows(torch.zeros(0, 32))
+    assert codes.shape == (0, 32) and scales.shape == (0,)
+
+
 def test_index_quantize_roundtrip():
     gen = torch.Generator().manual_seed(3)
     x = _rows(29, 128, gen)[:, :128] * 10.0 ** torch.empty(29, 1).uniform_(-3, 3, generator=gen)

@@ -135,3 +135,35 @@ def test_fp8_greedy_tokens_mostly_identical():
         llm.shutdown()
     same = sum(a == b for a, b in zip(tokens["bfloat16"], tokens["fp8"]))
     assert same >= 4, (same, tokens)
+
+
+def _tiny_prompts() -> list[dict]:
+    gen = torch.Generator().manual_seed(3)
+    return [{"prompt_token_ids": torch.randint(2, 512, (n,), generator=gen).tolist()} for n in (4, 23, 41)]
+
+
+@pytest.fixture(scope="module")
+def fp8_reference() -> list[list[int]]:
+    llm = LLM("tiny", device="cpu", dtype="float32", max_model_len=160, kv_cache_dtype="fp8")
+    out = [o.outputs[0].token_ids for o in llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False)]
+    llm.shutdown()
+    return out
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_fp8_speculation_and_graph_padding_keep_the_tokens(k, fp8_reference):
+    """Speculative verify steps re-run positions (the rows are quantized the same each time) and padded
+    graph-shaped steps write their padding rows into the dummy slot: neither changes an FP8 engine's tokens."""
+    kw = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
+    llm = LLM("tiny", device="cpu", dtype="float32", max_model_len=160, kv_cache_dtype="fp8", max_num_seqs=8,
+              cuda_graph_sizes=[2, 8], **kw)
+    llm.llm_engine.runner.pad_like_graphs = True
+    got = [o.outputs[0].token_ids for o in llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False)]
+    assert got == fp8_reference
+    if k:
+        assert llm.llm_engine.spec_metrics.num_verify_steps > 0
+    assert llm.llm_engine.all_cache_free()
+    llm.shutdown()

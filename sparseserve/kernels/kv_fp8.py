@@ -53,9 +53,10 @@ def store_kv_row(row_ptr, v, DIM, NOPE: tl.constexpr, SCALE_OFF: tl.constexpr,
 
 @triton.jit
 def load_kv_tile(kv_ptr, rows, valid, stride, offs_d, DIM, NOPE: tl.constexpr,
-                 SCALE_OFF: tl.constexpr):
-    """Gathered packed rows -> their values, fp32 [BN, BD] (0 where not valid or past DIM). rows: int64 [BN]
-    row ids, stride: the row stride in bytes."""
+                 SCALE_OFF: tl.constexpr, DTYPE: tl.constexpr):
+    """Gathered packed rows -> their values in DTYPE [BN, BD] (0 where not valid or past DIM), exact. rows:
+    int64 [BN] row ids, stride: the row stride in bytes. The product is taken per element in fp32 (the
+    interpreter's 16-bit arithmetic is wrong) and rounded to DTYPE, exactly."""
     base = kv_ptr + rows[:, None] * stride
     cols = offs_d[None, :]
     is_nope = valid[:, None] & (cols < NOPE)
@@ -63,7 +64,7 @@ def load_kv_tile(kv_ptr, rows, valid, stride, offs_d, DIM, NOPE: tl.constexpr,
     exps = tl.load(base + SCALE_OFF + cols // GROUP, mask=is_nope, other=127)
     rope = tl.load((base + NOPE).to(tl.pointer_type(tl.bfloat16)) + (cols - NOPE),
                    mask=valid[:, None] & (cols >= NOPE) & (cols < DIM), other=0.0)
-    return tl.where(cols < NOPE, codes.to(tl.float32) * e8m0_to_f32(exps), rope.to(tl.float32))
+    return tl.where(cols < NOPE, codes.to(tl.float32) * e8m0_to_f32(exps), rope.to(tl.float32)).to(DTYPE)
 
 
 @triton.jit

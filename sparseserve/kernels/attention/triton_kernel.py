@@ -114,8 +114,8 @@ def _sparse_mqa_fwd_kernel(
         valid = r >= 0
         # Holes (-1) are masked out of the gather, so they cost no memory traffic.
         if FP8:
-            k = load_kv_tile(kv_ptr, r.to(tl.int64), valid, stride_kv, offs_d, head_dim, NOPE,
-                             SCALE_OFF).to(q.dtype)
+            k = load_kv_tile(kv_ptr, r.to(tl.int64), valid, stride_kv, offs_d, head_dim, NOPE, SCALE_OFF,
+                             q_ptr.dtype.element_ty)
         else:
             k = tl.load(kv_ptr + r.to(tl.int64)[:, None] * stride_kv + offs_d[None, :],
                         mask=valid[:, None] & d_mask[None, :], other=0.0)

@@ -276,7 +276,10 @@ def sparse_mqa_attention_triton(
             NUM_SPLITS=splits, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SCAN=scan,
             BAND_PREPASS=band is not None, FP8=kv_format is not None,
             NOPE=kv_format.nope_dim if kv_format is not None else 0,
-            SCALE_OFF=kv_format.scale_offset if kv_format is not None else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device)
+            SCALE_OFF=kv_format.scale_offset if kv_format is not None else 0, num_warps=cfg.num_warps,
+            # FP8 tiles are three gathers (codes, rope, scales): pipelined in two stages they overflow the
+            # H200's shared memory at 16-head configs (246 KB, tools/kernel_resources.py --fp8).
+            num_stages=1 if kv_format is not None else cfg.num_stages, **pdl_args(q.device)
         )
     fuse_rope = inverse_rope is not None and splits > 1 and block_d == head_dim
     if splits > 1:

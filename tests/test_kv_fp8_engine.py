@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from sparseserve import LLM, SamplingParams
 from sparseserve.config import EngineConfig, ModelConfig
@@ -97,19 +98,17 @@ def demo_logits():
     model, _, _ = load_model(DEMO, torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     vocab = model.model_config.hf_config.vocab_size
-    prompts = LLM(DEMO, device="cpu", dtype="float32", max_model_len=256).get_tokenizer()(
+    prompts = AutoTokenizer.from_pretrained(DEMO)(
         ["A class definition is an executable statement. The first line", "def fib(n):\n    if n < 2:"])["input_ids"]
-    seqs = [p + torch.randint(0, vocab, (8,), generator=gen).tolist() for p in prompts]
+    n = min(len(p) for p in prompts) + 8
+    seqs = [(p + torch.randint(0, vocab, (8,), generator=gen).tolist())[:n] for p in prompts]
+    cut = n // 2
     out = {}
     for kv in ("auto", "bfloat16", "fp8"):
         driver = Driver(model, kv_cache_dtype=kv)
-        per = []
-        for slot, seq in enumerate(seqs):
-            cut = len(seq) // 2
-            logits = [driver.step([(slot, 0, seq[:cut])])[0]]
-            logits += [driver.step([(slot, i, [seq[i]])])[0] for i in range(cut, len(seq))]
-            per.append(torch.cat(logits))
-        out[kv] = torch.cat(per)
+        steps = [driver.step([(slot, 0, seq[:cut]) for slot, seq in enumerate(seqs)])]  # prefill, then decode
+        steps += [driver.step([(slot, i, [seq[i]]) for slot, seq in enumerate(seqs)]) for i in range(cut, n)]
+        out[kv] = torch.cat([logits for step in steps for logits in step])
     return out
 
 

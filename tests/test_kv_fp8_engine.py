@@ -166,3 +166,56 @@ def test_fp8_speculation_and_graph_padding_keep_the_tokens(k, fp8_reference):
         assert llm.llm_engine.spec_metrics.num_verify_steps > 0
     assert llm.llm_engine.all_cache_free()
     llm.shutdown()
+
+
+def test_fp8_engine_equals_fake_quantized_fp32_cache(monkeypatch):
+    """The FP8 state is wired at every write and read: the model with kv_cache_dtype="fp8" computes what the
+    fp32 model computes when each row it writes (fresh window rows, compressed entries, indexer keys) is replaced
+    by its quantized-then-dequantized value. A write site that skipped quantization, or a reader that skipped the
+    scales, would differ by O(1) (the fp32 cache without quantization differs by 2.8 here); both compute in fp32
+    from the same values, so they agree exactly."""
+    from oracle import make_pair, tiny_config
+
+    import sparseserve.model.layers.attention as attn_mod
+    from sparseserve.kernels.compressor import compress_windows_ref
+    from sparseserve.kernels.norm_rope import norm_rope_ref
+    from sparseserve.kv_format import dequantize_index_rows, dequantize_kv_rows, quantize_index_rows, quantize_kv_rows
+
+    cfg = tiny_config(index_topk=3, sliding_window=6)
+    _, model = make_pair(cfg, seed=7)
+    fmt = KVFormat(cfg.head_dim, cfg.qk_rope_head_dim)
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, cfg.vocab_size, (60,), generator=gen).tolist()
+
+    def run(kv: str) -> torch.Tensor:
+        driver = Driver(model, kv_cache_dtype=kv)
+        steps = [driver.step([(0, 0, ids[:40])])[0]] + [driver.step([(0, i, [ids[i]])])[0] for i in range(40, 60)]
+        return torch.cat(steps)
+
+    fp8 = run("fp8")
+
+    def fake_norm_rope(x, weight, eps, cos, sin, pool=None, pool_rows=None, kv_format=None):
+        y = norm_rope_ref(x, weight, eps, cos, sin)
+        if pool is None:
+            return y
+        y = dequantize_kv_rows(quantize_kv_rows(y, fmt), fmt, y.dtype)
+        pool.index_copy_(0, pool_rows, y)
+        return y
+
+    def fake_compress(state, src_rows, bias, overlap, norm_w, eps, cos, sin, out_pool, out_rows, kv_format=None,
+                      out_scale=None):
+        scratch = out_pool.clone()
+        compress_windows_ref(state, src_rows, bias, overlap, norm_w, eps, cos, sin, scratch, out_rows)
+        dest = out_rows[out_rows >= 0].long()
+        rows = scratch[dest]
+        if out_pool.shape[1] == cfg.head_dim:
+            rows = dequantize_kv_rows(quantize_kv_rows(rows, fmt), fmt)
+        else:
+            rows = dequantize_index_rows(*quantize_index_rows(rows))
+        out_pool.index_copy_(0, dest, rows.to(out_pool.dtype))
+
+    monkeypatch.setattr(attn_mod, "norm_rope", fake_norm_rope)
+    monkeypatch.setattr(attn_mod, "compress_windows", fake_compress)
+    fake = run("auto")
+    err = (fp8 - fake).abs().max().item()
+    assert err < 1e-5, err

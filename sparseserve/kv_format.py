@@ -82,13 +82,6 @@ class IndexFormat:
         return self.head_dim + 4
 
 
-def kv_cache_dtype_name(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
-    """The resolved storage: "fp8", or the 16/32-bit dtype's name ("auto" is the model's)."""
-    if kv_cache_dtype == "fp8":
-        return "fp8"
-    return "bfloat16" if kv_cache_dtype == "bfloat16" else str(model_dtype).removeprefix("torch.")
-
-
 def kv_row_bytes(head_dim: int, rope_dim: int, kv_cache_dtype: str, dtype_bytes: int) -> int:
     """Bytes of one KV row (window, staging or compressed entry) in that storage."""
     if kv_cache_dtype == "fp8":

@@ -71,7 +71,8 @@ def compress_windows_ref(
     kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
     pooled = (kv * torch.softmax(gate, dim=1)).sum(dim=1)
     quantized = kv_format is not None or out_scale is not None
-    entry = (norm_weight.float() * rms_norm_ref(pooled, None, norm_eps)).to(state.dtype if quantized else out_pool.dtype)
+    row_dtype = state.dtype if quantized else out_pool.dtype
+    entry = (norm_weight.float() * rms_norm_ref(pooled, None, norm_eps)).to(row_dtype)
     entry = apply_rope_ref(entry, cos, sin)
     keep = out_rows >= 0  # a mask index syncs on CUDA; this is the CPU path
     dest = out_rows[keep].long()

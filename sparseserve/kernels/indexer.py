@@ -202,7 +202,8 @@ def indexer_scores_triton(
         q.stride(0), q.stride(1), weights.stride(0), index_pool.stride(0), block_table.stride(0), out.stride(0),
         CHUNKS=chunks, TILES=cfg.tiles,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_E=cfg.block_e, FP8=index_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device)
+        BLOCK_E=cfg.block_e, FP8=index_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(q.device)
     )
     return out
 

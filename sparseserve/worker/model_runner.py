@@ -166,7 +166,8 @@ class ModelRunner:
             return 0
         length = min(self.max_num_batched_tokens, self.max_model_len)
         blocks = -(-length // self.block_size)
-        state = ModelState(self.model_config, self._layout(blocks), self.device, self.dtype, self.options.kv_cache_dtype)
+        kv = self.options.kv_cache_dtype
+        state = ModelState(self.model_config, self._layout(blocks), self.device, self.dtype, kv)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

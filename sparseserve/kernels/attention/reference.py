@@ -23,7 +23,8 @@ def sparse_mqa_attention_ref(
 ) -> torch.Tensor:
     """Plain-PyTorch reference (and CPU path).
 
-    q: [T, H, D]; kv_pool: [N, D] (kv_format: packed FP8 rows [N, row_bytes] uint8); rows: [T, L] int (-1 = unused); sinks: [H] (fp32).
+    q: [T, H, D]; kv_pool: [N, D] (kv_format: packed FP8 rows [N, row_bytes] uint8); rows: [T, L] int
+    (-1 = unused); sinks: [H] (fp32).
     Returns [T, H, D] in q's dtype. Computed in fp32, in chunks of tokens to bound memory.
     """
     num_tokens, num_heads, head_dim = q.shape

@@ -95,7 +95,7 @@ class LogitsPlan:
         self.sel = None if index == list(range(num_rows)) else to_device(index, device)
         self.num_grammar = len(groups[0]) + len(groups[1])
         self.pen_start, self.pen_end = len(groups[0]), len(groups[0]) + len(groups[1]) + len(groups[2])
-        self._shifts = None  # int32 [32] on the device, made at the first grammar row
+        self._bits = None  # int32 [32] on the device (bit i set in word i), made at the first grammar row
         self._one = torch.ones(1, dtype=torch.float32, device=device)
         self._static_masks()
         self._dynamic = []  # (row position, multi-token bad words, min_tokens' stop ids)
@@ -151,9 +151,11 @@ class LogitsPlan:
             blank = torch.zeros(vocab, dtype=torch.bool, device=device)
             self._prompt_seen = torch.stack([prompt_seen_mask(r, vocab, device) if r.params.repetition_penalty != 1.0
                                              else blank for r in pen])
-        # counts[n] holds the histogram of pen[n].output[:counted[n]] (tokens the host knows).
+        # counts[n] is the histogram of row n's first counted[n] output tokens; from_device[n] >= 0: the
+        # token at that position was counted from the device (pending) and the host did not hold it then.
         self._counts = torch.zeros(len(pen), vocab, dtype=torch.float32, device=device)
         self._counted = [0] * len(pen)
+        self._from_device = [-1] * len(pen)
         self._pending_key: list | None = None
         if previous is not None and previous._pen_rows and previous.vocab == vocab:
             old = {id(r.owner): j for j, r in enumerate(previous._pen_rows) if r.owner is not None}
@@ -164,6 +166,7 @@ class LogitsPlan:
                     new_pos.append(n)
                     old_pos.append(j)
                     self._counted[n] = previous._counted[j]
+                    self._from_device[n] = previous._from_device[j]
             if new_pos:
                 self._counts.index_copy_(0, to_device(new_pos, device),
                                          previous._counts.index_select(0, to_device(old_pos, device)))
@@ -191,11 +194,11 @@ class LogitsPlan:
         if self._bias is not None:
             sub.view(-1).index_put_((self._bias[0],), self._bias[1], accumulate=True)
         if self._pen_rows:
-            self._apply_penalties(sub, pending_tokens)
+            sub = self._apply_penalties(sub, pending_tokens)
         return sub if self.sel is None else logits.index_copy(0, self.sel, sub)
 
     def _apply_grammar(self, sub: torch.Tensor) -> None:
-        from ..structured_output.bitmask import disallowed_tokens, fill_bitmask_into, new_bitmask
+        from ..structured_output.bitmask import disallowed_tokens, fill_bitmask_into, new_bitmask, word_bits
 
         g = self.num_grammar
         rows = [(r.grammar, r.grammar_prefix) for r in self.rows[:g]]
@@ -207,42 +210,50 @@ class LogitsPlan:
             host = new_bitmask(g, self.vocab)
             fill_bitmask_into(rows, host)
             mask = to_device(host, self.device, torch.int32)
-        if self._shifts is None:
-            self._shifts = torch.arange(32, dtype=torch.int32, device=self.device)
-        sub[:g].masked_fill_(disallowed_tokens(mask, self.vocab, self._shifts), float("-inf"))
+        if self._bits is None:
+            self._bits = word_bits(self.device)
+        sub[:g].masked_fill_(disallowed_tokens(mask, self.vocab, self._bits), float("-inf"))
 
     def _step_counts(self, pending_tokens: torch.Tensor | None) -> torch.Tensor:
-        """The penalised rows' output-token counts [P, V] before their positions: the kept counts
-        brought up to date with the host's new tokens, plus a pending token on a copy."""
-        vocab, counts, counted = self.vocab, self._counts, self._counted
+        """The penalised rows' output-token counts [P, V] before their positions, brought up to date
+        with the tokens added since the last step: the host's new tokens by one scatter, a pending
+        token (async scheduling) by one scatter from the device tokens."""
+        vocab, counts, counted, from_device = self.vocab, self._counts, self._counted, self._from_device
         flat: list[int] = []
         pending = []
         for n, r in enumerate(self._pen_rows):
             out = r.output
             have = len(out)
-            if have != counted[n]:
-                if have < counted[n]:  # the row's tokens were replaced: count them again
+            d = from_device[n]
+            if d >= 0:
+                if d < have:
+                    from_device[n] = -1  # the token counted from the device is on the host now
+                else:  # it never reached the host (a failed step dropped it): count the row again
+                    counted[n] = have + 1
+            if counted[n] != have:
+                if counted[n] > have:  # tokens counted that the host does not hold: count the row again
                     counts[n].zero_()
                     counted[n] = 0
+                    from_device[n] = -1
                 base = n * vocab
                 flat += [base + t for t in out[counted[n]:]]
                 counted[n] = have
             if r.pending is not None:
                 pending.append((n, r.pending))
+                counted[n] = have + 1
+                from_device[n] = have
         if flat:
             counts.view(-1).index_put_((to_device(flat, self.device),), self._one.expand(len(flat)), accumulate=True)
-        if not pending:
-            return counts
-        if pending != self._pending_key:
-            self._pending_key = pending
-            self._pending_sel = to_device([s for _, s in pending], self.device)
-            self._pending_base = to_device([n * vocab for n, _ in pending], self.device)
-        step = counts.clone()
-        step.view(-1).index_put_((self._pending_base + pending_tokens.index_select(0, self._pending_sel),),
-                                 self._one.expand(len(pending)), accumulate=True)
-        return step
+        if pending:
+            if pending != self._pending_key:
+                self._pending_key = pending
+                self._pending_sel = to_device([s for _, s in pending], self.device)
+                self._pending_base = to_device([n * vocab for n, _ in pending], self.device)
+            counts.view(-1).index_put_((self._pending_base + pending_tokens.index_select(0, self._pending_sel),),
+                                       self._one.expand(len(pending)), accumulate=True)
+        return counts
 
-    def _apply_penalties(self, sub: torch.Tensor, pending_tokens: torch.Tensor | None) -> None:
+    def _apply_penalties(self, sub: torch.Tensor, pending_tokens: torch.Tensor | None) -> torch.Tensor:
         counts = self._step_counts(pending_tokens)
         a, b = self.pen_start, self.pen_end
         logits = sub[a:b]
@@ -255,7 +266,10 @@ class LogitsPlan:
             logits = logits - self._fp * counts
         if self._any_pres:
             logits = logits - self._pp * present.float()
+        if a == 0 and b == sub.shape[0]:
+            return logits
         sub[a:b] = logits
+        return sub
 
 
 def prompt_seen_mask(row: LogitsRow, vocab: int, device: torch.device) -> torch.Tensor:

@@ -52,10 +52,14 @@ def unpack_bitmask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.view(mask.shape[0], -1)[:, :vocab].bool()
 
 
-def disallowed_tokens(mask: torch.Tensor, vocab: int, shifts: torch.Tensor) -> torch.Tensor:
-    """bool [R, vocab] of the tokens an int32 bitmask [R, W] bans; `shifts`: arange(32), int32, on its device."""
-    bits = (mask.unsqueeze(-1) >> shifts) & 1
-    return bits.view(mask.shape[0], -1)[:, :vocab] == 0
+def word_bits(device: torch.device) -> torch.Tensor:
+    """int32 [32]: word i has only bit i set (bit 31 is the sign bit)."""
+    return torch.tensor([(1 << i) - (1 << 32 if i == 31 else 0) for i in range(32)], dtype=torch.int32, device=device)
+
+
+def disallowed_tokens(mask: torch.Tensor, vocab: int, bits: torch.Tensor) -> torch.Tensor:
+    """bool [R, vocab] of the tokens an int32 bitmask [R, W] bans; `bits`: `word_bits` on its device."""
+    return ((mask.unsqueeze(-1) & bits) == 0).view(mask.shape[0], -1)[:, :vocab]
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ from ..step_types import PENDING_TOKEN_ID, RunnerOutput, SampledToken, Scheduler
 from .cuda_graph import (BufferSpec, CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes,
                          logits_mode, pad_chunks, pick_bucket, set_positions)
 from ..sample.logits_processors import process_logits
-from .sampling_state import LogitsState
+from .sampling_state import LogitsState, SamplingTensorCache
 from .watchdog import StepWatchdog
 
 logger = logging.getLogger("sparseserve")
@@ -133,6 +133,7 @@ class ModelRunner:
         eos = model_config.hf_config.eos_token_id
         self.eos_token_id = eos if isinstance(eos, int) else None
         self.logits_state = LogitsState(self.eos_token_id)  # penalties, bans, biases, grammar masks
+        self.sampling_cache = SamplingTensorCache()
         # The forwards start-up runs before any request, with their wall time (kernel builds included).
         self.startup_steps: list[tuple[str, float]] = []
 
@@ -204,7 +205,7 @@ class ModelRunner:
         self.graphs, self.mtp_graphs, self._topk = {}, {}, {}
         self.state = self.speculator = self.mtp = self._last_sampled = self.last_streams = None
         self.model = self.capture_stream = None
-        self.logits_state = LogitsState(self.eos_token_id)
+        self.logits_state, self.sampling_cache = LogitsState(self.eos_token_id), SamplingTensorCache()
 
     @property
     def draft_probs(self) -> dict:
@@ -513,25 +514,11 @@ class ModelRunner:
         return self.mtp(batch, hidden[:rows], self.speculator.state, self.model)
 
     def sampling_tensors(self, reqs, counters: list[int] | None = None) -> SamplingTensors:
-        """`counters`: the index of the token each request samples (default: from its token counts)."""
-        def t(values, dtype):
-            return to_device(values, self.device, dtype)
-
-        params = [r.params for r in reqs]
-        return SamplingTensors(
-            temperature=t([p.temperature for p in params], torch.float32),
-            top_k=t([p.top_k for p in params], torch.int64),
-            top_p=t([p.top_p for p in params], torch.float32),
-            min_p=t([p.min_p for p in params], torch.float32),
-            seeds=t([r.sample_seed for r in reqs], torch.int64),
-            # index of the token being sampled: tokens still pending on the device count too
-            counters=t(counters if counters is not None
-                       else [len(r.output_token_ids) + r.num_pending_tokens for r in reqs], torch.int64),
-            any_top_k=any(p.top_k > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-            any_min_p=any(p.min_p > 0 for p in params),
-            all_greedy=all(p.greedy for p in params),
-        )
+        """`counters`: the index of the token each request samples (default: from its token counts,
+        tokens still pending on the device included). The other parameters are copied once per batch."""
+        if counters is None:
+            counters = [len(r.output_token_ids) + r.num_pending_tokens for r in reqs]
+        return self.sampling_cache.get(reqs, counters, self.device)
 
     def _process_logits(self, logits: torch.Tensor, reqs, last_rows: dict) -> torch.Tensor:
         """`logits` rows of `reqs` after their logits processing; a pending token (async scheduling)

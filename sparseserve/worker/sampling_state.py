@@ -1,4 +1,5 @@
-"""The runner's logits-processing state across steps (penalties, bans, biases, grammar masks).
+"""The runner's sampling state across steps: the logits processing (penalties, bans, biases,
+grammar masks) and the per-row sampling parameters, both rebuilt only when the batch changes.
 
 One `LogitsPlan` for the current batch composition (the list of sampled requests): built when the
 composition changes, carrying over the penalty counts of the requests that stay, and brought up
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from ..model.host_copy import to_device
 from ..sample.logits_processors import LogitsPlan, LogitsRow, build_prompt_mask
+from ..sample.sampler import SamplingTensors
 from ..structured_output.bitmask import BitmaskStaging
 
 
@@ -63,3 +66,29 @@ class LogitsState:
         if mask is None:
             mask = self.prompt_masks[req.request_id] = build_prompt_mask(req.prompt_token_ids, vocab, device)
         return mask
+
+
+class SamplingTensorCache:
+    """The sampling parameters of the last batch composition on the device (two copies when it
+    changes); each step copies only the counters (the index of the token each row samples)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, ...] | None = None
+        self._reqs: list = []  # kept so that the key's ids stay theirs
+        self._static: tuple | None = None
+
+    def get(self, reqs: list, counters: list[int], device: torch.device) -> SamplingTensors:
+        key = tuple(map(id, reqs))
+        if key != self._key or self._static[0].device != device:
+            params = [r.params for r in reqs]
+            floats = to_device([[p.temperature for p in params], [p.top_p for p in params],
+                                [p.min_p for p in params]], device, torch.float32)
+            ints = to_device([[p.top_k for p in params], [r.sample_seed for r in reqs]], device, torch.int64)
+            self._static = (floats[0], ints[0], floats[1], floats[2], ints[1],
+                            any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params),
+                            any(p.min_p > 0 for p in params), all(p.greedy for p in params))
+            self._key, self._reqs = key, list(reqs)
+        temperature, top_k, top_p, min_p, seeds, any_top_k, any_top_p, any_min_p, all_greedy = self._static
+        return SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
+                               counters=to_device(counters, device, torch.int64), any_top_k=any_top_k,
+                               any_top_p=any_top_p, any_min_p=any_min_p, all_greedy=all_greedy)

@@ -17,12 +17,13 @@ the sampling after it; the JSON shows what that costs.
 
 `--stub-model` measures the host's cost alone on the CPU: the tiny checkpoint (its tokenizer drives
 the grammars) with the model replaced by benchmarks/host_overhead.py's FixedLogitsModel, decode
-steps built as on CUDA (padded to a bucket). Every step's device work is then a few small CPU ops,
+steps built as on CUDA (padded to a bucket) and async scheduling on, as on CUDA. Every step's device work is then a few small CPU ops,
 so what is timed is the engine's Python, the torch dispatch of the sampling ops and the grammar
 work. On a shared CPU, compare medians of several runs (`--repeat`) and the profile's call counts."""
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import json
 import pstats
@@ -86,7 +87,40 @@ def host_profile(profile: cProfile.Profile, steps: int, top: int = 15) -> dict:
             "host_cumulative_us_per_step": dict(sorted(cumulative.items()))}
 
 
-def time_steps(llm: LLM, prompts, params, profile: cProfile.Profile | None = None) -> dict:
+class OpCounter:
+    """Counts the aten ops run (on a GPU each is a kernel launch or a copy) while enabled; `torch.tensor`
+    from host values shows as lift_fresh (a host -> device copy on a GPU)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self.counts = collections.Counter()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counts[func.__name__.split(".")[0]] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._new_mode = Mode
+        self._mode = None
+
+    def enable(self) -> None:
+        self._mode = self._new_mode()
+        self._mode.__enter__()
+
+    def disable(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+
+    def report(self, steps: int) -> dict:
+        steps = max(steps, 1)
+        ops = {k: v / steps for k, v in self.counts.most_common()}
+        return {"aten_ops_per_step": sum(ops.values()), "host_tensors_per_step": ops.get("lift_fresh", 0.0),
+                "aten_ops": ops}
+
+
+def time_steps(llm: LLM, prompts, params, profile: cProfile.Profile | OpCounter | None = None) -> dict:
     engine = llm.llm_engine
     for n, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{n}", p, sp)
@@ -111,7 +145,9 @@ def time_steps(llm: LLM, prompts, params, profile: cProfile.Profile | None = Non
     # thread_cpu_ms: the CPU time of this thread per step, which other processes on a shared CPU do not inflate.
     result = {"steps": len(times), "median_ms": 1e3 * statistics.median(times), "mean_ms": 1e3 * statistics.fmean(times),
               "thread_cpu_ms": 1e3 * statistics.median(cpu_times)}
-    if profile is not None:
+    if isinstance(profile, OpCounter):
+        result.update(profile.report(len(times) + 2))
+    elif profile is not None:
         result.update(host_profile(profile, len(times) + 2))
     return result
 
@@ -129,6 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true",
                     help="after the timed runs, run each workload again under cProfile and record where the host's "
                          "time per decode step goes (the timed figures are not profiled)")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="after the timed runs, count the torch ops per decode step of each workload (deterministic, "
+                         "unlike times on a shared CPU)")
     ap.add_argument("--stub-model", action="store_true",
                     help="CPU, the tiny model with its forward stubbed by fixed logits: the host's cost alone")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per workload (the median of their medians)")
@@ -146,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
         from sparseserve.model.loader import CONFIGS_DIR
 
         args.model, args.device, kwargs["dtype"] = str(CONFIGS_DIR / "tiny"), "cpu", "float32"
+        kwargs["async_scheduling"] = True  # as on CUDA: pending tokens, and deferred sampling for grammars
         torch.set_num_threads(1)  # the ops are tiny: intra-op threads only add wake-up waits on a shared CPU
     llm = LLM(args.model, device=args.device, max_model_len=args.prompt_len + args.steps + 8,
               max_num_seqs=max(args.batch, 1), **kwargs)
@@ -171,6 +211,11 @@ def main(argv: list[str] | None = None) -> dict:
             prompts, params = workload(args.batch, args.prompt_len, args.steps, vocab, features)
             profiled = time_steps(llm, prompts, params, cProfile.Profile())
             results[name].update({k: v for k, v in profiled.items() if k.startswith("host_")})
+    if args.count_ops:
+        for name, features in FEATURES.items():
+            prompts, params = workload(args.batch, args.prompt_len, args.steps, vocab, features)
+            counted = time_steps(llm, prompts, params, OpCounter())
+            results[name].update({k: v for k, v in counted.items() if "ops" in k or "host_tensors" in k})
     base, other = results["none"]["median_ms"], results["quarter_penalties_and_json"]["median_ms"]
     report = {"device": torch.cuda.get_device_name() if llm.llm_engine.device.type == "cuda" else "cpu",
               "model": args.model or "demo", "stub_model": args.stub_model, "batch": args.batch, "prompt_len": args.prompt_len,

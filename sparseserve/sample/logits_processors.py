@@ -11,8 +11,9 @@ A `LogitsPlan` prepares the processing of a fixed list of rows once: the rows' o
 rows first, then the penalised rows, so both are slices), the static masks (allowed_token_ids,
 one-token bad words), the biases and the penalty factors on the device, and the penalised rows'
 output-token counts, kept on the device and brought up to date each step by one scatter of the
-tokens the host has added since (a token still pending on the device, under async scheduling,
-is added to a copy for the step only). The runner keeps one plan per batch composition
+tokens the host has added since, or, under async scheduling, of the pending token read from the
+device tokens (the host holds it by the next step; a row whose counted tokens the host does not
+hold, as after a failed step, is counted again). The runner keeps one plan per batch composition
 (sparseserve/worker/sampling_state.py); a list of rows gets a plan for the one call.
 """
 from __future__ import annotations
@@ -151,11 +152,10 @@ class LogitsPlan:
             blank = torch.zeros(vocab, dtype=torch.bool, device=device)
             self._prompt_seen = torch.stack([prompt_seen_mask(r, vocab, device) if r.params.repetition_penalty != 1.0
                                              else blank for r in pen])
-        # counts[n] is the histogram of row n's first counted[n] output tokens; from_device[n] >= 0: the
-        # token at that position was counted from the device (pending) and the host did not hold it then.
+        # counts[n] is the histogram of row n's first counted[n] output tokens (the last one may be a
+        # pending token counted from the device: the host holds it by the next step).
         self._counts = torch.zeros(len(pen), vocab, dtype=torch.float32, device=device)
         self._counted = [0] * len(pen)
-        self._from_device = [-1] * len(pen)
         self._pending_key: list | None = None
         if previous is not None and previous._pen_rows and previous.vocab == vocab:
             old = {id(r.owner): j for j, r in enumerate(previous._pen_rows) if r.owner is not None}
@@ -166,7 +166,6 @@ class LogitsPlan:
                     new_pos.append(n)
                     old_pos.append(j)
                     self._counted[n] = previous._counted[j]
-                    self._from_device[n] = previous._from_device[j]
             if new_pos:
                 self._counts.index_copy_(0, to_device(new_pos, device),
                                          previous._counts.index_select(0, to_device(old_pos, device)))
@@ -218,30 +217,24 @@ class LogitsPlan:
         """The penalised rows' output-token counts [P, V] before their positions, brought up to date
         with the tokens added since the last step: the host's new tokens by one scatter, a pending
         token (async scheduling) by one scatter from the device tokens."""
-        vocab, counts, counted, from_device = self.vocab, self._counts, self._counted, self._from_device
+        vocab, counts, counted = self.vocab, self._counts, self._counted
         flat: list[int] = []
         pending = []
         for n, r in enumerate(self._pen_rows):
             out = r.output
             have = len(out)
-            d = from_device[n]
-            if d >= 0:
-                if d < have:
-                    from_device[n] = -1  # the token counted from the device is on the host now
-                else:  # it never reached the host (a failed step dropped it): count the row again
-                    counted[n] = have + 1
             if counted[n] != have:
-                if counted[n] > have:  # tokens counted that the host does not hold: count the row again
+                # More tokens counted than the host holds (a failed step dropped the pending token
+                # counted last step, or the row's tokens were replaced): count the row again.
+                if counted[n] > have:
                     counts[n].zero_()
                     counted[n] = 0
-                    from_device[n] = -1
                 base = n * vocab
                 flat += [base + t for t in out[counted[n]:]]
                 counted[n] = have
             if r.pending is not None:
                 pending.append((n, r.pending))
-                counted[n] = have + 1
-                from_device[n] = have
+                counted[n] = have + 1  # the host holds it by the next step (or the row is counted again)
         if flat:
             counts.view(-1).index_put_((to_device(flat, self.device),), self._one.expand(len(flat)), accumulate=True)
         if pending:
@@ -264,8 +257,8 @@ class LogitsPlan:
             logits = torch.where(seen, penalised, logits)
         if self._any_freq:
             logits = logits - self._fp * counts
-        if self._any_pres:
-            logits = logits - self._pp * present.float()
+        if self._any_pres:  # x - pp where present, x elsewhere: x - pp * present, bit for bit, in two ops
+            logits = torch.where(present, logits - self._pp, logits)
         if a == 0 and b == sub.shape[0]:
             return logits
         sub[a:b] = logits

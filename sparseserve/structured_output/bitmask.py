@@ -15,9 +15,10 @@ def fill_bitmask_into(rows: list[tuple[object | None, list[int]]], mask: torch.T
     """Write row i of the host bitmask `mask` from rows[i] = (GrammarState, draft prefix); a state of
     None allows every token. Rows without a prefix whose grammar goes on are filled in one batch."""
     batch: list[tuple[object, int]] = []
+    words = mask.numpy()  # the same memory: a row write without a tensor op
     for i, (state, prefix) in enumerate(rows):
         if state is None or (not prefix and state.terminated):
-            mask[i] = -1
+            words[i] = -1
         elif prefix:
             state.fill(mask, i, prefix)
         else:

@@ -226,3 +226,16 @@ def test_sampling_parameters_are_copied_once_per_composition():
     assert again.temperature is st.temperature and again.counters.tolist() == [5, 6, 7]
     other = cache.get(reqs[:1], [9], cpu)
     assert other.temperature.tolist() == [0.0] and other.all_greedy and not other.any_top_k
+    cache.forget("r0")  # the cached composition's request finished: nothing of it is kept
+    assert cache.get(reqs[1:], [1, 2], cpu).temperature.tolist() == [0.5, 1.0]
+
+
+def test_forgetting_every_request_frees_the_plan():
+    gen = torch.Generator().manual_seed(4)
+    state = LogitsState(EOS)
+    reqs = make_requests(gen, 5)
+    check_step(state, reqs, gen)
+    for r in reqs:
+        state.forget(r.request_id)
+    assert state._plan is None and not state.prompt_masks
+    check_step(state, reqs, gen)

@@ -87,7 +87,8 @@ class BitmaskStaging:
         k = self._turn
         buf = self._host[k]
         if buf is None or buf.shape[0] < rows or buf.shape[1] != words:
-            buf = self._host[k] = torch.empty((max(rows, 8), words), dtype=torch.int32,
+            grown = 2 * buf.shape[0] if buf is not None and buf.shape[1] == words else 8
+            buf = self._host[k] = torch.empty((max(rows, grown), words), dtype=torch.int32,
                                               pin_memory=device.type == "cuda")
             self._events[k] = None
         if self._events[k] is not None:

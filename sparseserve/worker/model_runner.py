@@ -219,6 +219,7 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         """Drop per-request state (the request finished, was aborted or preempted)."""
         self.logits_state.forget(request_id)
+        self.sampling_cache.forget(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
 

@@ -35,6 +35,8 @@ class LogitsState:
             if row.owner is not None and row.owner.request_id == request_id:
                 row.owner = None  # nothing of it is carried into the next plan
                 self._key = None
+        if all(row.owner is None for row in self._plan.rows):  # nothing left to carry: free its tensors
+            self._plan, self._key, self._reqs = None, None, []
 
     def plan(self, reqs: list, last_rows: dict, vocab: int, device: torch.device) -> LogitsPlan:
         """The plan for the logits rows of `reqs` (in order), up to date for this step; `last_rows`:
@@ -77,9 +79,14 @@ class SamplingTensorCache:
         self._reqs: list = []  # kept so that the key's ids stay theirs
         self._static: tuple | None = None
 
+    def forget(self, request_id: str) -> None:
+        """Drop the cached composition if the request is in it (it finished or left the batch)."""
+        if any(r.request_id == request_id for r in self._reqs):
+            self._key, self._reqs, self._static = None, [], None
+
     def get(self, reqs: list, counters: list[int], device: torch.device) -> SamplingTensors:
         key = tuple(map(id, reqs))
-        if key != self._key or self._static[0].device != device:
+        if key != self._key or self._static is None or self._static[0].device != device:
             params = [r.params for r in reqs]
             floats = to_device([[p.temperature for p in params], [p.top_p for p in params],
                                 [p.min_p for p in params]], device, torch.float32)

@@ -17,9 +17,10 @@ the sampling after it; the JSON shows what that costs.
 
 `--stub-model` measures the host's cost alone on the CPU: the tiny checkpoint (its tokenizer drives
 the grammars) with the model replaced by benchmarks/host_overhead.py's FixedLogitsModel, decode
-steps built as on CUDA (padded to a bucket) and async scheduling on, as on CUDA. Every step's device work is then a few small CPU ops,
-so what is timed is the engine's Python, the torch dispatch of the sampling ops and the grammar
-work. On a shared CPU, compare medians of several runs (`--repeat`) and the profile's call counts."""
+steps built as on CUDA (padded to a bucket) and async scheduling on, as on CUDA. Every step's
+device work is then a few small CPU ops, so what is timed is the engine's Python, the torch
+dispatch of the sampling ops and the grammar work. On a shared CPU, compare medians of several
+runs (`--repeat`), the thread CPU time, the profile's call counts and `--count-ops`."""
 from __future__ import annotations
 
 import argparse
@@ -143,7 +144,8 @@ def time_steps(llm: LLM, prompts, params, profile: cProfile.Profile | OpCounter 
             cpu_times.append(cpu)
     times, cpu_times = times[2:] or times, cpu_times[2:] or cpu_times  # the first decode steps may build kernels
     # thread_cpu_ms: the CPU time of this thread per step, which other processes on a shared CPU do not inflate.
-    result = {"steps": len(times), "median_ms": 1e3 * statistics.median(times), "mean_ms": 1e3 * statistics.fmean(times),
+    result = {"steps": len(times), "median_ms": 1e3 * statistics.median(times),
+              "mean_ms": 1e3 * statistics.fmean(times),
               "thread_cpu_ms": 1e3 * statistics.median(cpu_times)}
     if isinstance(profile, OpCounter):
         result.update(profile.report(len(times) + 2))
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--stub-model", action="store_true",
                     help="CPU, the tiny model with its forward stubbed by fixed logits: the host's cost alone")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per workload (the median of their medians)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sampling_overhead.json"))
+    ap.add_argument("--out", default=None, help="the report's path (default: benchmarks/results/"
+                    "sampling_overhead.json, or sampling_overhead_cpu_stub.json with --stub-model)")
     args = ap.parse_args(argv)
     kwargs = {"load_format": args.load_format}
     if args.tokenizer:
@@ -218,11 +221,13 @@ def main(argv: list[str] | None = None) -> dict:
             results[name].update({k: v for k, v in counted.items() if "ops" in k or "host_tensors" in k})
     base, other = results["none"]["median_ms"], results["quarter_penalties_and_json"]["median_ms"]
     report = {"device": torch.cuda.get_device_name() if llm.llm_engine.device.type == "cuda" else "cpu",
-              "model": args.model or "demo", "stub_model": args.stub_model, "batch": args.batch, "prompt_len": args.prompt_len,
+              "model": args.model or "demo", "stub_model": args.stub_model, "batch": args.batch,
+              "prompt_len": args.prompt_len,
               "decode_steps": args.steps, "async_scheduling": llm.llm_engine.async_scheduling,
               "results": results, "slowdown": other / base - 1.0,
               "slowdown_by_feature": {k: v["median_ms"] / base - 1.0 for k, v in results.items() if k != "none"}}
-    out = Path(args.out)
+    out = Path(args.out or ROOT / "benchmarks" / "results" /
+               ("sampling_overhead_cpu_stub.json" if args.stub_model else "sampling_overhead.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

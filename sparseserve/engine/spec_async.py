@@ -33,9 +33,31 @@ def advance(engine, launched, result: RunnerOutput) -> None:
             req.num_computed_tokens += accepted  # rejected drafts' positions are re-run (position-addressed)
             if chunk.num_draft:
                 engine.spec_metrics.record(chunk.num_draft, accepted)
-        req.output_token_ids.extend(t.token_id for t in result.sampled.get(rid, ()))
+        emitted = [t.token_id for t in result.sampled.get(rid, ())]
+        req.output_token_ids.extend(emitted)
         req.draft_token_ids = result.drafts.get(rid, []) if not plain else []
+        if emitted and req in engine.scheduler.running and surely_finishes(engine, req, len(emitted)):
+            # `_apply` finishes it: its seat and blocks are given back before the next schedule,
+            # as a synchronous engine would, so admissions and preemptions (and with them a
+            # sampled request's drafts) follow the same steps.
+            engine.scheduler.running.remove(req)
+            engine.kv.free(req)
     engine._advanced_step = launched
+
+
+def surely_finishes(engine, req, num_new: int) -> bool:
+    """True when `_apply` will finish the request whose last `num_new` outputs were just appended:
+    a length limit, eos or a stop token id. A stop string is found by `_apply` only."""
+    if req.reaches_length_limit(engine.max_model_len):
+        return True
+    params, outputs = req.params, req.output_token_ids
+    eos = None if params.ignore_eos else engine.eos_token_id
+    stops = params.stop_token_ids or ()
+    for index in range(max(len(outputs) - num_new, params.min_tokens - 1), len(outputs)):
+        token = outputs[index]
+        if token == eos or token in stops:
+            return True
+    return False
 
 
 def step(engine) -> list:

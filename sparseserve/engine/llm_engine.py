@@ -17,7 +17,7 @@ import torch
 
 from ..config import CacheConfig, EngineConfig, ModelConfig
 from ..config_checks import check_memory, check_model_limits, check_parallel_layout
-from ..errors import CheckpointError, ConfigError, EngineClosedError, InvalidRequestError, RequestTooLargeError
+from ..errors import ConfigError, EngineClosedError, InvalidRequestError, RequestTooLargeError
 from ..model.fit_check import available_memory_bytes, check_weights_fit
 from ..model.loader import load_hf_config, load_model, resolve_model_dir
 from ..model.meta_model import weight_plan
@@ -37,6 +37,7 @@ from .kv_cache import KVCacheManager, KVPlan, plan_kv
 from .request import Request
 from .sampling_checks import needs_host_state, prepare_logits_fields
 from .scheduler import Scheduler
+from .tokenizer_loading import load_tokenizer
 
 logger = logging.getLogger("sparseserve")
 
@@ -45,25 +46,6 @@ STARTUP_TIMEOUT_S = 1800.0  # workers' rendezvous and loading (a release checkpo
 
 
 __all__ = ["LLMEngine", "InvalidRequestError"]
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def load_tokenizer(path: Path, explicit: bool = False):
-    """The tokenizer at `path`. A checkpoint without tokenizer files runs on token ids (logged); an
-    explicit `tokenizer=` that does not load, or tokenizer files that do not load, are errors."""
-    from transformers import AutoTokenizer
-
-    has_files = path.is_dir() and any((path / f).is_file() for f in TOKENIZER_FILES)
-    if not explicit and not has_files:
-        logger.info("no tokenizer files in %s; prompts must be token ids", path)
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad tokenizer
-        what = f"tokenizer={str(path)!r}" if explicit else f"the tokenizer files in {path}"
-        raise CheckpointError(f"{what} could not be loaded ({type(exc).__name__}: {exc}); give a directory with a "
-                              "valid tokenizer.json, or skip_tokenizer_init=True and token-id prompts") from exc
 
 
 class LLMEngine:
@@ -203,7 +185,7 @@ class LLMEngine:
                                     "its model is freed; create a new LLM to run more requests")
 
     def _finish_init(self) -> None:
-        config, spec_k, hf = self.config, self.config.num_speculative_tokens, self.model_config.hf_config
+        config, hf = self.config, self.model_config.hf_config
         # Async scheduling: launch step n + 1 before reading step n back (on by default on CUDA).
         # With speculation, step n + 1 is scheduled once n is read back and n's bookkeeping overlaps
         # n + 1 on the device (engine/spec_async.py).

@@ -61,6 +61,7 @@ class LaunchedStep:
     prompt_logprobs: list = field(default_factory=list)  # (request, start, host tensors)
     done: torch.cuda.Event | None = None  # recorded after the copies
     pending_sampling: tuple | None = None  # (rows, last_rows, all_greedy, any_logprobs, any_processing) until sampled
+    spec_launched: object | None = None  # a fused greedy verify + draft queued at launch (spec_step.FusedGreedy)
 
 
 @dataclass
@@ -368,6 +369,8 @@ class ModelRunner:
         # The index of each token being sampled, fixed now: the engine counts it as pending after launch.
         counters = None if all_greedy else [len(r.output_token_ids) + r.num_pending_tokens for r in sample_reqs]
         step.pending_sampling = (rows, {} if defer_sampling else last_rows, counters, any_logprobs, any_processing)
+        if self.speculator is not None and verify:  # queued before the step's event is recorded
+            step.spec_launched = self.speculator.launch_step(self, sched, chunks, logits, verify)
         if not defer_sampling:
             self.launch_sampling(step)
         return step
@@ -413,7 +416,8 @@ class ModelRunner:
                 for req, st in zip(step.sample_reqs, self._records(step.sample_reqs, tokens, lp)):
                     out.sampled[req.request_id] = [st]
         if self.speculator is not None:
-            self.speculator.finish_step(self, step.sched, step.chunks, step.logits, step.verify, out)
+            self.speculator.finish_step(self, step.sched, step.chunks, step.logits, step.verify, out,
+                                        step.spec_launched)
         return out
 
     def _pending_fix(self, dst: list[int], src: list[int]) -> Callable[[torch.Tensor], None] | None:

@@ -158,7 +158,7 @@ class EngineConfig:
     cuda_graph_sizes: list[int] | None = None
     cudagraph_audit: bool = False
     step_timeout_s: float = 60.0
-    # Launch each step before the previous one is read back (None: on for CUDA).
+    # Launch each step before the previous one is read back (None: on for CUDA without speculation).
     async_scheduling: bool | None = None
     # Where a step's independent work runs: "auto" (a second stream inside captured graphs, one
     # stream with speculation), "graphs", "always" (eager steps too) or "never" (one stream).

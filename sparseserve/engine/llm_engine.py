@@ -188,10 +188,10 @@ class LLMEngine:
     def _finish_init(self) -> None:
         config, hf = self.config, self.model_config.hf_config
         # Async scheduling: launch step n + 1 before reading step n back (on by default on CUDA).
-        # With speculation, step n + 1 is scheduled once n is read back and n's bookkeeping overlaps
-        # n + 1 on the device (engine/spec_async.py).
+        # With speculation (opt-in, async_scheduling=True, until checked on a GPU), step n + 1 is
+        # scheduled once n is read back and n's bookkeeping overlaps n + 1 (engine/spec_async.py).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.device.type == "cuda")
+                                 else self.device.type == "cuda" and not config.num_speculative_tokens)
         self._in_flight: LaunchedStep | None = None
         self._advanced_step: LaunchedStep | None = None  # see spec_async.advance
         num_blocks, cache_bytes = self._size_cache()

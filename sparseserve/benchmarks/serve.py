@@ -164,16 +164,19 @@ async def run_async(args) -> dict:
             bar.update(1)
             return result
 
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         tasks = []
         for prompt, max_tokens in workload:
             tasks.append(asyncio.create_task(task(prompt, max_tokens)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(float(rng.exponential(1.0 / args.request_rate)))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        duration, client_cpu = time.perf_counter() - start, time.process_time() - cpu_start
         bar.close()
     summary = summarize(list(results), duration, percentiles)
+    # The load generator's own CPU time: near duration_s means the client, not the server, set the pace.
+    summary["client_cpu_s"] = client_cpu
+    summary["client_cpu_us_per_output_token"] = 1e6 * client_cpu / max(summary["total_output_tokens"], 1)
     summary["config"] = {k: (v if v != float("inf") else "inf") for k, v in vars(args).items()
                          if isinstance(v, (int, float, str, bool, type(None)))}
     summary["requests"] = [asdict(r) | {"itl": None} for r in results]
@@ -189,7 +192,8 @@ def report_lines(s: dict) -> list[str]:
              f"Total generated tokens:                  {s['total_output_tokens']}",
              f"Request throughput (req/s):              {s['request_throughput']:.2f}",
              f"Output token throughput (tok/s):         {s['output_throughput']:.2f}",
-             f"Total token throughput (tok/s):          {s['total_token_throughput']:.2f}"]
+             f"Total token throughput (tok/s):          {s['total_token_throughput']:.2f}",
+             f"Client CPU per output token (us):        {s.get('client_cpu_us_per_output_token', 0.0):.1f}"]
     for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
                        ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
         lines.append(f"{title:-^50}")

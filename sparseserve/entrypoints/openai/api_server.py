@@ -10,7 +10,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from ... import __version__
@@ -36,6 +36,24 @@ class ServerConfig:
     log_level: str = "info"
 
 
+class APIKeyMiddleware:
+    """Every /v1 route needs `Authorization: Bearer KEY`. Plain ASGI: Starlette's `BaseHTTPMiddleware`
+    (`@app.middleware`) would pass each streamed chunk through an extra task and memory stream."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            given = header[7:] if header[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(given, self.key):
+                response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="sparseserve", version=__version__)
     metrics = ServerMetrics(engine, served_model_names[0])
@@ -43,14 +61,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     app.state.ctx = ctx
     install_handlers(app)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            given = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), api_key.encode()):
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):

@@ -570,10 +570,10 @@ class LLMEngine:
                 req.num_emitted_tokens, req.num_emitted_chars = len(req.output_token_ids), len(full_text)
                 if req.is_finished:
                     req.num_emitted_tokens = -1  # its final delta is out
-            completions.append(CompletionOutput(
-                index=index, text=out_text, token_ids=list(tokens),
+            completions.append(CompletionOutput(  # a DELTA's slices are new lists already
+                index=index, text=out_text, token_ids=tokens if delta else list(tokens),
                 cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-                logprobs=list(logprobs) if logprobs is not None and not final else logprobs,
+                logprobs=list(logprobs) if logprobs is not None and not final and not delta else logprobs,
                 finish_reason=req.finish_reason, stop_reason=req.stop_reason))
         return RequestOutput(request_id=group_id, prompt=text, prompt_token_ids=ids, outputs=completions,
                              finished=final, prompt_logprobs=children[0].prompt_logprobs,

@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
               "offline": {"num_prompts": args.offline_prompts, "output_tok_s": offline_tps},
               "by_concurrency": results, "wall_s": time.perf_counter() - started,
               "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-              "command": " ".join(["python -m benchmarks.serve_overhead", *(argv if argv is not None else sys.argv[1:])])}
+              "command": " ".join(["python -m benchmarks.serve_overhead",
+                                   *(argv if argv is not None else sys.argv[1:])])}
     write_result(out_path, report)
     print(json.dumps({k: v for k, v in report.items() if k != "engine_args"}, indent=1))
     print(f"wrote {out_path}")

@@ -12,8 +12,8 @@ from .errors import APIError
 from .metrics import RequestTimer
 from .protocol import CompletionRequest, now, random_id
 from .sampling import to_sampling_params
-from .serving_base import (ChunkEncoder, ServerContext, completion_logprobs, merge_streams, record, run_final, sse, sse_error,
-                           usage)
+from .serving_base import (ChunkEncoder, ServerContext, completion_logprobs, merge_streams, record, run_final, sse,
+                           sse_error, usage)
 
 
 def _prompts(prompt) -> list:

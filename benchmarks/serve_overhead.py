@@ -3,6 +3,7 @@ free port with `sparseserve bench serve` against it at concurrencies 1, 8, 64 an
 
     python -m benchmarks.serve_overhead --tokenizer DIR          # v4-flash-2l16e, dummy weights, the GPU
     python -m benchmarks.serve_overhead --smoke                  # CPU, the tiny model, seconds (CI)
+    python -m benchmarks.serve_overhead --stub-model             # CPU: the host's cost alone (serve_stub.py)
 
 Each phase runs in its own process: the offline benchmark (its engine freed when it exits), the
 server, and the load generator (this process: it loads no model). The workload is the seed
@@ -57,8 +58,16 @@ def engine_flags(args) -> list[str]:
     return flags + shlex.split(args.engine_args)
 
 
+STUB = [sys.executable, "-m", "benchmarks.serve_stub"]
+
+
 def run_offline(args, flags: list[str], work: Path) -> dict:
     out = work / "offline.json"
+    if args.stub_model:
+        cmd = STUB + ["offline", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                      "--num-prompts", str(args.offline_prompts), "--out", str(out)]
+        subprocess.run(cmd, check=True, cwd=ROOT, timeout=args.phase_timeout_s, stdout=sys.stderr)
+        return json.loads(out.read_text())
     cmd = CLI + ["bench", "throughput", *flags, "--input-len", str(args.input_len), "--output-len",
                  str(args.output_len), "--num-prompts", str(args.offline_prompts), "--num-warmup-prompts",
                  str(args.warmup_prompts), "--output-json", str(out)]
@@ -80,8 +89,9 @@ def running_server(args, flags: list[str], log_path: Path):
     """`sparseserve serve` on a free localhost port: yields (base_url, process); stopped on exit."""
     port = free_port()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(CLI + ["serve", *flags, "--port", str(port), "--uvicorn-log-level", "warning"],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        cmd = (STUB + ["serve", "--port", str(port)] if args.stub_model else
+               CLI + ["serve", *flags, "--port", str(port), "--uvicorn-log-level", "warning"])
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + args.phase_timeout_s
@@ -149,6 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--phase-timeout-s", type=float, default=600.0,
                     help="the longest a phase (offline run, server start, one bench run) may take")
     ap.add_argument("--smoke", action="store_true", help="CPU, the tiny model, short prompts: seconds")
+    ap.add_argument("--stub-model", action="store_true",
+                    help="CPU, the tiny model with its forward stubbed (benchmarks/serve_stub.py), 32 in / 64 out: "
+                         "the host's cost per token alone; compare the CPU per token figures")
     ap.add_argument("--out", default=None, help="the report's path (default: benchmarks/results/serve_overhead.json; "
                                                "with --smoke a file in the temporary directory)")
     args = ap.parse_args(argv)
@@ -161,7 +174,13 @@ def main(argv: list[str] | None = None) -> dict:
         args.input_len, args.output_len, args.offline_prompts, args.warmup_prompts = 16, 8, 8, 2
         args.phase_timeout_s = min(args.phase_timeout_s, 120.0)
         runs = SMOKE_RUNS
+    elif args.stub_model:
+        from sparseserve.model.loader import CONFIGS_DIR
+
+        args.model, args.load_format, args.tokenizer, args.engine_args = str(CONFIGS_DIR / "tiny"), "auto", None, ""
+        args.input_len, args.output_len = 32, 64
     out_path = args.out or (os.path.join(tempfile.gettempdir(), "serve_overhead_smoke.json") if args.smoke
+                            else result_file("serve_overhead_cpu_stub") if args.stub_model
                             else result_file("serve_overhead"))
     from sparseserve.benchmarks.throughput import vocab_size_of
 
@@ -184,7 +203,9 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"benchmark": "serve_overhead", "model": args.model, "load_format": args.load_format,
               "tokenizer": args.tokenizer, "engine_args": flags, "device": offline.get("device"),
               "input_len": args.input_len, "output_len": args.output_len, "smoke": args.smoke,
-              "offline": {"num_prompts": args.offline_prompts, "output_tok_s": offline_tps},
+              "stub_model": args.stub_model,
+              "offline": {"num_prompts": args.offline_prompts, "output_tok_s": offline_tps,
+                          "cpu_us_per_output_token": offline.get("cpu_us_per_output_token")},
               "by_concurrency": results, "wall_s": time.perf_counter() - started,
               "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
               "command": " ".join(["python -m benchmarks.serve_overhead",

@@ -8,12 +8,14 @@ Poisson process at `--request-rate` (inf: all at once), at most `--max-concurren
 Per request: TTFT (send to first token), ITL (gaps between streamed chunks), TPOT ((latency - TTFT) /
 (output tokens - 1)) and E2E latency; the summary gives throughput and mean/median/p99 (and
 `--percentiles`) of each, printed and, with `--save-result`, written as JSON (default
-benchmarks/results/serve.json).
+benchmarks/results/serve.json). The client's own CPU time per output token is reported too: it
+shows whether the load generator, one process for every stream, set the pace (`sse_client.py`).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import time
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..logger import progress_bar
+from .sse_client import Endpoint, HTTPStatusError, stream_events
 
 
 @dataclass
@@ -75,7 +78,7 @@ def make_workload(args) -> list[tuple[list[int], int]]:
     return [([rng.randrange(2, vocab) for _ in range(i)], o) for i, o in zip(ins, outs)]
 
 
-async def _one(client, url: str, model: str | None, prompt: list[int], max_tokens: int, headers: dict,
+async def _one(endpoint: Endpoint, model: str | None, prompt: list[int], max_tokens: int, headers: dict,
                timeout_s: float) -> RequestResult:
     result = RequestResult(prompt_len=len(prompt))
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
@@ -85,33 +88,28 @@ async def _one(client, url: str, model: str | None, prompt: list[int], max_token
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as resp:
-            if resp.status_code != 200:
-                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
-                return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
-                    return result
-                if chunk.get("usage"):
-                    result.output_len = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if result.ttft == 0.0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
+        async with asyncio.timeout(timeout_s):
+            async for events in stream_events(endpoint, body, headers):
+                now = time.perf_counter()  # the events of one read arrived together
+                for data in events:
+                    if data == b"[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        result.error = chunk["error"]["message"]
+                        return result
+                    if chunk.get("usage"):
+                        result.output_len = chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        if result.ttft == 0.0:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
         result.latency = time.perf_counter() - start
         result.success = True
     except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
-        result.error = f"{exc.__class__.__name__}: {exc}"
+        result.error = str(exc) if isinstance(exc, HTTPStatusError) else f"{exc.__class__.__name__}: {exc}"
     return result
 
 
@@ -142,38 +140,37 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[f
 
 
 async def run_async(args) -> dict:
-    import httpx
-
     base = args.base_url or f"http://{args.host}:{args.port}"
+    endpoint = Endpoint.from_url(base, args.endpoint)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     percentiles = [float(p) for p in str(args.percentiles).split(",") if p.strip()]
     workload = make_workload(args)
     rng = np.random.default_rng(args.seed)
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    async with httpx.AsyncClient(base_url=base, timeout=args.timeout_s,
-                                 limits=httpx.Limits(max_connections=args.max_concurrency or 1000)) as client:
-        bar = progress_bar(total=len(workload), enabled=not getattr(args, "disable_tqdm", False), desc="Requests")
+    bar = progress_bar(total=len(workload), enabled=not getattr(args, "disable_tqdm", False), desc="Requests")
 
-        async def task(prompt, max_tokens):
-            if limit is None:
-                result = await _one(client, args.endpoint, args.model, prompt, max_tokens, headers, args.timeout_s)
-            else:
-                async with limit:
-                    result = await _one(client, args.endpoint, args.model, prompt, max_tokens, headers,
-                                        args.timeout_s)
-            bar.update(1)
-            return result
+    async def task(prompt, max_tokens):
+        if limit is None:
+            result = await _one(endpoint, args.model, prompt, max_tokens, headers, args.timeout_s)
+        else:
+            async with limit:
+                result = await _one(endpoint, args.model, prompt, max_tokens, headers, args.timeout_s)
+        bar.update(1)
+        return result
 
-        start = time.perf_counter()
-        tasks = []
-        for prompt, max_tokens in workload:
-            tasks.append(asyncio.create_task(task(prompt, max_tokens)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(float(rng.exponential(1.0 / args.request_rate)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        bar.close()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    tasks = []
+    for prompt, max_tokens in workload:
+        tasks.append(asyncio.create_task(task(prompt, max_tokens)))
+        if args.request_rate != float("inf"):
+            await asyncio.sleep(float(rng.exponential(1.0 / args.request_rate)))
+    results = await asyncio.gather(*tasks)
+    duration, client_cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    bar.close()
     summary = summarize(list(results), duration, percentiles)
+    # The load generator's own CPU time: near duration_s means the client, not the server, set the pace.
+    summary["client_cpu_s"] = client_cpu
+    summary["client_cpu_us_per_output_token"] = 1e6 * client_cpu / max(summary["total_output_tokens"], 1)
     summary["config"] = {k: (v if v != float("inf") else "inf") for k, v in vars(args).items()
                          if isinstance(v, (int, float, str, bool, type(None)))}
     summary["requests"] = [asdict(r) | {"itl": None} for r in results]
@@ -189,7 +186,8 @@ def report_lines(s: dict) -> list[str]:
              f"Total generated tokens:                  {s['total_output_tokens']}",
              f"Request throughput (req/s):              {s['request_throughput']:.2f}",
              f"Output token throughput (tok/s):         {s['output_throughput']:.2f}",
-             f"Total token throughput (tok/s):          {s['total_token_throughput']:.2f}"]
+             f"Total token throughput (tok/s):          {s['total_token_throughput']:.2f}",
+             f"Client CPU per output token (us):        {s.get('client_cpu_us_per_output_token', 0.0):.1f}"]
     for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
                        ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
         lines.append(f"{title:-^50}")
@@ -210,7 +208,14 @@ def run(args) -> dict:
         raise ValueError(f"--request-rate must be > 0 (inf for a burst), got {args.request_rate}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    summary = asyncio.run(run_async(args))
+    # The start-up heap (numpy, torch through the package) out of the collector's sight while the
+    # streams run: every event allocates, and full collections would walk it (as in the server).
+    gc.collect()
+    gc.freeze()
+    try:
+        summary = asyncio.run(run_async(args))
+    finally:
+        gc.unfreeze()
     print("\n".join(report_lines(summary)))
     if args.save_result:
         path = Path(args.result_file)

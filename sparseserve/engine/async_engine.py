@@ -5,7 +5,13 @@ streams its outputs to an asyncio queue of its own.
   `params.output_kind` asks); leaving it early (a client that disconnects) aborts the request, and
   the engine thread frees its blocks and slot before its next step.
 - Every engine call happens on the engine thread; the event loop only sends commands (add, abort)
-  and receives outputs through `loop.call_soon_threadsafe`.
+  and receives outputs: one `loop.call_soon_threadsafe` per engine step carries every request's
+  output of that step, and the loop side hands them to the requests' streams. A wake-up of the loop
+  is a write to its self-pipe, and on the engine thread every such system call gives the GIL away
+  and waits to take it back from a busy event loop, so one per step, not one per request.
+- A stream whose reader is behind the engine gets the outputs that piled up merged into one
+  (DELTA: text, tokens and logprobs joined; CUMULATIVE: the latest), as vLLM's output collector
+  does: a slow client costs one chunk per read, not one per token.
 - A request that fails validation raises from `generate` before anything is queued; an error of the
   engine step itself is delivered to every request in flight, and the engine is marked dead.
 - `max_waiting_requests` bounds the requests that wait for a seat: one more raises `QueueFullError`
@@ -21,8 +27,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import RequestOutputKind, SamplingParams
 from .llm_engine import InvalidRequestError, LLMEngine
 
 logger = logging.getLogger("sparseserve")
@@ -48,15 +54,61 @@ class EngineStats:
 
 
 class _Stream:
-    """One request's queue on the event loop."""
+    """One request's outputs on the event loop: those not yet taken and the reader's waiter."""
+
+    __slots__ = ("loop", "items", "waiter", "finished")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.items: list = []  # RequestOutputs, possibly ended by an exception
+        self.waiter: asyncio.Future | None = None
         self.finished = False
 
-    def put(self, item) -> None:  # called from the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def push(self, item) -> None:  # on the event loop
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list:
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
+
+def _dispatch(batch: list) -> None:
+    """On the event loop: one engine step's (stream, item) pairs to their streams."""
+    for stream, item in batch:
+        stream.push(item)
+
+
+def merge_outputs(outputs: list[RequestOutput], kind: RequestOutputKind) -> RequestOutput:
+    """Consecutive outputs of one request as one: DELTA outputs joined per completion (text, tokens,
+    logprobs appended; finish and cumulative logprob from the latest), otherwise the latest."""
+    last = outputs[-1]
+    if len(outputs) == 1 or kind is not RequestOutputKind.DELTA:
+        return last
+    merged: dict[int, CompletionOutput] = {}
+    for out in outputs:
+        for c in out.outputs:
+            m = merged.get(c.index)
+            if m is None:
+                merged[c.index] = CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
+                                                   list(c.logprobs) if c.logprobs is not None else None,
+                                                   c.finish_reason, c.stop_reason)
+                continue
+            m.text += c.text
+            m.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + c.logprobs
+            m.cumulative_logprob, m.finish_reason, m.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
+    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, [merged[i] for i in sorted(merged)],
+                         last.finished, last.prompt_logprobs, last.metrics)
 
 
 class AsyncLLMEngine:
@@ -137,17 +189,21 @@ class AsyncLLMEngine:
             self._num_pending_adds += 1
         self._commands.put(("add", request_id, text, ids, params))
         self._wake.set()
+        kind = params.output_kind
         try:
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
+                items = await stream.take()
+                error = items.pop() if isinstance(items[-1], BaseException) else None
+                if items:
+                    out = merge_outputs(items, kind)
+                    if out.finished:
+                        stream.finished = True
+                    yield out
+                    if out.finished:
+                        return
+                if error is not None:
                     stream.finished = True
-                    raise item
-                if item.finished:
-                    stream.finished = True
-                yield item
-                if item.finished:
-                    return
+                    raise error
         finally:
             if not stream.finished:
                 self.abort(request_id)
@@ -185,7 +241,24 @@ class AsyncLLMEngine:
         with self._lock:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.put(item)
+            self._deliver([(stream, item)])
+
+    @staticmethod
+    def _deliver(batch: list) -> None:
+        """From the engine thread: (stream, item) pairs to their event loops, one wake-up per loop."""
+        if not batch:
+            return
+        loop = batch[0][0].loop
+        by_loop = {loop: batch}
+        if any(stream.loop is not loop for stream, _ in batch):
+            by_loop = {}
+            for pair in batch:
+                by_loop.setdefault(pair[0].loop, []).append(pair)
+        for loop, pairs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_dispatch, pairs)
+            except RuntimeError:  # the loop is closed: nobody reads these streams any more
+                pass
 
     def _loop(self) -> None:
         engine = self.engine
@@ -201,14 +274,16 @@ class AsyncLLMEngine:
                 elapsed = time.perf_counter() - start
                 for observer in self.step_observers:
                     observer(outputs, elapsed)
-                for out in outputs:
-                    if out.finished:
-                        self._close(out.request_id, out)
-                    else:
-                        with self._lock:
-                            stream = self._streams.get(out.request_id)
+                if not outputs:
+                    continue
+                batch = []
+                with self._lock:
+                    streams = self._streams
+                    for out in outputs:
+                        stream = streams.pop(out.request_id, None) if out.finished else streams.get(out.request_id)
                         if stream is not None:
-                            stream.put(out)
+                            batch.append((stream, out))
+                self._deliver(batch)
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("the engine loop stopped")
             self.error = exc
@@ -216,8 +291,8 @@ class AsyncLLMEngine:
             dead = EngineDeadError(f"the engine stopped: {self.error!r}" if self.error else "the engine shut down")
             with self._lock:
                 streams, self._streams = self._streams, {}
-            for request_id, stream in streams.items():
-                stream.put(dead)
+            self._deliver([(stream, dead) for stream in streams.values()])
+            for request_id in streams:
                 try:
                     engine.abort_request(request_id)
                 except Exception:  # noqa: BLE001

@@ -554,26 +554,28 @@ class LLMEngine:
         for index, req in enumerate(children):
             if final:
                 self.requests.pop(req.request_id, None)
-            full_text = req.text
+            end = len(req.text)  # the text shown ends here (held back: what may still start a stop string)
             if not req.is_finished and req.params.stop_strings:
-                full_text = full_text[:max(0, len(full_text) - max(map(len, req.params.stop_strings)) + 1)]
-            tokens, logprobs, out_text = req.output_token_ids, req.logprobs, full_text
+                end = max(0, end - max(map(len, req.params.stop_strings)) + 1)
+            tokens, logprobs = req.output_token_ids, req.logprobs
             if delta:
                 if req.num_emitted_tokens < 0:
                     continue  # finished earlier; its last delta is out
                 start, start_chars = req.num_emitted_tokens, req.num_emitted_chars
-                if start == len(tokens) and start_chars == len(full_text) and not req.is_finished:
+                if start == len(tokens) and start_chars == end and not req.is_finished:
                     continue
                 tokens = tokens[start:]
                 logprobs = logprobs[start:] if logprobs is not None else None
-                out_text = full_text[start_chars:]
-                req.num_emitted_tokens, req.num_emitted_chars = len(req.output_token_ids), len(full_text)
+                out_text = req.text[start_chars:end]  # only the new characters are copied
+                req.num_emitted_tokens, req.num_emitted_chars = len(req.output_token_ids), end
                 if req.is_finished:
                     req.num_emitted_tokens = -1  # its final delta is out
-            completions.append(CompletionOutput(
-                index=index, text=out_text, token_ids=list(tokens),
+            else:
+                out_text = req.text if end == len(req.text) else req.text[:end]
+            completions.append(CompletionOutput(  # a DELTA's slices are new lists already
+                index=index, text=out_text, token_ids=tokens if delta else list(tokens),
                 cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-                logprobs=list(logprobs) if logprobs is not None and not final else logprobs,
+                logprobs=list(logprobs) if logprobs is not None and not final and not delta else logprobs,
                 finish_reason=req.finish_reason, stop_reason=req.stop_reason))
         return RequestOutput(request_id=group_id, prompt=text, prompt_token_ids=ids, outputs=completions,
                              finished=final, prompt_logprobs=children[0].prompt_logprobs,

@@ -36,8 +36,29 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+_encode = json.JSONEncoder(ensure_ascii=False).encode  # one encoder, not one per call (json.dumps with options)
+
+
 def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {data if isinstance(data, str) else _encode(data)}\n\n"
+
+
+class ChunkEncoder:
+    """The SSE chunks of one stream: the fields every chunk repeats (id, object, created, model) are
+    encoded once; a chunk adds its choices. `text_choice` writes the common streamed choice (text,
+    no logprobs, not finished) from a template; the result is the JSON `sse({**base, "choices": ...})`
+    would give."""
+
+    def __init__(self, base: dict) -> None:
+        self.head = "data: " + _encode(base)[:-1] + ', "choices": ['
+
+    def chunk(self, choices: list) -> str:
+        return self.head + ", ".join(c if isinstance(c, str) else _encode(c) for c in choices) + "]}\n\n"
+
+    @staticmethod
+    def text_choice(index: int, text: str) -> str:
+        return ('{"index": %d, "text": %s, "logprobs": null, "finish_reason": null, "stop_reason": null}'
+                % (index, _encode(text)))
 
 
 def sse_error(exc: BaseException) -> str:

@@ -12,8 +12,8 @@ from .errors import APIError
 from .metrics import RequestTimer
 from .protocol import CompletionRequest, now, random_id
 from .sampling import to_sampling_params
-from .serving_base import (ServerContext, completion_logprobs, merge_streams, record, run_final, sse, sse_error,
-                           usage)
+from .serving_base import (ChunkEncoder, ServerContext, completion_logprobs, merge_streams, record, run_final, sse,
+                           sse_error, usage)
 
 
 def _prompts(prompt) -> list:
@@ -87,24 +87,34 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, inputs, request_id
     prompt_lens = [0] * len(inputs)
     streams = [engine.generate(p, sp, f"{request_id}-{i}") for i, (p, sp) in enumerate(inputs)]
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
+    encoder = ChunkEncoder(base)
+    n = req.n
     try:
         async for i, out in merge_streams(streams):
             prompt_lens[i] = len(out.prompt_token_ids)
-            if any(c.token_ids for c in out.outputs):
-                timers[i].on_tokens()
             choices = []
+            advanced = False
             for c in out.outputs:
-                counts[i][c.index] += len(c.token_ids)
-                reasons[i][c.index] = c.finish_reason
+                index = c.index
+                if c.token_ids:
+                    advanced = True
+                    counts[i][index] += len(c.token_ids)
+                reasons[i][index] = c.finish_reason
+                if c.logprobs is None and c.finish_reason is None:
+                    if c.text:
+                        choices.append(encoder.text_choice(i * n + index, c.text))
+                        offsets[i][index] += len(c.text)
+                    continue
                 lp = None
                 if c.logprobs is not None:
-                    lp = completion_logprobs(c.token_ids, c.logprobs, tokenizer, offsets[i][c.index])
-                offsets[i][c.index] += len(c.text)
-                if c.text or c.finish_reason is not None or lp is not None:
-                    choices.append({"index": i * req.n + c.index, "text": c.text, "logprobs": lp,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    lp = completion_logprobs(c.token_ids, c.logprobs, tokenizer, offsets[i][index])
+                offsets[i][index] += len(c.text)
+                choices.append({"index": i * n + index, "text": c.text, "logprobs": lp,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            if advanced:
+                timers[i].on_tokens()
             if choices:
-                yield sse({**base, "choices": choices})
+                yield encoder.chunk(choices)
             if out.finished:
                 record(ctx, timers[i], prompt_lens[i], counts[i], reasons[i])
         if req.stream_options is not None and req.stream_options.include_usage:

@@ -23,11 +23,11 @@ only, `hopper_supported` is False for them): the portable Triton kernel, which d
 | F2  | otherwise         | triton | 16            | 32        | 4, 2          | fill one wave, <= 16, >= 64 rows each      |
 
 Why: a tile is dequantized once per program, so all 64 heads share one program (with 16-head blocks each of a
-token's four programs converted the same tile, and ptxas ran out of registers on the 512-wide tile: kilobytes of
-spills); the row splits then fill the chip at small batches instead. 32-row tiles in two stages keep the codes
-and rope gathers pipelined within the shared memory of one block (147 KB at 64 heads, D = 512) and the spills to
-a few hundred bytes (the bf16 64-head variants spill as much: the [64, 512] fp32 accumulator takes half the
-registers); `tools/kernel_resources.py --fp8` reports both.
+token's four programs converted the same tile); the row splits then fill the chip at small batches instead.
+32-row tiles in two stages keep the codes and rope gathers pipelined within the shared memory of one block (147 KB
+at 64 heads, D = 512) and the registers held: 0-8 B of spills under Triton 3.6, a few hundred under 3.9 (as the
+bf16 64-head variants: the [64, 512] fp32 accumulator takes half the registers); `tools/kernel_resources.py
+--fp8-engine` reports each launched form.
 
 The Hopper kernel is two Gluon kernels sharing `hopper_common.py`: unsplit calls (prefill, decode batches that fill
 the chip) run the role-split kernel (`hopper.py`), split calls the lockstep kernel (`hopper_split.py`), whose short

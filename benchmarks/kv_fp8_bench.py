@@ -7,8 +7,9 @@ Cases: attention decode, V4-Flash (64 heads, D = 512, top-k 512), CSA and HCA ro
 32K / 128K; indexer decode (64 heads x 128) at the same batches and contexts. Inputs and timing are
 benchmarks/kernels.py's (input sets cycled in one captured graph, so rows come from HBM); the FP8 pool is the
 bf16 pool quantized, read through the same row lists. Each case records the bf16 engine kernel (Hopper where it
-serves the call), the portable Triton kernel on bf16 rows, the FP8 kernel (its config, and the registers, spills and shared
-memory of its compiled variant), their speedups and the share of HBM the FP8 kernel's own bytes reach. --smoke: tiny shapes on the CPU under TRITON_INTERPRET=1 (a script check).
+serves the call), the portable Triton kernel on bf16 rows, the FP8 kernel (its config, and the registers, spills
+and shared memory of its compiled variant), their speedups and the share of HBM the FP8 kernel's own bytes reach.
+--smoke: tiny shapes on the CPU under TRITON_INTERPRET=1 (a script check).
 """
 from __future__ import annotations
 

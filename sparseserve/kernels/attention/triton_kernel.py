@@ -281,7 +281,7 @@ def sparse_mqa_attention_triton(
             BAND_PREPASS=band is not None, FP8=kv_format is not None,
             NOPE=kv_format.nope_dim if kv_format is not None else 0,
             SCALE_OFF=kv_format.scale_offset if kv_format is not None else 0,
-            F32_PRODUCT=_INTERPRET or q.dtype != torch.bfloat16, num_warps=cfg.num_warps,
+            F32_PRODUCT=kv_format is not None and (_INTERPRET or q.dtype != torch.bfloat16), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **pdl_args(q.device)
         )
     fuse_rope = inverse_rope is not None and splits > 1 and block_d == head_dim

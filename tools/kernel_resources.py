@@ -77,7 +77,8 @@ def compile_attention(block_h: int, block_n: int, warps: int, stages: int, split
     names = fn.arg_names
     constexprs = {"NUM_SPLITS": splits, "BLOCK_H": block_h, "BLOCK_N": block_n, "BLOCK_D": 512, "SCAN": 256,
                   "BAND_PREPASS": block_h == 64 if band_prepass is None else band_prepass, "FP8": fp8,
-                  "NOPE": 448 if fp8 else 0, "SCALE_OFF": 576 if fp8 else 0, "F32_PRODUCT": False, "PDL": 1}
+                  "NOPE": 448 if fp8 else 0, "SCALE_OFF": 576 if fp8 else 0, "F32_PRODUCT": False,
+                  "PARTS_NORMALISED": fp8 and splits > 1, "PDL": 1}
     if block_h == 64:
         constexprs["head_blocks"] = 1  # 64 heads: the launch passes 1, which Triton specialises
     signature = {}

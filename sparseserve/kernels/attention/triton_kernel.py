@@ -76,7 +76,7 @@ def _sparse_mqa_fwd_kernel(
     qk_scale,  # scale * log2(e): logits are kept in base 2
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SCAN: tl.constexpr, BAND_PREPASS: tl.constexpr, FP8: tl.constexpr, NOPE: tl.constexpr,
-    SCALE_OFF: tl.constexpr, F32_PRODUCT: tl.constexpr, PDL: tl.constexpr,
+    SCALE_OFF: tl.constexpr, F32_PRODUCT: tl.constexpr, PARTS_NORMALISED: tl.constexpr, PDL: tl.constexpr,
 ):
     # One flat grid axis (the y/z axes cap at 65535); head blocks and splits of one token are adjacent in launch
     # order, so they run together and share rows through L2.
@@ -136,10 +136,14 @@ def _sparse_mqa_fwd_kernel(
         tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
     else:
-        # Partials: unnormalised acc [T, S, H, D] and (max, sum) [T, S, 2, H], fp32, contiguous.
+        # Partials: acc [T, S, H, D] and (max, sum) [T, S, 2, H], contiguous. The acc unnormalised in fp32, or
+        # (PARTS_NORMALISED) divided by its split's sum in the partials' dtype, as the Hopper kernel stores them;
+        # an empty split (sum 0) stores 0, which the merge weighs by 0.
         part = tok * NUM_SPLITS + split
+        if PARTS_NORMALISED:
+            acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(part_acc_ptr + (part * num_heads + offs_h[:, None]) * head_dim + offs_d[None, :],
-                 acc, mask=h_mask[:, None] & d_mask[None, :])
+                 acc.to(part_acc_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
         tl.store(part_ml_ptr + part * 2 * num_heads + offs_h, m_i, mask=h_mask)
         tl.store(part_ml_ptr + part * 2 * num_heads + num_heads + offs_h, l_i, mask=h_mask)
 
@@ -251,10 +255,12 @@ def sparse_mqa_attention_triton(
     head_blocks = triton.cdiv(num_heads, cfg.block_h)
     splits = cfg.num_splits
     rows_per_split = split_length(num_rows, cfg)
+    normalised = hopper or kv_format is not None  # the split partials: normalised, in q's dtype
     if splits > 1:
         # The Hopper kernel stores its splits' normalised outputs by TMA in q's dtype (half the bytes, whole
-        # sectors); the Triton kernel keeps the raw fp32 accumulators.
-        part_dtype = q.dtype if hopper else torch.float32
+        # sectors), and so does the Triton kernel on FP8 rows (at 592 B a row, fp32 partials of a 2-split batch-64
+        # call would be 70% of its row bytes); on 16-bit rows it keeps the raw fp32 accumulators.
+        part_dtype = q.dtype if normalised else torch.float32
         part_acc = torch.empty((num_tokens, splits, num_heads, head_dim), dtype=part_dtype, device=q.device)
         part_ml = torch.empty((num_tokens, splits, 2, num_heads), dtype=torch.float32, device=q.device)
     else:
@@ -281,7 +287,8 @@ def sparse_mqa_attention_triton(
             BAND_PREPASS=band is not None, FP8=kv_format is not None,
             NOPE=kv_format.nope_dim if kv_format is not None else 0,
             SCALE_OFF=kv_format.scale_offset if kv_format is not None else 0,
-            F32_PRODUCT=kv_format is not None and (_INTERPRET or q.dtype != torch.bfloat16), num_warps=cfg.num_warps,
+            F32_PRODUCT=kv_format is not None and (_INTERPRET or q.dtype != torch.bfloat16),
+            PARTS_NORMALISED=normalised and splits > 1, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **pdl_args(q.device)
         )
     fuse_rope = inverse_rope is not None and splits > 1 and block_d == head_dim
@@ -291,7 +298,7 @@ def sparse_mqa_attention_triton(
         _sparse_mqa_merge_kernel[(num_tokens, triton.cdiv(num_heads, MERGE_HEADS), triton.cdiv(head_dim, merge_cols))](
             part_acc, part_ml, out, cos, sin, num_heads, head_dim, out.stride(0), out.stride(1), -1.0,
             NUM_SPLITS=splits, BLOCK_H=MERGE_HEADS, BLOCK_D=merge_cols,
-            ROPE_HALF=inverse_rope[0].shape[-1] if fuse_rope else 0, PARTS_NORMALISED=hopper,
+            ROPE_HALF=inverse_rope[0].shape[-1] if fuse_rope else 0, PARTS_NORMALISED=normalised,
             num_warps=4, **pdl_args(part_acc.device)
         )
     if inverse_rope is not None and not fuse_rope:

@@ -60,10 +60,12 @@ def load_kv_tile(kv_ptr, rows, valid, stride, DIM, NOPE: tl.constexpr, SCALE_OFF
     The tile is built as [BN, BLOCK_D // 64, 64] (one scale group a slice): the codes are whole-row vector loads,
     each row's scale bytes one [BN, G, 1] load broadcast over its group (not a byte gather per element), and the
     rope channels a second masked load of the same shape (0 outside them, as the codes are 0 inside them), so
-    value = code * scale + rope with no select. An e4m3 code times a power of two is exact in bf16, so on the GPU
-    the product is taken in DTYPE (bf16: packed bf16x2 arithmetic, no fp32 temporaries); F32_PRODUCT (the
-    interpreter, whose 16-bit arithmetic is wrong; fp16 and fp32 dots, where the scale may not fit DTYPE) takes
-    it in fp32 and rounds, exactly."""
+    value = code * scale + rope with no select. The product is taken in fp32 and packed to DTYPE, exactly (an e4m3
+    code times a power of two is exact in bf16): sm_90 has no e4m3 -> bf16 conversion, and e4m3 -> f16x2 -> fp32
+    is an unpack and a full-rate add where f16 -> bf16 is a per-element F2F on the slow conversion pipe. The rope
+    add is then one packed bf16x2 add (DTYPE bf16; exact, one operand is 0); F32_PRODUCT (the interpreter, whose
+    16-bit arithmetic is wrong; fp16 and fp32 dots) adds in fp32 before rounding instead.
+    """
     G: tl.constexpr = BLOCK_D // GROUP
     base = kv_ptr + rows[:, None, None] * stride  # [BN, 1, 1] uint8 pointers
     g = tl.arange(0, G)[None, :, None]

@@ -9,8 +9,9 @@ reading packed FP8 KV rows).
 
 --fp8-engine: the FP8 variant at the configs `select.fp8_attention_config` launches for V4-Flash decode and prefill
 shapes (64 heads, D = 512; and the 16-head row), one JSON line each: registers, spill stack, shared memory against
-the sm_90 limit, and the count of local-memory instructions (LDL/STL: spill traffic) in the SASS. --sass-ops adds
-the SASS instruction counts by opcode (conversions F2F/F2FP, global loads, shared memory, tensor-core ops).
+the sm_90 limit, the count of local-memory instructions (LDL/STL: spill traffic) in the SASS, and the instructions
+of the main loop (per row tile and thread) with their local-memory ones. --sass-ops adds the SASS instruction counts
+by opcode, whole kernel and loop (conversions F2F/F2FP, global loads, shared memory, tensor-core ops).
 
 --hopper: the Hopper (Gluon) attention kernel as the engine launches it (registers, spill stack, shared memory;
 a CI test runs it: it builds with this Triton, fits one block, spills at most a few scalars). Must run with
@@ -100,10 +101,21 @@ def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int, 
     return f"registers {regs}, spill stack {stack} B, shared memory {kernel.metadata.shared} B"
 
 
-def sass_ops(kernel) -> dict[str, int]:
-    """Static SASS instruction counts by opcode (without modifiers), most frequent first."""
+def sass_ops(kernel, loop_only: bool = False) -> dict[str, int]:
+    """Static SASS instruction counts by opcode (without modifiers), most frequent first. loop_only: those of the
+    main loop (the longest backward branch's body: the attention kernel's row tiles), i.e. per tile and thread."""
+    lines = _cuobjdump(kernel, "-sass").splitlines()
+    if loop_only:
+        at = {int(m.group(1), 16): i for i, line in enumerate(lines) if (m := re.match(r"\s*/\*([0-9a-f]+)\*/", line))}
+        loops = [(int(m.group(2), 16), int(m.group(1), 16)) for line in lines
+                 if (m := re.match(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA\s+.*?0x([0-9a-f]+)", line))
+                 and int(m.group(2), 16) < int(m.group(1), 16)]
+        if not loops:
+            return {}
+        start, end = max(loops, key=lambda se: se[1] - se[0])
+        lines = lines[at[start]:at[end] + 1]
     counts: dict[str, int] = {}
-    for line in _cuobjdump(kernel, "-sass").splitlines():
+    for line in lines:
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
         if m:
             counts[m.group(1)] = counts.get(m.group(1), 0) + 1
@@ -134,12 +146,13 @@ def fp8_engine_rows(with_ops: bool = False) -> list[dict]:
         kernel = compile_attention(cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.num_splits,
                                    fp8=True, band_prepass=cfg.band_prepass)
         regs, stack = _usage(kernel)
-        ops = sass_ops(kernel)
+        ops, loop = sass_ops(kernel), sass_ops(kernel, loop_only=True)
         row = dict(first_shape=label, config=repr(cfg), registers=regs, spill_stack=stack,
-                   local_memory_ops=ops.get("LDL", 0) + ops.get("STL", 0), shared=kernel.metadata.shared,
-                   fits=kernel.metadata.shared <= SM90_SHARED_LIMIT)
+                   local_memory_ops=ops.get("LDL", 0) + ops.get("STL", 0),
+                   loop_instructions=sum(loop.values()), loop_local_memory_ops=loop.get("LDL", 0) + loop.get("STL", 0),
+                   shared=kernel.metadata.shared, fits=kernel.metadata.shared <= SM90_SHARED_LIMIT)
         if with_ops:
-            row["sass_ops"] = ops
+            row["sass_ops"], row["loop_sass_ops"] = ops, loop
         rows.append(row)
     return rows
 

@@ -7,13 +7,16 @@ Cases: attention decode, V4-Flash (64 heads, D = 512, top-k 512), CSA and HCA ro
 32K / 128K; indexer decode (64 heads x 128) at the same batches and contexts. Inputs and timing are
 benchmarks/kernels.py's (input sets cycled in one captured graph, so rows come from HBM); the FP8 pool is the
 bf16 pool quantized, read through the same row lists. Each case records the bf16 engine kernel (Hopper where it
-serves the call), the portable Triton kernel on bf16 rows, the FP8 kernel, their speedups and the share of HBM
-the FP8 kernel's own bytes reach. --smoke: tiny shapes on the CPU under TRITON_INTERPRET=1 (a script check).
+serves the call), the portable Triton kernel on bf16 rows, the FP8 kernel (its config, and the registers, spills
+and shared memory of its compiled variant; neighbouring FP8 configs timed beside it), their speedups and the
+share of HBM the FP8 kernel's own bytes reach.
+--smoke: tiny shapes on the CPU under TRITON_INTERPRET=1 (a script check).
 """
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import torch
 
@@ -22,11 +25,13 @@ from benchmarks import result_file, write_result
 from sparseserve.config import ModelConfig
 from sparseserve.engine.kv_cache import plan_kv
 from sparseserve.kernels.attention import (
+    AttnConfig,
     attention_config,
     engine_attention_config,
     sparse_mqa_attention_ref,
     sparse_mqa_attention_triton,
 )
+from sparseserve.kernels.attention.triton_kernel import _sparse_mqa_fwd_kernel
 from sparseserve.kernels.indexer import indexer_config, indexer_scores_triton
 from sparseserve.kv_format import IndexFormat, KVFormat, dequantize_kv_rows, quantize_index_rows, quantize_kv_rows
 from sparseserve.model.loader import load_hf_config, resolve_model_dir
@@ -45,6 +50,45 @@ def _quantized(pool: torch.Tensor, index: bool = False):
     return torch.cat(parts)
 
 
+def _compiled_variants() -> dict[str, object]:
+    """The attention kernel's compiled variants by cache key (Triton-internal layout: best effort, {} if it moved)."""
+    out = {}
+    try:
+        for entry in _sparse_mqa_fwd_kernel.device_caches.values():
+            out.update({str(key): k for key, k in entry[0].items()})
+    except (AttributeError, IndexError, TypeError):
+        pass
+    return out
+
+
+_FP8_RESOURCES: dict[str, dict] = {}
+
+
+def _fp8_resources(cfg_key: str, before: dict[str, object]) -> dict:
+    """Registers, spills and shared memory of the variant the first launch of this FP8 config compiled."""
+    if cfg_key not in _FP8_RESOURCES:
+        new = [k for key, k in _compiled_variants().items() if key not in before]
+        if len(new) != 1:
+            return {"fp8_kernel": f"{len(new)} new variants: not attributed"}
+        k = new[0]
+        _FP8_RESOURCES[cfg_key] = dict(fp8_regs=getattr(k, "n_regs", None), fp8_spills=getattr(k, "n_spills", None),
+                                       fp8_shared=getattr(k.metadata, "shared", None))
+    return _FP8_RESOURCES[cfg_key]
+
+
+def _fp8_alternatives(cfg: AttnConfig) -> list[AttnConfig]:
+    """Neighbours of the selected FP8 config, timed beside it (data for the selection table's FP8 rows): 64-row
+    tiles, three stages, and no row splits where it splits."""
+    alts = [replace(cfg, block_n=64), replace(cfg, num_stages=3)]
+    if cfg.num_splits > 1:
+        alts.append(replace(cfg, num_splits=1))
+    return alts
+
+
+def _alt_label(cfg: AttnConfig) -> str:
+    return f"h{cfg.block_h}_n{cfg.block_n}_w{cfg.num_warps}_st{cfg.num_stages}_s{cfg.num_splits}"
+
+
 def _graph_us(sets, launch) -> float:
     return K._bench_graph([(lambda a=a: launch(a)) for a in sets])
 
@@ -57,12 +101,23 @@ def attention_case(kind: str, batch: int, ctx: int, gen: torch.Generator, num_sm
     triton_cfg = attention_config(batch, q.shape[1], rows.shape[1], K.D, num_sms)
     fp8_cfg = engine_attention_config(q, packed, rows.shape[1])
     fp8 = lambda a: sparse_mqa_attention_triton(a[0], packed, *a[2:], fp8_cfg, kv_format=FMT)  # noqa: E731
+    before = _compiled_variants()
     out = fp8(case["args"])
+    resources = _fp8_resources(repr(fp8_cfg), before)
     ref = sparse_mqa_attention_ref(q.float(), dequantize_kv_rows(packed, FMT), rows, sinks, scale)
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     t_bf16 = _graph_us(case["sets"], lambda a: sparse_mqa_attention_triton(*a, engine))
     t_triton = _graph_us(case["sets"], lambda a: sparse_mqa_attention_triton(*a, triton_cfg))
     t_fp8 = _graph_us(case["sets"], fp8)
+    alternatives = {}
+    for alt in _fp8_alternatives(fp8_cfg):
+        launch = lambda a, c=alt: sparse_mqa_attention_triton(a[0], packed, *a[2:], c, kv_format=FMT)  # noqa: E731
+        try:
+            alt_rel = ((launch(case["args"]).float() - ref).norm() / ref.norm()).item()
+            alternatives[_alt_label(alt)] = dict(us=round(_graph_us(case["sets"], launch), 2),
+                                                 rel_err_vs_ref=round(alt_rel, 5))
+        except Exception as exc:  # noqa: BLE001 (e.g. out of shared memory: recorded, the run goes on)
+            alternatives[_alt_label(alt)] = dict(error=repr(exc)[:300])
     valid = batch * case["rows"]
     fp8_bytes = case["bytes"] - valid * K.D * 2 + valid * FMT.row_bytes
     return dict(kernel="attn", kind=kind, batch=batch, ctx=ctx, rows=case["rows"], bf16_config=repr(engine),
@@ -70,7 +125,8 @@ def attention_case(kind: str, batch: int, ctx: int, gen: torch.Generator, num_sm
                 fp8_us=round(t_fp8, 2), speedup=round(t_bf16 / t_fp8, 3),
                 speedup_vs_triton_bf16=round(t_triton / t_fp8, 3),
                 fp8_hbm_frac=round(fp8_bytes / (t_fp8 * 1e-6) / K.HBM_BPS, 3),
-                bf16_hbm_frac=round(case["bytes"] / (t_bf16 * 1e-6) / K.HBM_BPS, 3), rel_err_vs_ref=round(rel, 5))
+                bf16_hbm_frac=round(case["bytes"] / (t_bf16 * 1e-6) / K.HBM_BPS, 3), rel_err_vs_ref=round(rel, 5),
+                fp8_alternatives=alternatives, **resources)
 
 
 def indexer_case(batch: int, ctx: int, gen: torch.Generator, num_sms: int) -> dict:

@@ -211,11 +211,15 @@ def _packed_pool(n: int, fmt: KVFormat, gen: torch.Generator) -> torch.Tensor:
 
 
 ATTN_CASES = [
-    # (T, H, D, rope, L, config): unsplit, split (empty splits), band pre-pass, 64-head programs
+    # (T, H, D, rope, L, config): unsplit (the engine's config), split (empty splits), band pre-pass, 64-head
+    # programs; D = 64 and 128: a scale group shares its 64 columns with rope channels
     (4, 4, 64, 16, 40, None),
     (3, 16, 128, 16, 65, AttnConfig("triton", 16, 16, 4, 2, 4)),
     (3, 16, 64, 16, 70, AttnConfig("triton", 16, 32, 4, 2, 2, band_prepass=True)),
     (2, 64, 64, 16, 48, AttnConfig("triton", 64, 32, 4, 2, 1, band_prepass=True)),
+    # the selection's FP8 rows at V4's layout (7 scale groups, the rope in the 8th): F1 split, F2
+    (2, 64, 512, 64, 70, AttnConfig("triton", 64, 32, 8, 2, 2, band_prepass=True)),
+    (3, 16, 512, 64, 65, AttnConfig("triton", 16, 32, 4, 2, 4)),
 ]
 
 

@@ -71,15 +71,19 @@ def test_fp8_norm_rope_bytes_equal_the_reference_gpu():
     torch.testing.assert_close(dequantize_kv_rows(got, fmt), dequantize_kv_rows(want, fmt), rtol=0.13, atol=1e-2)
 
 
-@pytest.mark.parametrize("T,L", [(1, 640), (64, 640), (256, 2176)])
-def test_fp8_attention_flash_shapes_gpu(T, L):
-    gen = torch.Generator().manual_seed(T + L)
+@pytest.mark.parametrize("T,H,L", [(1, 64, 640), (64, 64, 640), (64, 64, 384), (256, 64, 2176), (4, 16, 1152)])
+def test_fp8_attention_flash_shapes_gpu(T, H, L):
+    """The engine's FP8 configs (select.py rows F1 with and without splits, F2 at 16 heads) against the reference:
+    ragged lists, holes leading (a sequence's first window rows) and trailing."""
+    gen = torch.Generator().manual_seed(T + L + H)
     fmt = KVFormat(512, 64)
     pool = quantize_kv_rows(torch.randn(4 * L, 512, generator=gen), fmt).cuda()
-    q = torch.randn(T, 64, 512, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(T, H, 512, generator=gen).to("cuda", torch.bfloat16)
     rows = torch.randint(0, 4 * L, (T, L), generator=gen, dtype=torch.int32)
     rows[:, L - 100:] = -1
-    sinks = torch.randn(64, generator=gen).cuda()
+    rows[::2, :37] = -1
+    rows[torch.rand(T, L, generator=gen) < 0.05] = -1
+    sinks = torch.randn(H, generator=gen).cuda()
     out = sparse_mqa_attention_triton(q, pool.cuda(), rows.cuda(), sinks, 512**-0.5, kv_format=fmt)
     ref = sparse_mqa_attention_ref(q.float(), dequantize_kv_rows(pool, fmt), rows.cuda(), sinks, 512**-0.5)
     rel = ((out.float() - ref).norm() / ref.norm()).item()

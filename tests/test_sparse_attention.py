@@ -26,6 +26,7 @@ from sparseserve.kernels.attention import (
 from sparseserve.kernels.attention import hopper_common as hopper_mod
 from sparseserve.kernels.attention import select as select_mod
 from sparseserve.kernels.attention import triton_kernel as triton_mod
+from sparseserve.kv_format import KVFormat
 
 
 def T16(block_n: int, warps: int, stages: int, splits: int = 1, band: bool = False) -> AttnConfig:
@@ -209,6 +210,24 @@ def test_selection_table_cell(heads, tokens, rows, kernel, block_h, splits, band
 def test_selection_without_the_hopper_kernel(tokens, heads, rows, head_dim, expect):
     """Off Hopper (or with the Hopper kernel turned off) the Triton rows of the table."""
     assert attention_config(tokens, heads, rows, head_dim, 132, hopper=False) == expect
+
+
+@pytest.mark.parametrize("tokens,heads,rows,expect", [
+    (64, 64, 640, AttnConfig("triton", 64, 32, 8, 2, 2, band_prepass=True)),  # 64 programs: 2 splits fill a wave
+    (256, 64, 1152, AttnConfig("triton", 64, 32, 8, 2, 1, band_prepass=True)),
+    (1, 64, 640, AttnConfig("triton", 64, 32, 8, 2, 8, band_prepass=True)),  # >= 64 rows per split
+    (1, 64, 100, AttnConfig("triton", 64, 32, 8, 2, 1, band_prepass=True)),
+    (4, 16, 640, AttnConfig("triton", 16, 32, 4, 2, 8)),
+])
+def test_selection_for_fp8_rows(tokens, heads, rows, expect):
+    """Packed FP8 rows take rows F1/F2 of the table (the Hopper kernel never), whatever `hopper` says; the engine's
+    config for a uint8 pool is that one."""
+    for hopper in (True, False):
+        assert attention_config(tokens, heads, rows, 512, 132, hopper=hopper, fp8=True) == expect
+    q = torch.zeros(tokens, heads, 512)
+    pool = torch.zeros(4, KVFormat(512, 64).row_bytes, dtype=torch.uint8)
+    assert triton_mod.engine_attention_config(q, pool, rows) == attention_config(
+        tokens, heads, rows, 512, triton_mod.num_sms(q.device), fp8=True)
 
 
 def test_hopper_needs_its_shapes():

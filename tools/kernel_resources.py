@@ -7,6 +7,12 @@ compiles to a cubin with its bundled ptxas; cuobjdump reads the resources).
 Default: registers and spill stack of the portable Triton attention kernel's configs (`--fp8`: and of its variant
 reading packed FP8 KV rows).
 
+--fp8-engine: the FP8 variant at the configs `select.fp8_attention_config` launches for V4-Flash decode and prefill
+shapes (64 heads, D = 512; and the 16-head row), one JSON line each: registers, spill stack, shared memory against
+the sm_90 limit, the count of local-memory instructions (LDL/STL: spill traffic) in the SASS, and the instructions
+of the main loop (per row tile and thread) with their local-memory ones. --sass-ops adds the SASS instruction counts
+by opcode, whole kernel and loop (conversions F2F/F2FP, global loads, shared memory, tensor-core ops).
+
 --hopper: the Hopper (Gluon) attention kernel as the engine launches it (registers, spill stack, shared memory;
 a CI test runs it: it builds with this Triton, fits one block, spills at most a few scalars). Must run with
 TRITON_INTERPRET=0.
@@ -63,13 +69,17 @@ def compile_sm90(fn, signature: dict, constexprs: dict, aligned: list[str], sour
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int, fp8: bool = False) -> str:
-    """fp8: the variant reading packed FP8 KV rows (V4: 448 e4m3 channels, scales at byte 576)."""
+def compile_attention(block_h: int, block_n: int, warps: int, stages: int, splits: int, fp8: bool = False,
+                      band_prepass: bool | None = None):
+    """The portable attention kernel compiled for sm_90a as the engine launches it on bf16 q. fp8: the variant
+    reading packed FP8 KV rows (V4: 448 e4m3 channels, scales at byte 576, the dequantizing product as on the GPU).
+    band_prepass: default, as the engine's configs (64-head blocks)."""
     fn = attention_triton._sparse_mqa_fwd_kernel
     names = fn.arg_names
     constexprs = {"NUM_SPLITS": splits, "BLOCK_H": block_h, "BLOCK_N": block_n, "BLOCK_D": 512, "SCAN": 256,
-                  "BAND_PREPASS": block_h == 64, "FP8": fp8, "NOPE": 448 if fp8 else 0,
-                  "SCALE_OFF": 576 if fp8 else 0, "PDL": 1}
+                  "BAND_PREPASS": block_h == 64 if band_prepass is None else band_prepass, "FP8": fp8,
+                  "NOPE": 448 if fp8 else 0, "SCALE_OFF": 576 if fp8 else 0, "F32_PRODUCT": False,
+                  "PARTS_NORMALISED": fp8 and splits > 1, "PDL": 1}
     if block_h == 64:
         constexprs["head_blocks"] = 1  # 64 heads: the launch passes 1, which Triton specialises
     signature = {}
@@ -81,9 +91,70 @@ def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int, 
         else:
             signature[name] = "*u8" if fp8 and name == "kv_ptr" else POINTER_TYPES.get(name, "i32")
     aligned = [name for name in names if signature[name] not in ("constexpr", "fp32") and name != "rows_per_split"]
-    kernel = compile_sm90(fn, signature, constexprs, aligned, num_warps=warps, num_stages=stages)
+    return compile_sm90(fn, signature, constexprs, aligned, num_warps=warps, num_stages=stages)
+
+
+def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int, fp8: bool = False) -> str:
+    """One line: registers, spill stack and shared memory of compile_attention's kernel."""
+    kernel = compile_attention(block_h, block_n, warps, stages, splits, fp8)
     regs, stack = _usage(kernel)
     return f"registers {regs}, spill stack {stack} B, shared memory {kernel.metadata.shared} B"
+
+
+def sass_ops(kernel, loop_only: bool = False) -> dict[str, int]:
+    """Static SASS instruction counts by opcode (without modifiers), most frequent first. loop_only: those of the
+    main loop (the longest backward branch's body: the attention kernel's row tiles), i.e. per tile and thread."""
+    lines = _cuobjdump(kernel, "-sass").splitlines()
+    if loop_only:
+        at = {int(m.group(1), 16): i for i, line in enumerate(lines) if (m := re.match(r"\s*/\*([0-9a-f]+)\*/", line))}
+        loops = [(int(m.group(2), 16), int(m.group(1), 16)) for line in lines
+                 if (m := re.match(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA\s+.*?0x([0-9a-f]+)", line))
+                 and int(m.group(2), 16) < int(m.group(1), 16)]
+        if not loops:
+            return {}
+        start, end = max(loops, key=lambda se: se[1] - se[0])
+        lines = lines[at[start]:at[end] + 1]
+    counts: dict[str, int] = {}
+    for line in lines:
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def fp8_engine_configs() -> list[tuple[str, object]]:
+    """(label, AttnConfig) of the FP8 configs the selection launches at V4-Flash shapes on 132 SMs, one per
+    compiled form: split counts above 2 differ from 2 only in a constant of the partials' addressing."""
+    from sparseserve.kernels.attention.select import fp8_attention_config
+
+    seen, out = set(), []
+    for heads in (64, 16):
+        for tokens in (1, 4, 64, 256, 4096):
+            for rows in (384, 640, 1152):
+                cfg = fp8_attention_config(tokens, heads, rows, 132)
+                form = (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, min(cfg.num_splits, 2))
+                if form not in seen:
+                    seen.add(form)
+                    out.append((f"heads {heads}, tokens {tokens}, rows {rows}", cfg))
+    return out
+
+
+def fp8_engine_rows(with_ops: bool = False) -> list[dict]:
+    """fp8_engine_configs compiled as launched (num_stages included): one dict each."""
+    rows = []
+    for label, cfg in fp8_engine_configs():
+        kernel = compile_attention(cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.num_splits,
+                                   fp8=True, band_prepass=cfg.band_prepass)
+        regs, stack = _usage(kernel)
+        ops, loop = sass_ops(kernel), sass_ops(kernel, loop_only=True)
+        row = dict(first_shape=label, config=repr(cfg), registers=regs, spill_stack=stack,
+                   local_memory_ops=ops.get("LDL", 0) + ops.get("STL", 0),
+                   loop_instructions=sum(loop.values()), loop_local_memory_ops=loop.get("LDL", 0) + loop.get("STL", 0),
+                   shared=kernel.metadata.shared, fits=kernel.metadata.shared <= SM90_SHARED_LIMIT)
+        if with_ops:
+            row["sass_ops"], row["loop_sass_ops"] = ops, loop
+        rows.append(row)
+    return rows
 
 
 def expand_mix(tokens: int, **override) -> dict:
@@ -222,9 +293,16 @@ def main() -> None:
                         help="shared memory of the fused mHC kernels' configs instead, one JSON line each")
     parser.add_argument("--fp8", action="store_true",
                         help="the attention configs reading packed FP8 KV rows (kv_cache_dtype='fp8') as well")
+    parser.add_argument("--fp8-engine", action="store_true",
+                        help="the FP8 attention configs the engine launches, as launched, one JSON line each")
+    parser.add_argument("--sass-ops", action="store_true", help="with --fp8-engine: SASS instruction counts")
     parser.add_argument("--hopper", action="store_true",
                         help="the Hopper (Gluon) attention kernel instead, one JSON line each")
     args = parser.parse_args()
+    if args.fp8_engine:
+        for row in fp8_engine_rows(args.sass_ops):
+            print(json.dumps(row))
+        return
     if args.hopper:
         for row in hopper_attention_rows():
             print(json.dumps(row))

@@ -52,19 +52,34 @@ def store_kv_row(row_ptr, v, DIM, NOPE: tl.constexpr, SCALE_OFF: tl.constexpr,
 
 
 @triton.jit
-def load_kv_tile(kv_ptr, rows, valid, stride, offs_d, DIM, NOPE: tl.constexpr,
-                 SCALE_OFF: tl.constexpr, DTYPE: tl.constexpr):
-    """Gathered packed rows -> their values in DTYPE [BN, BD] (0 where not valid or past DIM), exact. rows:
-    int64 [BN] row ids, stride: the row stride in bytes. The product is taken per element in fp32 (the
-    interpreter's 16-bit arithmetic is wrong) and rounded to DTYPE, exactly."""
-    base = kv_ptr + rows[:, None] * stride
-    cols = offs_d[None, :]
-    is_nope = valid[:, None] & (cols < NOPE)
-    codes = tl.load(base.to(tl.pointer_type(tl.float8e4nv)) + cols, mask=is_nope, other=0.0)
-    exps = tl.load(base + SCALE_OFF + cols // GROUP, mask=is_nope, other=127)
+def load_kv_tile(kv_ptr, rows, valid, stride, DIM, NOPE: tl.constexpr, SCALE_OFF: tl.constexpr,
+                 BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, F32_PRODUCT: tl.constexpr):
+    """Gathered packed rows -> their values in DTYPE [BN, BLOCK_D] (0 where not valid or past DIM), exact. rows:
+    int64 [BN] row ids, stride: the row stride in bytes, BLOCK_D a power of two >= 64.
+
+    The tile is built as [BN, BLOCK_D // 64, 64] (one scale group a slice): the codes are whole-row vector loads,
+    each row's scale bytes one [BN, G, 1] load broadcast over its group (not a byte gather per element), and the
+    rope channels a second masked load of the same shape (0 outside them, as the codes are 0 inside them), so
+    value = code * scale + rope with no select. The product is taken in fp32 and packed to DTYPE, exactly (an e4m3
+    code times a power of two is exact in bf16): sm_90 has no e4m3 -> bf16 conversion, and e4m3 -> f16x2 -> fp32
+    is an unpack and a full-rate add where f16 -> bf16 is a per-element F2F on the slow conversion pipe. The rope
+    add is then one packed bf16x2 add (DTYPE bf16; exact, one operand is 0); F32_PRODUCT (the interpreter, whose
+    16-bit arithmetic is wrong; fp16 and fp32 dots) adds in fp32 before rounding instead.
+    """
+    G: tl.constexpr = BLOCK_D // GROUP
+    base = kv_ptr + rows[:, None, None] * stride  # [BN, 1, 1] uint8 pointers
+    g = tl.arange(0, G)[None, :, None]
+    cols = g * GROUP + tl.arange(0, GROUP)[None, None, :]  # [1, G, 64]
+    v = valid[:, None, None]
+    codes = tl.load(base.to(tl.pointer_type(tl.float8e4nv)) + cols, mask=v & (cols < NOPE), other=0.0)
+    exps = tl.load(base + SCALE_OFF + g, mask=v & (g * GROUP < NOPE), other=127)  # [BN, G, 1]
     rope = tl.load((base + NOPE).to(tl.pointer_type(tl.bfloat16)) + (cols - NOPE),
-                   mask=valid[:, None] & (cols >= NOPE) & (cols < DIM), other=0.0)
-    return tl.where(cols < NOPE, codes.to(tl.float32) * e8m0_to_f32(exps), rope.to(tl.float32)).to(DTYPE)
+                   mask=v & (cols >= NOPE) & (cols < DIM), other=0.0)
+    if F32_PRODUCT:
+        k = (codes.to(tl.float32) * e8m0_to_f32(exps) + rope.to(tl.float32)).to(DTYPE)
+    else:
+        k = (codes.to(tl.float32) * e8m0_to_f32(exps)).to(DTYPE) + rope
+    return tl.reshape(k, [rows.shape[0], BLOCK_D])
 
 
 @triton.jit

@@ -14,8 +14,20 @@ The table, first matching row wins (`wide` = tokens x heads / 64, the (token, 64
 | 4   | heads >= 64, wide >= 3/4 of the SMs (D > 128)      | triton | 64            | 32        | none                |
 | 5   | otherwise (small batches, few heads)               | triton | 16            | 64        | up to 2 programs per SM, <= 8, >= 64 rows each |
 
-An FP8 KV cache (`kv_cache_dtype="fp8"`) never takes row 1: `hopper_supported` is False for packed FP8 rows, so
-those calls take rows 2-5 (the portable Triton kernel, which dequantizes its tiles).
+Packed FP8 rows (`kv_cache_dtype="fp8"`) have their own rows, ahead of these (the Hopper kernels read 16-bit rows
+only, `hopper_supported` is False for them): the portable Triton kernel, which dequantizes each tile it gathers.
+
+| row | when (FP8 rows)   | kernel | heads/program | rows/tile | warps, stages | row splits                                 |
+|-----|-------------------|--------|---------------|-----------|---------------|--------------------------------------------|
+| F1  | heads >= 64       | triton | 64            | 32        | 8, 2          | fill one wave, <= 16, >= 64 rows each      |
+| F2  | otherwise         | triton | 16            | 32        | 4, 2          | fill one wave, <= 16, >= 64 rows each      |
+
+Why: a tile is dequantized once per program, so all 64 heads share one program (with 16-head blocks each of a
+token's four programs converted the same tile); the row splits then fill the chip at small batches instead.
+32-row tiles in two stages keep the codes and rope gathers pipelined within the shared memory of one block (147 KB
+at 64 heads, D = 512) and the registers held: 0-8 B of spills under Triton 3.6, a few hundred under 3.9 (as the
+bf16 64-head variants: the [64, 512] fp32 accumulator takes half the registers); `tools/kernel_resources.py
+--fp8-engine` reports each launched form.
 
 The Hopper kernel is two Gluon kernels sharing `hopper_common.py`: unsplit calls (prefill, decode batches that fill
 the chip) run the role-split kernel (`hopper.py`), split calls the lockstep kernel (`hopper_split.py`), whose short
@@ -39,6 +51,8 @@ HOPPER_SPLIT_MAX = 16
 HOPPER_SPLIT_MIN_ROWS = 32
 TRITON_SPLIT_MAX = 8
 TRITON_SPLIT_MIN_ROWS = 64
+FP8_SPLIT_MAX = 16
+FP8_SPLIT_MIN_ROWS = 64
 MERGE_HEADS = 4  # heads per merge program (a batch-1 token gets 16 merge programs at 64 heads)
 MERGE_COLS = 256  # value columns per merge program
 
@@ -61,8 +75,11 @@ class AttnConfig:
 
 
 def attention_config(num_tokens: int, num_heads: int, num_rows: int, head_dim: int, num_sms: int,
-                     hopper: bool = False) -> AttnConfig:
-    """The table above. `hopper`: the Hopper kernel can serve these tensors (`hopper.hopper_supported`)."""
+                     hopper: bool = False, fp8: bool = False) -> AttnConfig:
+    """The tables above. `hopper`: the Hopper kernel can serve these tensors (`hopper.hopper_supported`); `fp8`:
+    the pool holds packed FP8 rows (rows F1, F2)."""
+    if fp8:
+        return fp8_attention_config(num_tokens, num_heads, num_rows, num_sms)
     wide = num_tokens * triton.cdiv(num_heads, 64)
     if hopper and num_heads % 64 == 0 and head_dim == 512 and wide >= HOPPER_MIN_PROGRAMS:
         splits = _splits(wide, num_rows, HOPPER_SPLIT_MAX, HOPPER_SPLIT_MIN_ROWS, num_sms)
@@ -79,6 +96,16 @@ def attention_config(num_tokens: int, num_heads: int, num_rows: int, head_dim: i
     while splits * 2 <= max_splits and programs * splits * 2 <= 2 * num_sms:  # powers of 2: few compiles
         splits *= 2
     return AttnConfig("triton", 16, 64, 4, 2, splits)
+
+
+def fp8_attention_config(num_tokens: int, num_heads: int, num_rows: int, num_sms: int) -> AttnConfig:
+    """Rows F1 and F2 of the table (packed FP8 rows)."""
+    block_h = 64 if num_heads >= 64 else 16
+    programs = num_tokens * triton.cdiv(num_heads, block_h)
+    splits = _splits(programs, num_rows, FP8_SPLIT_MAX, FP8_SPLIT_MIN_ROWS, num_sms)
+    if block_h == 64:
+        return AttnConfig("triton", 64, 32, 8, 2, splits, band_prepass=True)
+    return AttnConfig("triton", 16, 32, 4, 2, splits)
 
 
 def _splits(programs: int, num_rows: int, max_splits: int, min_rows: int, num_sms: int) -> int:

@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import envs
 from ...kv_format import KVFormat
 from ..dispatch import num_sms
-from ..kv_fp8 import load_kv_tile
+from ..kv_fp8 import fp8_block, load_kv_tile
 from ..pdl import pdl_args, wait_for_prior_grid
 from ..rope import apply_rope
 from .hopper import launch_hopper_attention
@@ -33,6 +34,8 @@ from .hopper_split import launch_split_attention
 from .select import MERGE_COLS, MERGE_HEADS, AttnConfig, attention_config, needs_band_prepass, split_length
 
 _LOG2E = 1.4426950408889634
+# Read once, at import, which is when Triton decides whether the kernels below are interpreted.
+_INTERPRET = envs.triton_interpret()
 
 
 @triton.jit
@@ -73,7 +76,7 @@ def _sparse_mqa_fwd_kernel(
     qk_scale,  # scale * log2(e): logits are kept in base 2
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SCAN: tl.constexpr, BAND_PREPASS: tl.constexpr, FP8: tl.constexpr, NOPE: tl.constexpr,
-    SCALE_OFF: tl.constexpr, PDL: tl.constexpr,
+    SCALE_OFF: tl.constexpr, F32_PRODUCT: tl.constexpr, PARTS_NORMALISED: tl.constexpr, PDL: tl.constexpr,
 ):
     # One flat grid axis (the y/z axes cap at 65535); head blocks and splits of one token are adjacent in launch
     # order, so they run together and share rows through L2.
@@ -114,8 +117,8 @@ def _sparse_mqa_fwd_kernel(
         valid = r >= 0
         # Holes (-1) are masked out of the gather, so they cost no memory traffic.
         if FP8:
-            k = load_kv_tile(kv_ptr, r.to(tl.int64), valid, stride_kv, offs_d, head_dim, NOPE, SCALE_OFF,
-                             q_ptr.dtype.element_ty)
+            k = load_kv_tile(kv_ptr, r.to(tl.int64), valid, stride_kv, head_dim, NOPE, SCALE_OFF, BLOCK_D,
+                             q_ptr.dtype.element_ty, F32_PRODUCT)
         else:
             k = tl.load(kv_ptr + r.to(tl.int64)[:, None] * stride_kv + offs_d[None, :],
                         mask=valid[:, None] & d_mask[None, :], other=0.0)
@@ -133,10 +136,14 @@ def _sparse_mqa_fwd_kernel(
         tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
     else:
-        # Partials: unnormalised acc [T, S, H, D] and (max, sum) [T, S, 2, H], fp32, contiguous.
+        # Partials: acc [T, S, H, D] and (max, sum) [T, S, 2, H], contiguous. The acc unnormalised in fp32, or
+        # (PARTS_NORMALISED) divided by its split's sum in the partials' dtype, as the Hopper kernel stores them;
+        # an empty split (sum 0) stores 0, which the merge weighs by 0.
         part = tok * NUM_SPLITS + split
+        if PARTS_NORMALISED:
+            acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(part_acc_ptr + (part * num_heads + offs_h[:, None]) * head_dim + offs_d[None, :],
-                 acc, mask=h_mask[:, None] & d_mask[None, :])
+                 acc.to(part_acc_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
         tl.store(part_ml_ptr + part * 2 * num_heads + offs_h, m_i, mask=h_mask)
         tl.store(part_ml_ptr + part * 2 * num_heads + num_heads + offs_h, l_i, mask=h_mask)
 
@@ -201,10 +208,11 @@ def _sparse_mqa_merge_kernel(
 
 def engine_attention_config(q: torch.Tensor, kv_pool: torch.Tensor, num_rows: int) -> AttnConfig:
     """The config the engine takes for these tensors: `attention_config`, with the Hopper kernel where it can serve
-    the call and is not turned off (SPARSESERVE_DISABLE_KERNELS=attention_hopper; FP8 rows: never)."""
+    the call and is not turned off (SPARSESERVE_DISABLE_KERNELS=attention_hopper; FP8 rows, a uint8 pool: never,
+    they take the FP8 rows of the table)."""
     num_tokens, num_heads, head_dim = q.shape
     return attention_config(num_tokens, num_heads, num_rows, head_dim, num_sms(q.device),
-                            hopper=hopper_supported(q, kv_pool))
+                            hopper=hopper_supported(q, kv_pool), fp8=kv_pool.dtype == torch.uint8)
 
 
 def sparse_mqa_attention_triton(
@@ -243,14 +251,16 @@ def sparse_mqa_attention_triton(
         raise ValueError(f"{cfg} asks for the Hopper kernel, which does not read FP8 KV rows; use a 'triton' config")
     if cfg.kernel not in ("triton", "hopper"):
         raise ValueError(f"AttnConfig.kernel must be 'triton' or 'hopper', got {cfg.kernel!r}")
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = fp8_block(head_dim) if kv_format is not None else max(16, triton.next_power_of_2(head_dim))
     head_blocks = triton.cdiv(num_heads, cfg.block_h)
     splits = cfg.num_splits
     rows_per_split = split_length(num_rows, cfg)
+    normalised = hopper or kv_format is not None  # the split partials: normalised, in q's dtype
     if splits > 1:
         # The Hopper kernel stores its splits' normalised outputs by TMA in q's dtype (half the bytes, whole
-        # sectors); the Triton kernel keeps the raw fp32 accumulators.
-        part_dtype = q.dtype if hopper else torch.float32
+        # sectors), and so does the Triton kernel on FP8 rows (at 592 B a row, fp32 partials of a 2-split batch-64
+        # call would be 70% of its row bytes); on 16-bit rows it keeps the raw fp32 accumulators.
+        part_dtype = q.dtype if normalised else torch.float32
         part_acc = torch.empty((num_tokens, splits, num_heads, head_dim), dtype=part_dtype, device=q.device)
         part_ml = torch.empty((num_tokens, splits, 2, num_heads), dtype=torch.float32, device=q.device)
     else:
@@ -276,10 +286,10 @@ def sparse_mqa_attention_triton(
             NUM_SPLITS=splits, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SCAN=scan,
             BAND_PREPASS=band is not None, FP8=kv_format is not None,
             NOPE=kv_format.nope_dim if kv_format is not None else 0,
-            SCALE_OFF=kv_format.scale_offset if kv_format is not None else 0, num_warps=cfg.num_warps,
-            # FP8 tiles are three gathers (codes, rope, scales): pipelined in two stages they overflow the
-            # H200's shared memory at 16-head configs (246 KB, tools/kernel_resources.py --fp8).
-            num_stages=1 if kv_format is not None else cfg.num_stages, **pdl_args(q.device)
+            SCALE_OFF=kv_format.scale_offset if kv_format is not None else 0,
+            F32_PRODUCT=kv_format is not None and (_INTERPRET or q.dtype != torch.bfloat16),
+            PARTS_NORMALISED=normalised and splits > 1, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl_args(q.device)
         )
     fuse_rope = inverse_rope is not None and splits > 1 and block_d == head_dim
     if splits > 1:
@@ -288,7 +298,7 @@ def sparse_mqa_attention_triton(
         _sparse_mqa_merge_kernel[(num_tokens, triton.cdiv(num_heads, MERGE_HEADS), triton.cdiv(head_dim, merge_cols))](
             part_acc, part_ml, out, cos, sin, num_heads, head_dim, out.stride(0), out.stride(1), -1.0,
             NUM_SPLITS=splits, BLOCK_H=MERGE_HEADS, BLOCK_D=merge_cols,
-            ROPE_HALF=inverse_rope[0].shape[-1] if fuse_rope else 0, PARTS_NORMALISED=hopper,
+            ROPE_HALF=inverse_rope[0].shape[-1] if fuse_rope else 0, PARTS_NORMALISED=normalised,
             num_warps=4, **pdl_args(part_acc.device)
         )
     if inverse_rope is not None and not fuse_rope:

@@ -180,6 +180,21 @@ class EngineConfig:
     def num_speculative_tokens(self) -> int:
         return int(self.speculative_config["num_speculative_tokens"]) if self.speculative_config else 0
 
+    @property
+    def speculative_adaptive(self) -> bool | None:
+        """speculative_config['adaptive']: drafts per step chosen from acceptance and step costs
+        (spec_decode/adaptive.py); None (the default) = on where step costs are measured."""
+        return self.speculative_config.get("adaptive") if self.speculative_config else None
+
+    def adaptive_speculation_on(self, device_type: str) -> bool:
+        """Whether adaptive speculation runs: as asked, or by default where step costs are measured
+        (one CUDA device running captured graphs)."""
+        if not self.num_speculative_tokens:
+            return False
+        if self.speculative_adaptive is not None:
+            return self.speculative_adaptive
+        return device_type == "cuda" and not self.enforce_eager and self.world_size == 1
+
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -43,6 +43,14 @@ class MTPSpeculator:
         self.proposer = MTPProposer(mtp, target, state, num_tokens, forward)
         self.draft_probs: dict[str, torch.Tensor] = {}  # request_id -> [k, V] q of its pending drafts
 
+    def measure_costs(self, target_graphs: dict, mtp_graphs: dict):
+        """Adaptive speculation's step costs, timed from the captured graphs (step_costs.py)."""
+        from .step_costs import measure_graph_costs
+
+        mtp, target = self.proposer.mtp, self.proposer.target
+        return measure_graph_costs(target_graphs, mtp_graphs,
+                                   lambda h: mtp.compute_logits(h, target).argmax(dim=-1), self.k)
+
     def forget(self, request_id: str) -> None:
         """Drop what is kept for a request's pending drafts (finished, aborted or preempted)."""
         self.draft_probs.pop(request_id, None)
@@ -74,28 +82,28 @@ class FusedGreedy:
     """A fused greedy step's device work, queued: per request [accepted, target tokens, next drafts]."""
 
     reqs: list
-    q: int  # 1 + k
-    host: torch.Tensor  # [B, 1 + q + k], copied to host memory (read once the step's event is done)
+    q: int  # 1 + d (the drafts verified)
+    host: torch.Tensor  # [B, 1 + q + drafts proposed], copied to host memory (read once the step's event is done)
 
 
 def fused_greedy_launch(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutput,
                         chunks: list[SequenceChunk], logits: torch.Tensor) -> FusedGreedy | None:
-    """A step where every request is greedy and verifies all k drafts: acceptance, the MTP layer's
-    catch-up and the next k drafts are queued on the device from the step's logits, with a copy of
-    the results to host memory, so that the host reads everything back once (the general path
-    waits after verifying and again after drafting). None, having done nothing, when the step is
-    not of that kind."""
+    """A step where every request is greedy and verifies the same number d >= 1 of drafts:
+    acceptance, the MTP layer's catch-up and the next drafts (`sched.num_propose`, default k) are
+    queued on the device from the step's logits, with a copy of the results to host memory, so
+    that the host reads everything back once (the general path waits after verifying and again
+    after drafting). None, having done nothing, when the step is not of that kind."""
     proposer = spec.proposer
     if not isinstance(proposer, MTPProposer):
         return None
-    k = proposer.k
+    k = sched.chunks[0].num_draft
     reqs = [sc.request for sc in sched.chunks]
-    if any(sc.num_draft != k for sc in sched.chunks) or any(
+    if k < 1 or any(sc.num_draft != k for sc in sched.chunks) or any(
             not r.params.greedy or r.params.logprobs is not None or r.params.needs_logits_processing for r in reqs):
         return None
     device = logits.device
     batch, q = len(reqs), k + 1
-    target = logits[: batch * q].view(batch, q, -1).argmax(dim=-1)  # [B, 1 + k]
+    target = logits[: batch * q].view(batch, q, -1).argmax(dim=-1)  # [B, 1 + d]
     drafts = to_device([r.draft_token_ids[:k] for r in reqs], device).view(batch, k)
     accepted = (drafts == target[:, :k]).long().cumprod(dim=1).sum(dim=1)
     # The token after position start + j: an accepted draft (= the target's argmax) for j < a, the
@@ -104,9 +112,9 @@ def fused_greedy_launch(spec: MTPSpeculator, runner: RunnerView, sched: Schedule
     next_tokens = target.gather(1, torch.minimum(steps, accepted.unsqueeze(1)))
     catch_up = [SequenceChunk(c.slot, c.start_pos, [0] * q, c.block_ids, "none") for c in chunks]
     rows = torch.arange(batch, device=device) * q + accepted  # each request's last accepted position
-    positions = to_device([c.start_pos for c in chunks], device) + accepted if k > 1 else None
+    positions = to_device([c.start_pos for c in chunks], device) + accepted
     new_drafts, _ = proposer.draft(catch_up, runner.last_streams, next_tokens.reshape(-1), rows, chunks,
-                                   positions, None)
+                                   positions, None, sched.num_propose)
     return FusedGreedy(reqs, q, to_host(torch.cat([accepted.unsqueeze(1), target, new_drafts], dim=1)))
 
 
@@ -234,14 +242,18 @@ def draft_next(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutput, 
         next_tokens = [known[p + 1] if p + 1 < len(known) else known[-1] for p in range(start, start + len(chunk.token_ids))]
         draft_from = (len(known) - 2 - start) if emitted else None
         requests.append(DraftRequest(req.request_id, chunk, next_tokens, draft_from))
-    drafting_reqs = [sc.request for sc, r in zip(sched.chunks, requests) if r.draft_from is not None]
+    num = sched.num_propose
+    drafting_reqs = ([sc.request for sc, r in zip(sched.chunks, requests) if r.draft_from is not None]
+                     if num != 0 else [])
     greedy = all(r.params.greedy for r in drafting_reqs)
     st = runner.sampling_tensors(drafting_reqs) if drafting_reqs and not greedy else None
     if st is not None:
         # Drafts are the tokens after the ones just emitted.
         st.counters = st.counters + to_device([len(out.sampled[r.request_id]) for r in drafting_reqs],
                                               st.counters.device)
-    drafts, probs, drafting = spec.proposer.propose(requests, streams, st)
+    # `num` only when set: a drafter without a draft count (the tests' known drafters) proposes k.
+    args = (requests, streams, st) if num is None else (requests, streams, st, num)
+    drafts, probs, drafting = spec.proposer.propose(*args)
     draft_list = drafts.tolist()
     for n, i in enumerate(drafting):
         req = sched.chunks[i].request

@@ -237,10 +237,17 @@ def draft_next(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutput, 
     for sc, chunk in zip(sched.chunks, chunks):
         req = sc.request
         emitted = [t.token_id for t in out.sampled.get(req.request_id, [])]
-        known = req.all_token_ids + emitted  # the sequence after this step
-        start = chunk.start_pos
-        next_tokens = [known[p + 1] if p + 1 < len(known) else known[-1] for p in range(start, start + len(chunk.token_ids))]
-        draft_from = (len(known) - 2 - start) if emitted else None
+        # The token after each chunk position in the sequence after this step (prompt + outputs +
+        # emitted), its last token past the end; sliced without copying the whole sequence, since
+        # plain (d = 0) steps of adaptive speculation take this path at every batch size.
+        before = len(req.prompt_token_ids) + len(req.output_token_ids)
+        total, start, n = before + len(emitted), chunk.start_pos, len(chunk.token_ids)
+        lo, hi = start + 1, min(start + n + 1, total)
+        next_tokens = req.token_ids_between(lo, min(hi, before)) if lo < before else []
+        next_tokens += emitted[max(lo - before, 0):max(hi - before, 0)]
+        last = emitted[-1] if emitted else (req.output_token_ids or req.prompt_token_ids)[-1]
+        next_tokens += [last] * (n - len(next_tokens))
+        draft_from = (total - 2 - start) if emitted else None
         requests.append(DraftRequest(req.request_id, chunk, next_tokens, draft_from))
     num = sched.num_propose
     drafting_reqs = ([sc.request for sc, r in zip(sched.chunks, requests) if r.draft_from is not None]
@@ -254,7 +261,7 @@ def draft_next(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutput, 
     # `num` only when set: a drafter without a draft count (the tests' known drafters) proposes k.
     args = (requests, streams, st) if num is None else (requests, streams, st, num)
     drafts, probs, drafting = spec.proposer.propose(*args)
-    draft_list = drafts.tolist()
+    draft_list = drafts.tolist() if drafting else []  # a catch-up alone is not waited for
     for n, i in enumerate(drafting):
         req = sched.chunks[i].request
         out.drafts[req.request_id] = draft_list[n]

@@ -213,3 +213,9 @@ def test_rejection_sampling_keeps_the_target_when_requests_verify_different_numb
         c = torch.bincount(first, minlength=vocab).float()
         e = p * first.numel()
         assert float(((c - e) ** 2 / e).sum()) < 13.28
+
+
+def test_adaptive_with_tensor_parallelism_is_refused():
+    spec = {"method": "mtp", "num_speculative_tokens": 1, "adaptive": True}
+    with pytest.raises(ConfigError, match="adaptive.*tensor_parallel_size=2"):
+        LLM(TINY, **BASE, tensor_parallel_size=2, speculative_config=spec)

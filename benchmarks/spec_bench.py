@@ -4,7 +4,9 @@ known acceptance buys, and adaptive speculation against plain decoding.
     python -m benchmarks.spec_bench [--model v4-flash-43l8e] [--p 0.75] [--budget-s 400] [--smoke]
 
 1. Step-cost ratio: for d = 1, 2, 3 drafts at batch 1, 8, 64, the median engine step (schedule,
-   verify + draft, bookkeeping) against a plain decode step of an engine without speculation.
+   verify + draft, bookkeeping) against a plain decode step of an engine without speculation. One
+   speculative engine (k = 3, graphs for every 1 + d) runs every d, forced per cell: the graphs a
+   k = d engine replays, its ring rows (window + k) aside.
 2. Expected against measured tokens/s at per-draft acceptance p: an oracle drafter proposes the
    target's own greedy continuation (from the plain engine's run of the same prompts) with
    probability p per draft and a wrong token otherwise. It runs the MTP drafter first (its cost is
@@ -263,7 +265,7 @@ def main() -> None:
 def run_spec_cell(engine, oracle: OracleDrafter | None, sequences: list[list[int]], max_tokens: int, args,
                   tag: str) -> dict:
     """`timed_steps` on the speculative engine for the sequences' prompts; the oracle (if any) is bound
-    to their continuations once the requests hold slots (after the prefill)."""
+    to their continuations once every request holds a slot (a prefill may take several steps)."""
     ids = [f"{tag}-{i}" for i in range(len(sequences))]
     original = engine.step
     pending = oracle is not None
@@ -271,7 +273,7 @@ def run_spec_cell(engine, oracle: OracleDrafter | None, sequences: list[list[int
     def step():
         nonlocal pending
         out = original()
-        if pending and engine.scheduler.running:
+        if pending and all(engine.requests[rid].slot is not None for rid in ids if rid in engine.requests):
             oracle.bind(engine, dict(zip(ids, sequences)))
             pending = False
         return out

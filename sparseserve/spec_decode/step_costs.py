@@ -28,6 +28,7 @@ def _replay_seconds(replay: Callable[[], None], reps: int) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
+@torch.no_grad()
 def measure_graph_costs(target_graphs: Mapping, mtp_graphs: Mapping, draft_head: Callable[[torch.Tensor], object],
                         k: int, reps: int = 3) -> StepCosts | None:
     """`target_graphs` / `mtp_graphs`: the runner's CudaGraphRunner per query length (each with

@@ -114,7 +114,8 @@ class ModelRunner:
         # k drafts) run as graphs; on CUDA their eager form is padded and built the same way, so
         # both modes compute the same function (docs/design.md, invariant 5).
         k = self.options.num_speculative_tokens
-        self.query_lens = [1] + (list(range(2, k + 2)) if self.options.adaptive_speculation else [1 + k][:k])
+        verify_lens = list(range(2, k + 2)) if self.options.adaptive_speculation else [1 + k] if k else []
+        self.query_lens = [1] + verify_lens
         # Captured graphs use the side stream ("auto" = "graphs"), except with speculation: its graphs
         # (verify, drafter) have not been measured with it on the GPU, so "auto" keeps them on one stream.
         mode = self.options.side_stream

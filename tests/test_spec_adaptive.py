@@ -173,17 +173,34 @@ def test_sampled_with_varying_drafts_is_seeded():
     assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0])
 
 
-def test_greedy_with_varying_drafts_on_the_demo_model():
+def test_greedy_with_varying_drafts_on_the_demo_model(monkeypatch):
     """The demo checkpoint's trained MTP layer: drafts are accepted in part, so varying d covers
-    accepted and rejected drafts in the fused and general paths."""
+    accepted and rejected drafts in the fused and general paths. A plain step's drafter catch-up
+    queued at launch (from the device tokens) gives the general path's drafts: the same acceptance."""
+    from sparseserve.spec_decode.spec_step import CAUGHT_UP, MTPSpeculator
+
     texts = ["The return statement", "A class definition", "Exceptions are"]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     base = dict(device="cpu", dtype="float32", max_model_len=256)
     plain = [o.outputs[0].token_ids for o in LLM("demo", **base).generate(texts, params, use_tqdm=False)]
-    llm = LLM("demo", **base, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": True})
-    llm.llm_engine.scheduler.draft_limit = cycling([3, 1, 0, 2])
-    assert [o.outputs[0].token_ids for o in llm.generate(texts, params, use_tqdm=False)] == plain
-    assert llm.llm_engine.spec_metrics.num_accepted_tokens > 0
+    original = MTPSpeculator.launch_catch_up
+    results = []
+    for at_launch in (True, False):
+        caught_up = []
+
+        def launch_catch_up(self, runner, step):
+            took = original(self, runner, step) if at_launch else None
+            caught_up.append(took is CAUGHT_UP)
+            return took
+
+        monkeypatch.setattr(MTPSpeculator, "launch_catch_up", launch_catch_up)
+        llm = LLM("demo", **base, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": True})
+        llm.llm_engine.scheduler.draft_limit = cycling([3, 1, 0, 2, 0])
+        assert [o.outputs[0].token_ids for o in llm.generate(texts, params, use_tqdm=False)] == plain
+        m = llm.llm_engine.spec_metrics
+        results.append((m.num_verify_steps, m.num_draft_tokens, m.num_accepted_tokens))
+        assert any(caught_up) == at_launch
+    assert results[0] == results[1] and results[0][2] > 0
 
 
 @pytest.mark.parametrize("seed", [0, 1])

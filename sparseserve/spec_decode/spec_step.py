@@ -21,6 +21,7 @@ from .mtp_proposer import DraftRequest, MTPForward, MTPProposer
 from .rejection_sampler import verify
 
 ACCEPT_SALT = 0x68E31DA4
+CAUGHT_UP = object()  # a plain step's drafter catch-up was queued at launch (launch_catch_up)
 
 
 class RunnerView(Protocol):
@@ -64,11 +65,26 @@ class MTPSpeculator:
             return None
         return fused_greedy_launch(self, runner, sched, chunks, logits)
 
+    def launch_catch_up(self, runner: RunnerView, step) -> object | None:
+        """A plain step of adaptive speculation (nothing verified, nothing to propose, every sequence
+        sampling after one token): queue the MTP layer's catch-up over the step's positions with
+        the tokens just sampled, still on the device, so that `finish_step` has nothing left to do
+        (no host pass over the requests). Returns CAUGHT_UP, or None, having done nothing."""
+        chunks = step.chunks
+        if (step.sched.num_propose != 0 or step.sampled is None or len(step.sample_reqs) != len(chunks)
+                or not isinstance(self.proposer, MTPProposer) or any(len(c.token_ids) != 1 for c in chunks)):
+            return None
+        catch_up = [SequenceChunk(c.slot, c.start_pos, [0], c.block_ids, "none") for c in chunks]
+        self.proposer.forward(catch_up, runner.last_streams, step.sampled[0], None)
+        return CAUGHT_UP
+
     def finish_step(self, runner: RunnerView, sched: SchedulerOutput, chunks: list[SequenceChunk],
                     logits: torch.Tensor, verify_rows: list[tuple[int, int]], out: RunnerOutput,
                     launched: FusedGreedy | None = None) -> None:
         """After a step's sampling: accept drafts, emit tokens and propose the next drafts into `out`.
-        `launched`: the step's fused greedy work queued at launch (read back here)."""
+        `launched`: the step's fused greedy work queued at launch (read back here), or CAUGHT_UP."""
+        if launched is CAUGHT_UP:
+            return
         if launched is not None:
             fused_greedy_finish(self, launched, out)
             return

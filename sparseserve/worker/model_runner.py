@@ -61,7 +61,7 @@ class LaunchedStep:
     prompt_logprobs: list = field(default_factory=list)  # (request, start, host tensors)
     done: torch.cuda.Event | None = None  # recorded after the copies
     pending_sampling: tuple | None = None  # (rows, last_rows, all_greedy, any_logprobs, any_processing) until sampled
-    spec_launched: object | None = None  # a fused greedy verify + draft queued at launch (spec_step.FusedGreedy)
+    spec_launched: object | None = None  # queued at launch: spec_step.FusedGreedy, or CAUGHT_UP (a plain step)
 
 
 @dataclass
@@ -397,6 +397,8 @@ class ModelRunner:
             lp = self._logprob_tensors(rows, tokens, sample_reqs) if any_logprobs else None
             step.host_logprobs = tuple(to_host(t) for t in lp) if lp is not None else None
         self._last_sampled = step.sampled
+        if self.speculator is not None and not step.verify:  # a plain step's drafter catch-up, queued now
+            step.spec_launched = self.speculator.launch_catch_up(self, step)
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()

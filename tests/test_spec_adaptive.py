@@ -236,3 +236,32 @@ def test_adaptive_with_tensor_parallelism_is_refused():
     spec = {"method": "mtp", "num_speculative_tokens": 1, "adaptive": True}
     with pytest.raises(ConfigError, match="adaptive.*tensor_parallel_size=2"):
         LLM(TINY, **BASE, tensor_parallel_size=2, speculative_config=spec)
+
+
+def test_graph_costs_compose_a_d_draft_step(monkeypatch):
+    """step_costs.measure_graph_costs: a d-draft step is the target graph of 1 + d, the drafter's
+    catch-up graph of 1 + d, d - 1 single-token draft graphs and d draft heads; a bucket without
+    a graph of some length has no entry for that d (replay timing stubbed: each replay returns its time)."""
+    from types import SimpleNamespace
+
+    from sparseserve.spec_decode import step_costs
+    from sparseserve.worker.cuda_graph import GraphKey
+
+    def runner(times: dict[int, float], hidden=None):
+        graphs = {GraphKey(b, 1): SimpleNamespace(graph=SimpleNamespace(replay=lambda t=t: t))
+                  for b, t in times.items()}
+        return SimpleNamespace(graphs=graphs, hidden=hidden)
+
+    target = {1: runner({1: 1.0, 8: 2.0}), 2: runner({1: 1.1, 8: 2.4}), 3: runner({1: 1.2})}
+    mtp = {1: runner({1: 0.1, 8: 0.2}, hidden=torch.zeros(8, 2, 4)), 2: runner({1: 0.12, 8: 0.25}),
+           3: runner({1: 0.14})}
+    monkeypatch.setattr(step_costs, "_replay_seconds", lambda replay, reps: replay())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    costs = step_costs.measure_graph_costs(target, mtp, lambda h: 0.01 * h.shape[0], k=2)
+    assert costs.buckets == [1, 8] and costs.source == "measured"
+    assert costs.seconds[(1, 0)] == pytest.approx(1.0 + 0.1)
+    assert costs.seconds[(1, 1)] == pytest.approx(1.1 + 0.12 + 0.01)
+    assert costs.seconds[(1, 2)] == pytest.approx(1.2 + 0.14 + 0.1 + 2 * 0.01)
+    assert costs.seconds[(8, 1)] == pytest.approx(2.4 + 0.25 + 0.08)
+    assert (8, 2) not in costs.seconds and policy(costs, k=2).best(8, 0.99) in (0, 1)
+    assert step_costs.measure_graph_costs({}, {}, lambda h: None, k=2) is None

@@ -172,8 +172,10 @@ def main() -> None:
     sweep = [int(b) for b in args.sweep.split(",")]
     all_batches = sorted(set(batches) | set(sweep))
     k_max = max(ks)
+    # Adaptive cells warm up longer: the policy's acceptance estimate has to move from what it saw before.
+    adaptive_warmup = max(args.warmup, 4 * args.steps)
     # Long enough for every timed step to accept all drafts, plus the drafts past the last one.
-    cont_len = 8 + (args.warmup + args.steps) * (k_max + 1) + k_max + 2
+    cont_len = 8 + (adaptive_warmup + args.steps) * (k_max + 1) + k_max + 2
     skipped: list[str] = []
 
     def over_budget(what: str) -> bool:
@@ -228,6 +230,8 @@ def main() -> None:
     adaptive = []
     engine.scheduler.draft_limit = None
     for drafter in ("oracle", "mtp"):
+        if policy is not None:  # each drafter's sweep starts from the policy's prior
+            policy.reset()
         for b in sweep:
             if b not in sequences or over_budget(f"adaptive ({drafter}) batch {b}"):
                 continue
@@ -239,7 +243,7 @@ def main() -> None:
 
             engine.scheduler.draft_limit = choose if policy is not None else None
             row = run_spec_cell(engine, oracle if drafter == "oracle" else None, list(sequences[b].values()),
-                                cont_len - k_max - 2, args, f"a{drafter}{b}")
+                                cont_len - k_max - 2, args, f"a{drafter}{b}", adaptive_warmup)
             row.update({"drafter": drafter, "p": args.p if drafter == "oracle" else None,
                         "vs_plain": row["tokens_per_s"] / plain[b]["tokens_per_s"],
                         "drafts_chosen": {d: choices.count(d) for d in sorted(set(choices))},
@@ -263,7 +267,7 @@ def main() -> None:
 
 
 def run_spec_cell(engine, oracle: OracleDrafter | None, sequences: list[list[int]], max_tokens: int, args,
-                  tag: str) -> dict:
+                  tag: str, warmup: int | None = None) -> dict:
     """`timed_steps` on the speculative engine for the sequences' prompts; the oracle (if any) is bound
     to their continuations once every request holds a slot (a prefill may take several steps)."""
     ids = [f"{tag}-{i}" for i in range(len(sequences))]
@@ -280,7 +284,8 @@ def run_spec_cell(engine, oracle: OracleDrafter | None, sequences: list[list[int
 
     engine.step = step
     try:
-        return timed_steps(engine, [s[:args.prompt_len] for s in sequences], max_tokens, args.warmup, args.steps, tag)
+        return timed_steps(engine, [s[:args.prompt_len] for s in sequences], max_tokens,
+                           args.warmup if warmup is None else warmup, args.steps, tag)
     finally:
         engine.step = original
         if oracle is not None:

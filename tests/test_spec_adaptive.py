@@ -93,6 +93,8 @@ def test_acceptance_estimate_forgets_and_probes_after_plain_steps():
     assert choices[:4] == [0] * 4
     assert choices[4:6] == [1, 1]  # the probe: propose one draft, verify it
     assert choices[6:10] == [0] * 4 and choices[10:12] == [1, 1]
+    p.reset()  # the prior again, the counts so far ignored
+    assert p.acceptance == pytest.approx(0.6) and p.choose(1) == 3
 
 
 def test_adaptive_option_is_validated():

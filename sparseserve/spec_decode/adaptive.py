@@ -101,7 +101,13 @@ class AdaptivePolicy:
     _probe_left: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start the acceptance estimate again from the prior; the counts recorded so far are ignored."""
         self._successes, self._trials = self.prior * self.prior_trials, self.prior_trials
+        self._seen = (self.metrics.num_accepted_tokens, self.metrics.num_checked_tokens)
+        self._idle_steps = self._probe_left = 0
 
     @property
     def acceptance(self) -> float:

@@ -63,7 +63,9 @@ def engine_with_requests(model: str, batch: int, enforce_eager: bool, steps: int
 
 def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len: int, spec_k: int = 0,
             kv_cache_bytes: int = 8 * 1024**3) -> dict:
-    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": spec_k}} if spec_k else {}
+    # adaptive=False: every step verifies spec_k drafts (the verify + draft step is what is timed).
+    spec = ({"speculative_config": {"method": "mtp", "num_speculative_tokens": spec_k, "adaptive": False}}
+            if spec_k else {})
     # Synchronous steps: "step" is one whole engine step (async scheduling would overlap two).
     llm = engine_with_requests(model, batch, enforce_eager, steps, prompt_len, kv_cache_bytes, False, **spec)
     engine = llm.llm_engine

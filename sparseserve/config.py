@@ -180,6 +180,18 @@ class EngineConfig:
     def num_speculative_tokens(self) -> int:
         return int(self.speculative_config["num_speculative_tokens"]) if self.speculative_config else 0
 
+    @property
+    def speculative_adaptive(self) -> bool | None:
+        """speculative_config['adaptive']: drafts per step chosen from acceptance and step costs
+        (spec_decode/adaptive.py); None (the default) = off: k drafts every step."""
+        return self.speculative_config.get("adaptive") if self.speculative_config else None
+
+    def adaptive_speculation_on(self, device_type: str) -> bool:
+        """Whether adaptive speculation runs: only when asked (`"adaptive": True`). It is opt-in while
+        its step costs and the >= 0.97x-of-plain goal are unmeasured on a GPU (docs/design.md)."""
+        del device_type  # the policy times graphs where they run, and models eager step costs elsewhere
+        return bool(self.num_speculative_tokens and self.speculative_adaptive)
+
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -65,16 +65,17 @@ def _check_dtype(value) -> None:
 def _check_speculative(spec) -> None:
     if spec is None:
         return
-    rule = "{'method': 'mtp', 'num_speculative_tokens': k} or None"
+    rule = "{'method': 'mtp', 'num_speculative_tokens': k[, 'adaptive': True | False | None]} or None"
     if not isinstance(spec, dict):
         raise ConfigTypeError(f"speculative_config must be {rule}; got {spec!r} ({type(spec).__name__})")
     if spec.get("method") != "mtp":
         raise ConfigError(f"speculative_config must be {rule}; got {spec!r}")
-    unknown = sorted(map(str, set(spec) - {"method", "num_speculative_tokens"}))
+    unknown = sorted(map(str, set(spec) - {"method", "num_speculative_tokens", "adaptive"}))
     if unknown:
-        raise ConfigError(f"unsupported speculative_config keys: {unknown}; only 'method' and "
-                          "'num_speculative_tokens' are read")
+        raise ConfigError(f"unsupported speculative_config keys: {unknown}; only 'method', "
+                          "'num_speculative_tokens' and 'adaptive' are read")
     check_int(spec.get("num_speculative_tokens"), "speculative_config['num_speculative_tokens']", ConfigError, 1, 16)
+    check_bool(spec.get("adaptive"), "speculative_config['adaptive']", ConfigError, none_ok=True)
 
 
 def _check_hf_overrides(value) -> None:
@@ -119,6 +120,10 @@ def validate_engine_config(config) -> None:
     check_choice(config.topk_backend, _name("topk_backend"), ConfigError, TOPK_BACKENDS)
     check_choice(config.side_stream, _name("side_stream"), ConfigError, SIDE_STREAM_MODES)
     _check_speculative(config.speculative_config)
+    if config.speculative_adaptive and config.tensor_parallel_size > 1:
+        raise ConfigError(f"speculative_config['adaptive']=True runs on one GPU (its step costs are measured where "
+                          f"the graphs are captured); with tensor_parallel_size={config.tensor_parallel_size} set "
+                          "'adaptive' to False or leave it out")
     _check_hf_overrides(config.hf_overrides)
     sizes = config.cuda_graph_sizes
     if sizes is not None:

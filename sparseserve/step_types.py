@@ -28,6 +28,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Drafts the runner proposes per request for the next step: None = the speculator's k; set by
+    # adaptive speculation (spec_decode/adaptive.py), 0 = none (the drafter only catches up).
+    num_propose: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -82,8 +82,9 @@ def test_watchdog_reports_a_step_that_does_not_finish():
     torch.cuda.synchronize()
 
 
-def spec_config(k):
-    return {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}}
+def spec_config(k, adaptive=False):
+    # adaptive=False: k drafts every step, so graph and eager engines verify the same drafts.
+    return {"speculative_config": {"method": "mtp", "num_speculative_tokens": k, "adaptive": adaptive}}
 
 
 @pytest.mark.parametrize("k, extra", [(1, {}), (2, {}), (3, {}),
@@ -110,6 +111,41 @@ def test_speculative_graphs_equal_eager_token_for_token(k, extra):
     mismatched = [i for i, (a, b) in enumerate(zip(results[True][0], results[False][0])) if a != b]
     assert not mismatched, f"{len(mismatched)} of 64 prompts differ, first {mismatched[:5]}"
     assert results[True][1:] == results[False][1:]
+
+
+def test_adaptive_speculation_graphs_equal_eager_and_costs_are_timed():
+    """Adaptive speculation captures graphs for every 1 + d and times them at start-up; with the
+    same drafts per step (a fixed cycle in place of the policy) graphs and padded eager steps give
+    the same tokens and acceptance."""
+    import itertools
+
+    from sparseserve.spec_decode.adaptive import AdaptivePolicy
+
+    k, results = 3, {}
+    for eager in (True, False):
+        llm = LLM(TINY, enforce_eager=eager, **COMMON, **spec_config(k, adaptive=True))
+        engine = llm.llm_engine
+        assert isinstance(engine.spec_policy, AdaptivePolicy)
+        if not eager:
+            runner = engine.runner
+            assert sorted(runner.graphs) == sorted(runner.mtp_graphs) == [1, 2, 3, 4]
+            costs = runner.step_costs
+            assert costs.source == "measured" and engine.spec_policy.costs is costs
+            assert {(b, d) for b in costs.buckets for d in range(k + 1)} <= set(costs.seconds)
+            assert all(s > 0 for s in costs.seconds.values())
+        else:
+            engine.runner.pad_like_graphs = True
+        cycle = itertools.cycle([3, 1, 0, 2])
+        engine.scheduler.draft_limit = lambda batch: next(cycle)
+        outs = llm.generate(prompt_set(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                            use_tqdm=False)
+        m = engine.spec_metrics
+        results[eager] = ([o.outputs[0].token_ids for o in outs], m.num_draft_tokens, m.num_accepted_tokens)
+        assert m.num_verify_steps > 0 and engine.all_cache_free()
+        del llm, engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert results[True] == results[False]
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

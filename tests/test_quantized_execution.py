@@ -161,7 +161,8 @@ def test_gpu_quantized_graphs_equal_eager(tmp_path, expert_dtype, mtp):
     ckpt = write_release_checkpoint(tmp_path / expert_dtype, CONFIGS_DIR / "tiny", expert_dtype=expert_dtype, seed=2)
     prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 3 * i))} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}} if mtp else {}
+    # adaptive=False: the graph and eager engines verify the same drafts each step.
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1, "adaptive": False}} if mtp else {}
     runs = []
     for eager in (True, False):
         llm = LLM(str(ckpt), device="cuda", quantization="auto", enforce_eager=eager, max_model_len=64,

@@ -91,7 +91,8 @@ def main() -> None:
         return outs, time.perf_counter() - t
 
     for k in (0, 1, 2):
-        spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
+        # adaptive=False: every step verifies k drafts (the acceptance at k is what is reported).
+        spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k, "adaptive": False}} if k else {}
         llm = LLM(args.model, **timed, **spec)
         for batch in (1, len(prompts)):
             outs, seconds = run(llm, batch)

@@ -170,7 +170,8 @@ def kernel_timeline(events, steps: int) -> str:
 
 def decode_profile(args, out) -> None:
     lines = []
-    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": args.spec_k}} if args.spec_k else {}
+    spec = ({"speculative_config": {"method": "mtp", "num_speculative_tokens": args.spec_k, "adaptive": False}}
+            if args.spec_k else {})  # every step verifies spec_k drafts
     for eager in ((False,) if args.spec_k or args.graphs_only else (True, False)):
         llm = LLM(args.model, load_format="dummy", max_model_len=4096, max_num_seqs=1, cuda_graph_sizes=[1],
                   enforce_eager=eager, kv_cache_memory_bytes=4 * 1024**3, **spec)

@@ -26,6 +26,7 @@ from ..model.weight_bytes import ParallelLayout
 from ..model.mtp import load_mtp
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
+from ..spec_decode.adaptive import attach_policy
 from ..spec_decode.metrics import SpecDecodeMetrics
 from ..step_types import RunnerOutput, SchedulerOutput
 from ..validation import ModelLimits, parse_prompt
@@ -116,7 +117,8 @@ class LLMEngine:
                            RunnerOptions(enforce_eager=config.enforce_eager, cuda_graph_sizes=config.cuda_graph_sizes,
                                          topk_backend=config.topk_backend, step_timeout_s=config.step_timeout_s,
                                          num_speculative_tokens=spec_k, side_stream=config.side_stream,
-                                         kv_cache_dtype=config.kv_cache_dtype),
+                                         kv_cache_dtype=config.kv_cache_dtype,
+                                         adaptive_speculation=config.adaptive_speculation_on(self.device.type)),
                            mtp=mtp)
 
     def _start_executor(self):
@@ -215,6 +217,7 @@ class LLMEngine:
         if config.cudagraph_audit:
             self.runner.audit_graphs()
         self.runner.capture_graphs()
+        self.spec_policy = attach_policy(self.scheduler, config, self.device.type, self.runner, self.spec_metrics)
         if config.cudagraph_audit and not self.parallel:  # the replay half reads the runner in this process
             audit_graph_replays(self.runner, self.kv, seed=config.seed)
         self.eos_token_id = hf.eos_token_id if isinstance(hf.eos_token_id, int) else None

@@ -8,6 +8,7 @@ are freed and it restarts from scratch later), possibly itself.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from ..step_types import ScheduledChunk, SchedulerOutput
 from .kv_cache import KVCacheManager
@@ -31,6 +32,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Adaptive speculation (spec_decode/adaptive.py): the step's draft limit from the number of
+        # running requests, chosen before the step; None verifies every draft a request has.
+        self.draft_limit: Callable[[int], int] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -55,6 +59,7 @@ class Scheduler:
         max_len = self.max_model_len
         block_size = self.kv.block_size
         chunks = out.chunks
+        limit = out.num_propose = self.draft_limit(len(self.running)) if self.draft_limit is not None else None
         # This loop runs for every running request at every step while the GPU may be waiting, so
         # it reads fields directly instead of calling Request's helpers (same rules, spelled inline):
         # num_tokens_with_pending, ends_by_length_with_pending, KVCacheManager.holds, make_chunk.
@@ -81,6 +86,8 @@ class Scheduler:
                 # Verify the drafts too, within the budget and without passing max_model_len.
                 room = (max_len - known - 1) if max_len else len(request.draft_token_ids)
                 num_draft = max(0, min(len(request.draft_token_ids), budget - 1, room))
+                if limit is not None:
+                    num_draft = min(num_draft, limit)
                 n += num_draft
             need = computed + n
             if request.slot is None or need > len(request.block_ids) * block_size:

@@ -14,12 +14,16 @@ class SpecDecodeMetrics:
     num_verify_steps: int = 0  # request-steps that verified drafts
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Drafts examined: the accepted ones plus the first rejected one of a step, if any (the drafts
+    # after it are never looked at); accepted / examined estimates an i.i.d. per-draft acceptance.
+    num_checked_tokens: int = 0
     _last_log: float = field(default_factory=time.monotonic)
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.num_verify_steps += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
+        self.num_checked_tokens += num_accepted + (num_accepted < num_draft)
 
     @property
     def acceptance_rate(self) -> float:

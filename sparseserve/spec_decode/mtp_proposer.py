@@ -51,42 +51,48 @@ class MTPProposer:
 
     @torch.no_grad()
     def propose(self, requests: list[DraftRequest], target_streams: torch.Tensor,
-                sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-        """Returns (drafts [D, k] int64, draft probs [D, k, V] or None when all greedy, indices of the
-        requests that drafted). `sampling` holds one row per drafting request."""
+                sampling: SamplingTensors | None, num: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """Returns (drafts [D, num] int64, draft probs [D, num, V] or None when all greedy, indices of the
+        requests that drafted). `sampling` holds one row per drafting request; `num`: drafts per request
+        (default k; 0: the layer only catches up)."""
         device = target_streams.device
+        num = self.k if num is None else num
         chunks = [SequenceChunk(r.chunk.slot, r.chunk.start_pos, r.next_tokens, r.chunk.block_ids, "none")
                   for r in requests]
-        drafting = [i for i, r in enumerate(requests) if r.draft_from is not None]
+        drafting = [i for i, r in enumerate(requests) if r.draft_from is not None] if num else []
         if not drafting:
             self.forward(chunks, target_streams, None, None)  # the window state still follows the target
-            return torch.empty(0, self.k, dtype=torch.long, device=device), None, []
+            return torch.empty(0, num, dtype=torch.long, device=device), None, []
         offsets = [0]
         for chunk in chunks:
             offsets.append(offsets[-1] + len(chunk.token_ids))
         rows = to_device([offsets[i] + requests[i].draft_from for i in drafting], device)
         positions = to_device([requests[i].chunk.start_pos + requests[i].draft_from for i in drafting], device)
         drafts, probs = self.draft(chunks, target_streams, None, rows, [requests[i].chunk for i in drafting],
-                                   positions, sampling)
+                                   positions, sampling, num)
         return drafts, probs, drafting
 
     @torch.no_grad()
     def draft(self, chunks: list[SequenceChunk], target_streams: torch.Tensor, input_ids: torch.Tensor | None,
-              rows: torch.Tensor, drafting: list[SequenceChunk], positions: torch.Tensor | None,
-              sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              rows: torch.Tensor, drafting: list[SequenceChunk], positions: torch.Tensor,
+              sampling: SamplingTensors | None, num: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the layer over the step's `chunks` (their next tokens: `input_ids` on the device, or the
-        chunks' own ids), then draft k tokens for the `drafting` sequences (their slots and blocks), from
-        the catch-up rows `rows` at `positions` (both on the device: the general path fills them from
-        the host, the fused greedy path from the acceptance counts). Returns (drafts [D, k], probs
-        [D, k, V] or None when all greedy)."""
+        chunks' own ids), then draft `num` (default k) tokens for the `drafting` sequences (their slots
+        and blocks), from the catch-up rows `rows` at `positions` (both on the device: the general path
+        fills them from the host, the fused greedy path from the acceptance counts). Returns (drafts
+        [D, num], probs [D, num, V] or None when all greedy)."""
+        num = self.k if num is None else num
         h = self.forward(chunks, target_streams, input_ids, None)[rows]
+        if num == 0:
+            return torch.empty(len(drafting), 0, dtype=torch.long, device=h.device), None
         one_token = [SequenceChunk(c.slot, c.start_pos, [0], c.block_ids, "last") for c in drafting]
         drafts, probs = [], []
-        for j in range(self.k):
+        for j in range(num):
             token, p = self._sample(self.mtp.compute_logits(h, self.target), sampling, j)
             drafts.append(token)
             probs.append(p)
-            if j + 1 == self.k:
+            if j + 1 == num:
                 break
             # Feed the draft back: position + j + 1 sees the block's own streams as h.
             h = self.forward(one_token, h, token, positions + j + 1)[: len(drafting)]

@@ -21,6 +21,7 @@ from .mtp_proposer import DraftRequest, MTPForward, MTPProposer
 from .rejection_sampler import verify
 
 ACCEPT_SALT = 0x68E31DA4
+CAUGHT_UP = object()  # a plain step's drafter catch-up was queued at launch (launch_catch_up)
 
 
 class RunnerView(Protocol):
@@ -43,6 +44,14 @@ class MTPSpeculator:
         self.proposer = MTPProposer(mtp, target, state, num_tokens, forward)
         self.draft_probs: dict[str, torch.Tensor] = {}  # request_id -> [k, V] q of its pending drafts
 
+    def measure_costs(self, target_graphs: dict, mtp_graphs: dict):
+        """Adaptive speculation's step costs, timed from the captured graphs (step_costs.py)."""
+        from .step_costs import measure_graph_costs
+
+        mtp, target = self.proposer.mtp, self.proposer.target
+        return measure_graph_costs(target_graphs, mtp_graphs,
+                                   lambda h: mtp.compute_logits(h, target).argmax(dim=-1), self.k)
+
     def forget(self, request_id: str) -> None:
         """Drop what is kept for a request's pending drafts (finished, aborted or preempted)."""
         self.draft_probs.pop(request_id, None)
@@ -56,11 +65,26 @@ class MTPSpeculator:
             return None
         return fused_greedy_launch(self, runner, sched, chunks, logits)
 
+    def launch_catch_up(self, runner: RunnerView, step) -> object | None:
+        """A plain step of adaptive speculation (nothing verified, nothing to propose, every sequence
+        sampling after one token): queue the MTP layer's catch-up over the step's positions with
+        the tokens just sampled, still on the device, so that `finish_step` has nothing left to do
+        (no host pass over the requests). Returns CAUGHT_UP, or None, having done nothing."""
+        chunks = step.chunks
+        if (step.sched.num_propose != 0 or step.sampled is None or len(step.sample_reqs) != len(chunks)
+                or not isinstance(self.proposer, MTPProposer) or any(len(c.token_ids) != 1 for c in chunks)):
+            return None
+        catch_up = [SequenceChunk(c.slot, c.start_pos, [0], c.block_ids, "none") for c in chunks]
+        self.proposer.forward(catch_up, runner.last_streams, step.sampled[0], None)
+        return CAUGHT_UP
+
     def finish_step(self, runner: RunnerView, sched: SchedulerOutput, chunks: list[SequenceChunk],
                     logits: torch.Tensor, verify_rows: list[tuple[int, int]], out: RunnerOutput,
                     launched: FusedGreedy | None = None) -> None:
         """After a step's sampling: accept drafts, emit tokens and propose the next drafts into `out`.
-        `launched`: the step's fused greedy work queued at launch (read back here)."""
+        `launched`: the step's fused greedy work queued at launch (read back here), or CAUGHT_UP."""
+        if launched is CAUGHT_UP:
+            return
         if launched is not None:
             fused_greedy_finish(self, launched, out)
             return
@@ -74,28 +98,28 @@ class FusedGreedy:
     """A fused greedy step's device work, queued: per request [accepted, target tokens, next drafts]."""
 
     reqs: list
-    q: int  # 1 + k
-    host: torch.Tensor  # [B, 1 + q + k], copied to host memory (read once the step's event is done)
+    q: int  # 1 + d (the drafts verified)
+    host: torch.Tensor  # [B, 1 + q + drafts proposed], copied to host memory (read once the step's event is done)
 
 
 def fused_greedy_launch(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutput,
                         chunks: list[SequenceChunk], logits: torch.Tensor) -> FusedGreedy | None:
-    """A step where every request is greedy and verifies all k drafts: acceptance, the MTP layer's
-    catch-up and the next k drafts are queued on the device from the step's logits, with a copy of
-    the results to host memory, so that the host reads everything back once (the general path
-    waits after verifying and again after drafting). None, having done nothing, when the step is
-    not of that kind."""
+    """A step where every request is greedy and verifies the same number d >= 1 of drafts:
+    acceptance, the MTP layer's catch-up and the next drafts (`sched.num_propose`, default k) are
+    queued on the device from the step's logits, with a copy of the results to host memory, so
+    that the host reads everything back once (the general path waits after verifying and again
+    after drafting). None, having done nothing, when the step is not of that kind."""
     proposer = spec.proposer
     if not isinstance(proposer, MTPProposer):
         return None
-    k = proposer.k
+    k = sched.chunks[0].num_draft
     reqs = [sc.request for sc in sched.chunks]
-    if any(sc.num_draft != k for sc in sched.chunks) or any(
+    if k < 1 or any(sc.num_draft != k for sc in sched.chunks) or any(
             not r.params.greedy or r.params.logprobs is not None or r.params.needs_logits_processing for r in reqs):
         return None
     device = logits.device
     batch, q = len(reqs), k + 1
-    target = logits[: batch * q].view(batch, q, -1).argmax(dim=-1)  # [B, 1 + k]
+    target = logits[: batch * q].view(batch, q, -1).argmax(dim=-1)  # [B, 1 + d]
     drafts = to_device([r.draft_token_ids[:k] for r in reqs], device).view(batch, k)
     accepted = (drafts == target[:, :k]).long().cumprod(dim=1).sum(dim=1)
     # The token after position start + j: an accepted draft (= the target's argmax) for j < a, the
@@ -104,9 +128,9 @@ def fused_greedy_launch(spec: MTPSpeculator, runner: RunnerView, sched: Schedule
     next_tokens = target.gather(1, torch.minimum(steps, accepted.unsqueeze(1)))
     catch_up = [SequenceChunk(c.slot, c.start_pos, [0] * q, c.block_ids, "none") for c in chunks]
     rows = torch.arange(batch, device=device) * q + accepted  # each request's last accepted position
-    positions = to_device([c.start_pos for c in chunks], device) + accepted if k > 1 else None
+    positions = to_device([c.start_pos for c in chunks], device) + accepted
     new_drafts, _ = proposer.draft(catch_up, runner.last_streams, next_tokens.reshape(-1), rows, chunks,
-                                   positions, None)
+                                   positions, None, sched.num_propose)
     return FusedGreedy(reqs, q, to_host(torch.cat([accepted.unsqueeze(1), target, new_drafts], dim=1)))
 
 
@@ -229,20 +253,31 @@ def draft_next(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutput, 
     for sc, chunk in zip(sched.chunks, chunks):
         req = sc.request
         emitted = [t.token_id for t in out.sampled.get(req.request_id, [])]
-        known = req.all_token_ids + emitted  # the sequence after this step
-        start = chunk.start_pos
-        next_tokens = [known[p + 1] if p + 1 < len(known) else known[-1] for p in range(start, start + len(chunk.token_ids))]
-        draft_from = (len(known) - 2 - start) if emitted else None
+        # The token after each chunk position in the sequence after this step (prompt + outputs +
+        # emitted), its last token past the end; sliced without copying the whole sequence, since
+        # plain (d = 0) steps of adaptive speculation take this path at every batch size.
+        before = len(req.prompt_token_ids) + len(req.output_token_ids)
+        total, start, n = before + len(emitted), chunk.start_pos, len(chunk.token_ids)
+        lo, hi = start + 1, min(start + n + 1, total)
+        next_tokens = req.token_ids_between(lo, min(hi, before)) if lo < before else []
+        next_tokens += emitted[max(lo - before, 0):max(hi - before, 0)]
+        last = emitted[-1] if emitted else (req.output_token_ids or req.prompt_token_ids)[-1]
+        next_tokens += [last] * (n - len(next_tokens))
+        draft_from = (total - 2 - start) if emitted else None
         requests.append(DraftRequest(req.request_id, chunk, next_tokens, draft_from))
-    drafting_reqs = [sc.request for sc, r in zip(sched.chunks, requests) if r.draft_from is not None]
+    num = sched.num_propose
+    drafting_reqs = ([sc.request for sc, r in zip(sched.chunks, requests) if r.draft_from is not None]
+                     if num != 0 else [])
     greedy = all(r.params.greedy for r in drafting_reqs)
     st = runner.sampling_tensors(drafting_reqs) if drafting_reqs and not greedy else None
     if st is not None:
         # Drafts are the tokens after the ones just emitted.
         st.counters = st.counters + to_device([len(out.sampled[r.request_id]) for r in drafting_reqs],
                                               st.counters.device)
-    drafts, probs, drafting = spec.proposer.propose(requests, streams, st)
-    draft_list = drafts.tolist()
+    # `num` only when set: a drafter without a draft count (the tests' known drafters) proposes k.
+    args = (requests, streams, st) if num is None else (requests, streams, st, num)
+    drafts, probs, drafting = spec.proposer.propose(*args)
+    draft_list = drafts.tolist() if drafting else []  # a catch-up alone is not waited for
     for n, i in enumerate(drafting):
         req = sched.chunks[i].request
         out.drafts[req.request_id] = draft_list[n]

@@ -61,7 +61,7 @@ class LaunchedStep:
     prompt_logprobs: list = field(default_factory=list)  # (request, start, host tensors)
     done: torch.cuda.Event | None = None  # recorded after the copies
     pending_sampling: tuple | None = None  # (rows, last_rows, all_greedy, any_logprobs, any_processing) until sampled
-    spec_launched: object | None = None  # a fused greedy verify + draft queued at launch (spec_step.FusedGreedy)
+    spec_launched: object | None = None  # queued at launch: spec_step.FusedGreedy, or CAUGHT_UP (a plain step)
 
 
 @dataclass
@@ -71,6 +71,7 @@ class RunnerOptions:
     topk_backend: str = "auto"
     step_timeout_s: float = 60.0
     num_speculative_tokens: int = 0
+    adaptive_speculation: bool = False  # graphs for every 1 + d, d <= k, and their step costs timed
     side_stream: str = "auto"  # one of SIDE_STREAM_MODES (EngineConfig.side_stream)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (model/state.py)
 
@@ -113,7 +114,8 @@ class ModelRunner:
         # k drafts) run as graphs; on CUDA their eager form is padded and built the same way, so
         # both modes compute the same function (docs/design.md, invariant 5).
         k = self.options.num_speculative_tokens
-        self.query_lens = [1] + ([1 + k] if k else [])
+        verify_lens = list(range(2, k + 2)) if self.options.adaptive_speculation else [1 + k] if k else []
+        self.query_lens = [1] + verify_lens
         # Captured graphs use the side stream ("auto" = "graphs"), except with speculation: its graphs
         # (verify, drafter) have not been measured with it on the GPU, so "auto" keeps them on one stream.
         mode = self.options.side_stream
@@ -128,6 +130,7 @@ class ModelRunner:
             raise ValueError("num_speculative_tokens > 0 needs the MTP layer (mtp=...)")
         self.mtp = mtp if k else None
         self.speculator: MTPSpeculator | None = None  # built with the state (allocate_state)
+        self.step_costs = None  # adaptive speculation: StepCosts timed from the graphs (capture_graphs)
         self.last_streams: torch.Tensor | None = None
         # The last launched step's sampled tokens (device) and each request's row among them:
         # the next step reads its pending input tokens from there.
@@ -269,6 +272,8 @@ class ModelRunner:
                 self.startup_steps.append((f"first graph warm-up: {runner.name}, batch {max(runner.sizes)} of "
                                            f"{runner.query_len} token(s)", runner.first_warmup_s))
             (self.graphs if runner.name == "target" else self.mtp_graphs)[runner.query_len] = runner
+        if self.speculator is not None and self.options.adaptive_speculation:
+            self.step_costs = self.speculator.measure_costs(self.graphs, self.mtp_graphs)
 
     def audit_graphs(self) -> None:
         """Capture each graph again under short and max_model_len dummy lengths and compare."""
@@ -392,6 +397,8 @@ class ModelRunner:
             lp = self._logprob_tensors(rows, tokens, sample_reqs) if any_logprobs else None
             step.host_logprobs = tuple(to_host(t) for t in lp) if lp is not None else None
         self._last_sampled = step.sampled
+        if self.speculator is not None and not step.verify:  # a plain step's drafter catch-up, queued now
+            step.spec_launched = self.speculator.launch_catch_up(self, step)
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()

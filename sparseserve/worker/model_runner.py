@@ -29,6 +29,7 @@ from ..step_types import PENDING_TOKEN_ID, RunnerOutput, SampledToken, Scheduler
 from .cuda_graph import (BufferSpec, CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes,
                          logits_mode, pad_chunks, pick_bucket, set_positions)
 from ..sample.logits_processors import LogitsRow, build_prompt_mask, process_logits
+from .kernel_warmup import run_warmup, warmup_plan
 from .watchdog import StepWatchdog
 
 logger = logging.getLogger("sparseserve")
@@ -134,6 +135,7 @@ class ModelRunner:
         self.eos_token_id = eos if isinstance(eos, int) else None
         # The forwards start-up runs before any request, with their wall time (kernel builds included).
         self.startup_steps: list[tuple[str, float]] = []
+        self.startup_phases: dict[str, float] = {}  # start-up phase -> seconds (the start-up report)
 
     # ---- top-k paths: fixed per row bucket from static facts (docs/design.md, invariant 3) ----
     def topk_for(self, max_rows: int) -> tuple[TopKFn, str]:
@@ -261,26 +263,34 @@ class ModelRunner:
                                                topk_for=None, hidden=streams, pool=pool, **common))
         return runners
 
-    def capture_graphs(self) -> None:
+    def warm_up_kernels(self) -> None:
+        """Build the kernels of every eager step the limits admit before serving (kernel_warmup.py)."""
+        if self.device.type != "cuda":
+            return  # no Triton kernel runs off CUDA
+        eager_decode = {} if self.use_graphs else {q: self.graph_sizes_for(q) for q in self.query_lens}
+        plan = warmup_plan(self.max_num_batched_tokens, self.max_model_len, self.max_num_seqs,
+                           tuple(self.query_lens) if self.use_graphs else (), eager_decode)
+        report = run_warmup(self, plan)
+        self.startup_phases["kernel warm-up"] = report.seconds
+        self.startup_steps.append((f"kernel warm-up: {report.steps} eager steps, {report.builds} kernels built",
+                                   report.seconds))
+
+    def capture_graphs(self, audit: str = "off") -> None:
+        """Capture every graph. `audit` ("off", "sample", "all"): compare the captures of those buckets
+        with a second capture at max_model_len dummy lengths; GraphCaptureError on a difference."""
         if not self.use_graphs:
             return
+        problems = []
         for runner in self._new_graph_runners():
-            runner.capture_all()
+            problems += runner.capture_all(audit, self.max_model_len)
+            for phase, seconds in (("graph capture", runner.capture_s), ("capture audit", runner.audit_s)):
+                self.startup_phases[phase] = self.startup_phases.get(phase, 0.0) + seconds
             if runner.sizes:
                 self.startup_steps.append((f"first graph warm-up: {runner.name}, batch {max(runner.sizes)} of "
                                            f"{runner.query_len} token(s)", runner.first_warmup_s))
             (self.graphs if runner.name == "target" else self.mtp_graphs)[runner.query_len] = runner
-
-    def audit_graphs(self) -> None:
-        """Capture each graph again under short and max_model_len dummy lengths and compare."""
-        if not self.use_graphs:
-            raise ValueError("cudagraph_audit needs CUDA graphs: a CUDA device and enforce_eager=False")
-        problems = []
-        # The audit's graphs are dropped runner by runner: a pool per runner, so that none is shared
-        # with graphs that are already gone.
-        for runner in self._new_graph_runners(pool_per_runner=True):
-            problems += runner.audit_captures(self.max_model_len)
         if problems:
+            self.graphs, self.mtp_graphs = {}, {}
             raise GraphCaptureError("CUDA graph audit failed:\n" + "\n".join(problems))
 
     @contextmanager

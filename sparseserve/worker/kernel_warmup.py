@@ -1,0 +1,174 @@
+"""Start-up kernel builds: eager steps that meet every kernel specialisation the engine's limits admit,
+so that no request waits for Triton to build a kernel.
+
+Triton builds a kernel for each new combination of its `tl.constexpr` values and of the
+specialisations of its plain integer arguments (== 1, divisible by 16) and pointers (16-byte
+aligned). Lengths and counts that vary with the requests (token counts, row-list widths, their
+strides) are `do_not_specialize` arguments of the kernels, and `build_batch` aligns every metadata
+view, so what is left to vary is the launch configurations chosen from a step's sizes: tile sizes and
+warps from the token count (`mhc.mix_config` / `row_config`, the MoE and quantized GEMM tables, the
+rope blocks, the router and fused-mHC paths of small steps), and row splits, scan widths and top-k
+chunks from the step's token count together with its longest sequence (`attention.select`, the
+top-k plans, `rows._tiles`). Those choices are step functions with thresholds at powers of two (and at
+fixed sizes below 16), so the plan runs:
+
+- a token sweep: one prefill of T tokens from position 0 for every T in `token_buckets` (1 to 16,
+  then each power of two p with p + 1 and 3p/2) up to `max_num_batched_tokens`;
+- a length sweep: steps of T tokens (powers of two up to `CROSS_MAX_TOKENS`) ending at every power
+  of two from `MIN_LENGTH` and at `max_model_len`, where the choices that depend on both sizes change
+  (row splits, scan widths, top-k chunks: their thresholds are powers of two of the row widths, which
+  are the length over a compress rate);
+- a few steps of several sequences (mixed prefill and decode rows).
+
+Decode-shaped steps (every sequence the same graph query length) are built by the graph captures.
+The `gpu` test `tests/test_kernel_warmup_gpu.py` checks the claim: after start-up, random prompt lengths
+and batch compositions build nothing.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.argmax import greedy_tokens
+from ..kernels.jit_builds import TritonBuilds
+from ..model.batch import SequenceChunk
+
+logger = logging.getLogger("sparseserve")
+
+SMALL_TOKENS = 16  # every token count up to this: the fixed thresholds of small steps (4, 16)
+CROSS_MAX_TOKENS = 256  # the length sweep's largest step: row splits only change for small steps
+MIN_LENGTH = 16
+
+
+@dataclass(frozen=True)
+class WarmupStep:
+    """One eager step of the warm-up: `num_seqs` sequences sharing `num_tokens` tokens, the first one
+    ending at position `end` (the step's longest sequence); the others are one-token rows."""
+
+    num_tokens: int
+    end: int
+    num_seqs: int = 1
+    query_len: int = 0  # > 0: a decode-shaped step, every sequence of this many tokens
+
+    def chunks(self, block_size: int, num_blocks: int) -> list[SequenceChunk]:
+        blocks = list(range(min(num_blocks, -(-self.end // block_size))))
+        if self.query_len:
+            q = self.query_len
+            return [SequenceChunk(i, self.end - q, [1] * q, blocks, "last" if q == 1 else "all")
+                    for i in range(self.num_seqs)]
+        first = self.num_tokens - (self.num_seqs - 1)
+        chunks = [SequenceChunk(0, self.end - first, [1] * first, blocks, "last")]
+        for i in range(1, self.num_seqs):  # decode rows of other sequences, shorter than the first
+            chunks.append(SequenceChunk(i, max(self.end - 1 - i, 0), [1], blocks, "last"))
+        return chunks
+
+
+def _powers_with_halves(low: int, limit: int, plus_one: bool) -> list[int]:
+    values, p = [], low
+    while p <= limit:
+        values += [p, p + 1, p + p // 2] if plus_one else [p, p + p // 2]
+        p *= 2
+    return [v for v in values if v <= limit]
+
+
+def token_buckets(limit: int) -> list[int]:
+    """Token counts of the token sweep: 1..SMALL_TOKENS, then p, p + 1 and 3p/2 for each power of two
+    p above, and `limit` itself."""
+    if limit < 1:
+        return []
+    values = set(range(1, min(SMALL_TOKENS, limit) + 1))
+    values.update(_powers_with_halves(SMALL_TOKENS, limit, plus_one=True))
+    values.add(limit)
+    return sorted(values)
+
+
+def length_buckets(limit: int) -> list[int]:
+    """Sequence lengths of the length sweep: p and 3p/2 for each power of two p >= MIN_LENGTH, and
+    `limit`."""
+    values = set(_powers_with_halves(MIN_LENGTH, limit, plus_one=False))
+    values.add(limit)
+    return sorted(v for v in values if 1 <= v <= limit)
+
+
+def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int,
+                graph_query_lens: tuple[int, ...] = (), eager_decode: dict[int, list[int]] | None = None
+                ) -> list[WarmupStep]:
+    """The eager steps start-up runs (see the module's docstring). Steps of one sequence whose token
+    count is a graph query length are decode-shaped and left to the graph captures when graphs exist
+    (`graph_query_lens` non-empty). `eager_decode` (query length -> batch buckets): without graphs,
+    decode-shaped steps run eagerly, padded to these buckets, so each bucket gets a step."""
+    max_tokens = min(max_num_batched_tokens, max_model_len)
+    steps: dict[tuple[int, int, int], WarmupStep] = {}
+
+    def add(step: WarmupStep) -> None:
+        if step.num_tokens > max_tokens or step.end > max_model_len or step.end < step.num_tokens:
+            return
+        if step.num_seqs == 1 and step.num_tokens in graph_query_lens:
+            return
+        steps.setdefault((step.num_tokens, step.end, step.num_seqs), step)
+
+    for t in token_buckets(max_tokens):
+        add(WarmupStep(t, t))
+    cross = [t for t in token_buckets(min(max_tokens, CROSS_MAX_TOKENS)) if t & (t - 1) == 0] or [1]
+    for length in length_buckets(max_model_len):
+        if length & (length - 1) and length != max_model_len:
+            continue  # the 3/2 lengths only in the steps below
+        for t in cross:
+            add(WarmupStep(t, length))
+    for t in token_buckets(max_tokens):  # larger steps at the longest length and at 3/2 lengths
+        if t > CROSS_MAX_TOKENS and t & (t - 1) == 0:
+            add(WarmupStep(t, max_model_len))
+    for length in length_buckets(max_model_len):
+        if length & (length - 1):
+            add(WarmupStep(min(CROSS_MAX_TOKENS, length), length))
+    for seqs in (2, 3, 8):
+        if seqs <= max_num_seqs:
+            for t in (seqs + 1, seqs + 15, min(max_tokens, 256)):
+                if t > seqs:
+                    add(WarmupStep(t, max_model_len, seqs))
+                    add(WarmupStep(t, max(t, MIN_LENGTH), seqs))
+    for q, buckets in sorted((eager_decode or {}).items()):
+        for size in buckets:
+            if size * q <= max_tokens and q + 1 <= max_model_len:
+                steps.setdefault((size * q, max_model_len, -q), WarmupStep(size * q, max_model_len, size, q))
+    return sorted(steps.values(), key=lambda s: (s.num_tokens, s.end, s.num_seqs, s.query_len))
+
+
+@dataclass
+class WarmupReport:
+    steps: int
+    seconds: float
+    builds: int
+    kernels: list[str]
+
+    def line(self) -> str:
+        names = ", ".join(self.kernels[:6]) + (", ..." if len(self.kernels) > 6 else "")
+        return (f"kernel warm-up: built {self.builds} kernels in {self.seconds:.1f} s "
+                f"({self.steps} eager steps{': ' + names if names else ''})")
+
+
+@torch.no_grad()
+def run_warmup(runner, plan: list[WarmupStep]) -> WarmupReport:
+    """Run `plan` on the runner's state (slots and blocks are all free at start-up; every state write is
+    position-addressed, so a request that takes them later overwrites what the warm-up wrote before it
+    reads it). Each step samples greedily, as the engine's steps do."""
+    num_blocks = runner.state.layout.num_blocks
+    start = time.perf_counter()
+    with TritonBuilds() as builds:
+        for step in plan:
+            chunks = step.chunks(runner.block_size, num_blocks)
+            logits, _ = runner.forward(chunks)
+            greedy_tokens(logits)
+            if runner.speculator is not None:  # the drafter's eager steps (its catch-up over prompts)
+                hf = runner.model_config.hf_config
+                hidden = torch.zeros(step.num_tokens, hf.hc_mult, hf.hidden_size, device=runner.device,
+                                     dtype=runner.dtype)
+                runner.mtp_forward(chunks, hidden)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+    report = WarmupReport(len(plan), time.perf_counter() - start, builds.count, builds.summary())
+    logger.info("%s", report.line())
+    return report

@@ -235,7 +235,7 @@ class CudaGraphRunner:
         graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             step()
-        if keep_graph and instantiate:
+        if keep_graph and instantiate and hasattr(graph, "instantiate"):
             graph.instantiate()  # with keep_graph torch would otherwise instantiate at the first replay
         torch.cuda.current_stream().wait_stream(self.stream)
         return CapturedGraph(key, graph, static, outputs, topk_path, dummy_len)

@@ -93,22 +93,21 @@ def length_buckets(limit: int) -> list[int]:
     return sorted(v for v in values if 1 <= v <= limit)
 
 
-def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int,
-                graph_query_lens: tuple[int, ...] = (), eager_decode: dict[int, list[int]] | None = None
-                ) -> list[WarmupStep]:
-    """The eager steps start-up runs (see the module's docstring). Steps of one sequence whose token
-    count is a graph query length are decode-shaped and left to the graph captures when graphs exist
-    (`graph_query_lens` non-empty). `eager_decode` (query length -> batch buckets): without graphs,
-    decode-shaped steps run eagerly, padded to these buckets, so each bucket gets a step."""
+def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int, decode_graphs: bool = True,
+                eager_decode: dict[int, list[int]] | None = None) -> list[WarmupStep]:
+    """The eager steps start-up runs (see the module's docstring). With `decode_graphs` a step of one
+    token is a decode graph's (its kernels are built by the capture), so none is planned.
+    `eager_decode` (query length -> batch buckets): without graphs, decode-shaped steps run eagerly,
+    padded to these buckets, so each bucket gets a step."""
     max_tokens = min(max_num_batched_tokens, max_model_len)
-    steps: dict[tuple[int, int, int], WarmupStep] = {}
+    steps: set[WarmupStep] = set()
 
     def add(step: WarmupStep) -> None:
         if step.num_tokens > max_tokens or step.end > max_model_len or step.end < step.num_tokens:
             return
-        if step.num_seqs == 1 and step.num_tokens in graph_query_lens:
+        if decode_graphs and step.num_tokens == 1 and not step.query_len:
             return
-        steps.setdefault((step.num_tokens, step.end, step.num_seqs), step)
+        steps.add(step)
 
     for t in token_buckets(max_tokens):
         add(WarmupStep(t, t))
@@ -132,9 +131,9 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: i
                     add(WarmupStep(t, max(t, MIN_LENGTH), seqs))
     for q, buckets in sorted((eager_decode or {}).items()):
         for size in buckets:
-            if size * q <= max_tokens and q + 1 <= max_model_len:
-                steps.setdefault((size * q, max_model_len, -q), WarmupStep(size * q, max_model_len, size, q))
-    return sorted(steps.values(), key=lambda s: (s.num_tokens, s.end, s.num_seqs, s.query_len))
+            if size * q <= max_tokens and q + 1 <= max_model_len and size <= max_num_seqs:
+                steps.add(WarmupStep(size * q, max_model_len, size, q))
+    return sorted(steps, key=lambda s: (s.num_tokens, s.end, s.num_seqs, s.query_len))
 
 
 @dataclass

@@ -268,8 +268,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return  # no Triton kernel runs off CUDA
         eager_decode = {} if self.use_graphs else {q: self.graph_sizes_for(q) for q in self.query_lens}
-        plan = warmup_plan(self.max_num_batched_tokens, self.max_model_len, self.max_num_seqs,
-                           tuple(self.query_lens) if self.use_graphs else (), eager_decode)
+        plan = warmup_plan(self.max_num_batched_tokens, self.max_model_len, self.max_num_seqs, self.use_graphs,
+                           eager_decode)
         report = run_warmup(self, plan)
         self.startup_phases["kernel warm-up"] = report.seconds
         self.startup_steps.append((f"kernel warm-up: {report.steps} eager steps, {report.builds} kernels built",

@@ -152,7 +152,7 @@ def test_greedy_with_speculation_equals_without_on_gpu(k):
 def test_audit_passes_with_mtp_1():
     """The reference article's configuration: MTP=1, persistent top-k path; capture audit and replay
     audit (decode, verify and drafter graphs) must pass."""
-    llm = LLM(TINY, cudagraph_audit=True, cuda_graph_sizes=[1, 4, 8], topk_backend="persistent", **COMMON,
+    llm = LLM(TINY, cudagraph_audit_replay=True, cuda_graph_sizes=[1, 4, 8], topk_backend="persistent", **COMMON,
               **spec_config(1))
     assert sorted(llm.llm_engine.runner.graphs) == [1, 2]
     del llm

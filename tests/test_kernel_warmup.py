@@ -7,7 +7,7 @@ import torch
 
 from sparseserve.model.batch import SequenceChunk, aligned_offsets, build_batch
 from sparseserve.worker.kernel_warmup import (CROSS_MAX_TOKENS, SMALL_TOKENS, WarmupStep, length_buckets, run_warmup,
-                                              token_buckets, warmup_plan)
+                                              runner_plan, token_buckets, warmup_plan)
 
 
 def next_pow2(n: int) -> int:
@@ -162,6 +162,8 @@ def test_warmup_runs_its_steps_through_the_runner():
     runner = llm.llm_engine.runner
     before = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], SamplingParams(temperature=0, max_tokens=6),
                           use_tqdm=False)[0].outputs[0].token_ids
+    full = runner_plan(runner)  # no graphs on the CPU: the eager decode buckets are planned too
+    assert {(s.num_seqs, s.query_len) for s in full if s.query_len} == {(n, 1) for n in runner.graph_sizes_for(1)}
     plan = [WarmupStep(3, 3), WarmupStep(16, 96), WarmupStep(9, 96, 4), WarmupStep(8, 96, 4, 2)]
     report = run_warmup(runner, plan)
     assert report.steps == 4 and report.builds == 0 and "built 0 kernels" in report.line()

@@ -68,6 +68,9 @@ CASES = {
     "v4-flash-2l16e": ("v4-flash-2l16e", dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=16,
                                               max_num_batched_tokens=2048, enable_chunked_prefill=True,
                                               gpu_memory_utilization=0.6), 30),
+    # speculation (MTP, 2 drafts): verify and drafter graphs, the drafter's eager catch-up over prompts
+    "tiny-mtp": ("tiny", dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=2 * 1024**3,
+                              speculative_config={"method": "mtp", "num_speculative_tokens": 2}), 25),
     # no graphs: decode steps run eagerly, padded to their buckets
     "tiny-eager": ("tiny", dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, enforce_eager=True,
                                 kv_cache_memory_bytes=2 * 1024**3), 25),

@@ -136,6 +136,13 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: i
     return sorted(steps, key=lambda s: (s.num_tokens, s.end, s.num_seqs, s.query_len))
 
 
+def runner_plan(runner) -> list[WarmupStep]:
+    """`warmup_plan` for a runner's limits; without graphs, its eager decode buckets too."""
+    eager_decode = {} if runner.use_graphs else {q: runner.graph_sizes_for(q) for q in runner.query_lens}
+    return warmup_plan(runner.max_num_batched_tokens, runner.max_model_len, runner.max_num_seqs, runner.use_graphs,
+                       eager_decode)
+
+
 @dataclass
 class WarmupReport:
     steps: int

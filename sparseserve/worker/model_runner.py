@@ -29,7 +29,7 @@ from ..step_types import PENDING_TOKEN_ID, RunnerOutput, SampledToken, Scheduler
 from .cuda_graph import (BufferSpec, CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes,
                          logits_mode, pad_chunks, pick_bucket, set_positions)
 from ..sample.logits_processors import LogitsRow, build_prompt_mask, process_logits
-from .kernel_warmup import run_warmup, warmup_plan
+from .kernel_warmup import run_warmup, runner_plan
 from .watchdog import StepWatchdog
 
 logger = logging.getLogger("sparseserve")
@@ -267,10 +267,7 @@ class ModelRunner:
         """Build the kernels of every eager step the limits admit before serving (kernel_warmup.py)."""
         if self.device.type != "cuda":
             return  # no Triton kernel runs off CUDA
-        eager_decode = {} if self.use_graphs else {q: self.graph_sizes_for(q) for q in self.query_lens}
-        plan = warmup_plan(self.max_num_batched_tokens, self.max_model_len, self.max_num_seqs, self.use_graphs,
-                           eager_decode)
-        report = run_warmup(self, plan)
+        report = run_warmup(self, runner_plan(self))
         self.startup_phases["kernel warm-up"] = report.seconds
         self.startup_steps.append((f"kernel warm-up: {report.steps} eager steps, {report.builds} kernels built",
                                    report.seconds))

@@ -7,7 +7,7 @@ import torch
 
 from sparseserve.model.batch import SequenceChunk, aligned_offsets, build_batch
 from sparseserve.worker.kernel_warmup import (CROSS_MAX_TOKENS, SMALL_TOKENS, WarmupStep, length_buckets, run_warmup,
-                                              runner_plan, token_buckets, warmup_plan)
+                                              fit_to_cache, runner_plan, token_buckets, warmup_plan)
 
 
 def next_pow2(n: int) -> int:
@@ -171,3 +171,11 @@ def test_warmup_runs_its_steps_through_the_runner():
                          use_tqdm=False)[0].outputs[0].token_ids
     assert after == before and llm.llm_engine.all_cache_free()
     llm.shutdown()
+
+
+def test_steps_longer_than_the_cache_end_at_its_length():
+    plan = [WarmupStep(64, 4096), WarmupStep(8, 100), WarmupStep(2048, 2048), WarmupStep(24, 4096, 8, 3)]
+    fitted = fit_to_cache(plan, 1024)
+    assert fitted == sorted([WarmupStep(64, 1024), WarmupStep(8, 100), WarmupStep(1024, 1024),
+                             WarmupStep(24, 1024, 8, 3)], key=lambda s: (s.num_tokens, s.end, s.num_seqs, s.query_len))
+    assert all(s.end <= 1024 for s in fitted)

@@ -289,8 +289,9 @@ class CudaGraphRunner:
         other = self.capture(graph.key.batch_size, long_len, keep_graph=True, warm_up=False, instantiate=False)
         try:
             short_nodes, long_nodes = graph_nodes(graph.graph), graph_nodes(other.graph)
-        except GraphWalkError as exc:
-            return f"{name}: its nodes could not be read ({exc}); cannot audit (cudagraph_audit=False skips it)"
+        except GraphWalkError as exc:  # the driver's API, not the graph: serve, but say the audit did not run
+            logger.warning("capture audit skipped for %s: its nodes could not be read (%s)", name, exc)
+            return None
         finally:
             del other
         if not short_nodes:

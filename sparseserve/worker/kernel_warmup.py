@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -156,12 +156,23 @@ class WarmupReport:
                 f"({self.steps} eager steps{': ' + names if names else ''})")
 
 
+def fit_to_cache(plan: list[WarmupStep], cache_tokens: int) -> list[WarmupStep]:
+    """The plan for a cache that holds `cache_tokens` tokens of one sequence: a longer step cannot be
+    scheduled (its rows would have no block), so it ends at the cache's length instead."""
+    fitted = {step if step.end <= cache_tokens else
+              replace(step, end=cache_tokens, num_tokens=min(step.num_tokens, cache_tokens))
+              for step in plan}
+    return sorted((s for s in fitted if s.num_tokens >= max(s.num_seqs, 1) * max(s.query_len, 1)),
+                  key=lambda s: (s.num_tokens, s.end, s.num_seqs, s.query_len))
+
+
 @torch.no_grad()
 def run_warmup(runner, plan: list[WarmupStep]) -> WarmupReport:
     """Run `plan` on the runner's state (slots and blocks are all free at start-up; every state write is
     position-addressed, so a request that takes them later overwrites what the warm-up wrote before it
     reads it). Each step samples greedily, as the engine's steps do."""
     num_blocks = runner.state.layout.num_blocks
+    plan = fit_to_cache(plan, num_blocks * runner.block_size)
     start = time.perf_counter()
     with TritonBuilds() as builds:
         for step in plan:

@@ -3,7 +3,6 @@ the aligned metadata views, the kernels' unspecialised arguments, and a warm-up 
 import inspect
 
 import pytest
-import torch
 
 from sparseserve.model.batch import SequenceChunk, aligned_offsets, build_batch
 from sparseserve.worker.kernel_warmup import (CROSS_MAX_TOKENS, SMALL_TOKENS, WarmupStep, length_buckets, run_warmup,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..kernels.jit_builds import TritonBuilds
 from ..logger import progress_bar
 from ..model.batch import INT64_FIELDS, BatchMetadata, BlockTableCache, SequenceChunk, build_batch
 from ..model.state import ModelState
@@ -264,20 +265,21 @@ class CudaGraphRunner:
         problems: list[str] = []
         self.audit_s = 0.0
         sizes = sorted(self.sizes, reverse=True)  # largest first: smaller ones reuse its pool
-        for size in progress_bar(sizes, desc=f"Capturing CUDA graphs ({self.name}, query_len={self.query_len})",
-                                 unit="graph"):
-            graph = self.capture(size, self.short_len, keep_graph=size in audited)
-            self.graphs[graph.key] = graph
-            if size in audited:
-                audit_start = time.perf_counter()
-                problem = self.audit_capture(graph, long_len)
-                if problem:
-                    problems.append(problem)
-                self.audit_s += time.perf_counter() - audit_start
+        with TritonBuilds() as builds:  # the decode-shaped steps' kernels, built by the warm-up steps
+            for size in progress_bar(sizes, desc=f"Capturing CUDA graphs ({self.name}, query_len={self.query_len})",
+                                     unit="graph"):
+                graph = self.capture(size, self.short_len, keep_graph=size in audited)
+                self.graphs[graph.key] = graph
+                if size in audited:
+                    audit_start = time.perf_counter()
+                    problem = self.audit_capture(graph, long_len)
+                    if problem:
+                        problems.append(problem)
+                    self.audit_s += time.perf_counter() - audit_start
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - start - self.audit_s
-        logger.info("Captured %d CUDA graphs (%s, query_len=%d, batch sizes %s) in %.1f s, %.2f GiB%s",
-                    len(self.graphs), self.name, self.query_len, self.sizes, self.capture_s,
+        logger.info("Captured %d CUDA graphs (%s, query_len=%d, batch sizes %s) in %.1f s (%d kernels built), "
+                    "%.2f GiB%s", len(self.graphs), self.name, self.query_len, self.sizes, self.capture_s, builds.count,
                     (torch.cuda.memory_reserved(self.device) - before) / 1024**3,
                     f"; capture audit of batch sizes {sorted(audited)}: {self.audit_s:.2f} s" if audited else "")
         return problems

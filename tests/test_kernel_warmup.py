@@ -178,3 +178,58 @@ def test_steps_longer_than_the_cache_end_at_its_length():
     assert fitted == sorted([WarmupStep(64, 1024), WarmupStep(8, 100), WarmupStep(1024, 1024),
                              WarmupStep(24, 1024, 8, 3)], key=lambda s: (s.num_tokens, s.end, s.num_seqs, s.query_len))
     assert all(s.end <= 1024 for s in fitted)
+
+
+def _flash_profile():
+    from sparseserve.config import ModelConfig
+    from sparseserve.model.loader import load_hf_config
+    from sparseserve.model.presets import resolve_model_dir
+    from sparseserve.worker.kernel_warmup import JointProfile
+
+    path, overrides = resolve_model_dir("v4-flash-43l8e")
+    config = ModelConfig(load_hf_config(path, overrides))
+    return config, JointProfile(config, 132)
+
+
+def _launch_keys(config, profile, tokens: int, length: int) -> list:
+    """Every launch choice of an eager step that is a constexpr or a specialised argument: the token-count
+    tables (mHC mix and row tiles, the MoE and quantized GEMM tables, rope blocks, the router's and the
+    fused mHC's small steps) and the profile's attention and indexer launches."""
+    import triton
+
+    from sparseserve.kernels import mhc, moe
+    from sparseserve.kernels.quant.select import linear_config, moe_quant_config
+
+    hf = config.hf_config
+    hc, dim = hf.hc_mult, hf.hidden_size
+    mix = mhc.mix_config(tokens, hc * dim)
+    keys = [tuple(sorted((k, v) for k, v in mix.items() if k not in ("chunk", "splits"))),  # runtime args
+            max(2, triton.next_power_of_2(mix["splits"])), mhc.row_config(tokens, dim),
+            moe.moe_config(tokens, hf.num_experts_per_tok, hf.n_routed_experts, dim, hf.moe_intermediate_size),
+            linear_config(tokens, 4096, 1024), linear_config(tokens, 1024, 4096),
+            moe_quant_config(tokens, hf.num_experts_per_tok, hf.n_routed_experts, "fp4"),
+            max(1, min(64, triton.next_power_of_2(tokens * hf.num_attention_heads))),
+            max(1, min(64, triton.next_power_of_2(tokens))), tokens <= 16, tokens <= 4]
+    return keys + list(profile(tokens, length))
+
+
+def test_plan_meets_every_launch_choice_at_v4_flash_shapes():
+    """Each kernel's launch choices over a sample of the steps an engine with these limits admits (token
+    counts 1..2048, longest sequences up to 16K) are all met by some step of the plan."""
+    import random
+
+    config, profile = _flash_profile()
+    tokens, model_len = 2048, 16384
+    plan = warmup_plan(tokens, model_len, 64, profile=profile)
+    met = None
+    for step in plan:
+        keys = _launch_keys(config, profile, step.num_tokens, step.end)
+        met = met or [set() for _ in keys]
+        for seen, key in zip(met, keys):
+            seen.add(key)
+    rng = random.Random(0)
+    sample = sorted(set(range(2, 33)) | {rng.randint(33, tokens) for _ in range(60)})
+    for t in sample:
+        for length in sorted({t, model_len, *range(max(t, 16), model_len + 1, 256)}):
+            for i, key in enumerate(_launch_keys(config, profile, t, length)):
+                assert key in met[i], f"a step of {t} tokens at length {length}: launch {i} ({key}) is never warmed up"

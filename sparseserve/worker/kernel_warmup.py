@@ -14,10 +14,14 @@ fixed sizes below 16), so the plan runs:
 
 - a token sweep: one prefill of T tokens from position 0 for every T in `token_buckets` (1 to 16,
   then each power of two p with p + 1 and 3p/2) up to `max_num_batched_tokens`;
-- a length sweep: steps of T tokens (powers of two up to `CROSS_MAX_TOKENS`) ending at every power
-  of two from `MIN_LENGTH` and at `max_model_len`, where the choices that depend on both sizes change
-  (row splits, scan widths, top-k chunks: their thresholds are powers of two of the row widths, which
-  are the length over a compress rate);
+- a length sweep: steps of T tokens ending at every power of two from `MIN_LENGTH` and at
+  `max_model_len`, where the choices that depend on both sizes change (row splits, scan widths,
+  indexer tiles: their thresholds are powers of two of the row widths, which are the length over a
+  compress rate), for T the powers of two up to `CROSS_MAX_TOKENS`; then, with a `JointProfile` of
+  the model's shapes (the attention launches over each layer kind's row widths, the indexer's tiles),
+  a step for each (T up to `CROSS_MAX_TOKENS`, length T or where a row width crosses a tile) whose
+  launch of some kernel no planned step has met yet (on V4-Flash shapes: 2 tokens at 48K take 8 splits of one
+  tile, at 64K of two);
 - a few steps of several sequences (mixed prefill and decode rows).
 
 Decode-shaped steps (every sequence the same graph query length) are built by the graph captures.
@@ -33,6 +37,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..kernels.argmax import greedy_tokens
+from ..kernels.attention.select import attention_config, needs_band_prepass, split_length
+from ..kernels.dispatch import num_sms
+from ..kernels.indexer import indexer_config
 from ..kernels.jit_builds import TritonBuilds
 from ..model.batch import SequenceChunk
 
@@ -93,8 +100,63 @@ def length_buckets(limit: int) -> list[int]:
     return sorted(v for v in values if 1 <= v <= limit)
 
 
+class JointProfile:
+    """The launch choices of the kernels whose configuration depends on a step's token count and its
+    longest sequence together (attention over each layer kind's row widths, the indexer's tiles), at a
+    model's shapes: the length sweep's token counts are picked so that every profile is met."""
+
+    def __init__(self, model_config, sms: int, num_speculative_tokens: int = 0) -> None:
+        hf = model_config.hf_config
+        self.heads, self.head_dim = hf.num_attention_heads, hf.head_dim
+        self.index_heads = getattr(hf, "index_n_heads", 0)
+        self.index_dim = getattr(hf, "index_head_dim", 0)
+        window = hf.sliding_window
+        self.windows = sorted({window, window + num_speculative_tokens})
+        self.topk = getattr(hf, "index_topk", 0)
+        layers = range(model_config.num_layers)
+        self.csa_rates = sorted({model_config.compress_rate(i) for i in layers if model_config.is_csa(i)})
+        self.hca_rates = sorted({model_config.compress_rate(i) for i in layers
+                                 if model_config.compress_rate(i) and not model_config.is_csa(i)})
+        self.sms = sms
+        self._cache: dict[tuple[int, int], list[tuple]] = {}  # (tokens, rows) -> attention launches
+
+    def _attention(self, tokens: int, rows: int) -> list[tuple]:
+        cached = self._cache.get((tokens, rows))
+        if cached is not None:
+            return cached
+        out = self._cache[(tokens, rows)] = []
+        for hopper in (False, True):  # whichever the device serves: both are covered
+            cfg = attention_config(tokens, self.heads, rows, self.head_dim, self.sms, hopper=hopper)
+            per_split = split_length(rows, cfg)
+            scan = min(256, 1 << (max(per_split, 16) - 1).bit_length())  # the launcher's next power of two
+            out.append((cfg, scan, needs_band_prepass(cfg, per_split)))
+        return out
+
+    def candidate_lengths(self, max_model_len: int) -> list[int]:
+        """Lengths at which a row width crosses a multiple of the 64-row tile (and just past them), and
+        the 3/2 lengths: where the choices that depend on the length can change."""
+        values = set(length_buckets(max_model_len))
+        for rate in self.hca_rates:  # the attention row lists (CSA lists have the fixed top-k width)
+            step = 64 * rate
+            values.update(v for j in range(1, max_model_len // step + 1) for v in (j * step, j * step + rate))
+        return sorted(v for v in values if MIN_LENGTH <= v <= max_model_len)
+
+    def __call__(self, tokens: int, length: int) -> tuple:
+        key = []
+        for window in self.windows:
+            widths = [window] + [window + self.topk for _ in self.csa_rates[:1]]
+            widths += [window + length // rate for rate in self.hca_rates]
+            for rows in widths:
+                key += self._attention(tokens, rows)
+        for rate in self.csa_rates:
+            if self.index_heads:
+                key.append(indexer_config(tokens, self.index_heads, self.index_dim, length // rate, self.sms))
+        return tuple(key)
+
+
 def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int, decode_graphs: bool = True,
-                eager_decode: dict[int, list[int]] | None = None) -> list[WarmupStep]:
+                eager_decode: dict[int, list[int]] | None = None, profile: JointProfile | None = None
+                ) -> list[WarmupStep]:
     """The eager steps start-up runs (see the module's docstring). With `decode_graphs` a step of one
     token is a decode graph's (its kernels are built by the capture), so none is planned.
     `eager_decode` (query length -> batch buckets): without graphs, decode-shaped steps run eagerly,
@@ -102,21 +164,30 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: i
     max_tokens = min(max_num_batched_tokens, max_model_len)
     steps: set[WarmupStep] = set()
 
-    def add(step: WarmupStep) -> None:
+    def add(step: WarmupStep) -> bool:
         if step.num_tokens > max_tokens or step.end > max_model_len or step.end < step.num_tokens:
-            return
+            return False
         if decode_graphs and step.num_tokens == 1 and not step.query_len:
-            return
+            return False
         steps.add(step)
+        return True
 
     for t in token_buckets(max_tokens):
         add(WarmupStep(t, t))
-    cross = [t for t in token_buckets(min(max_tokens, CROSS_MAX_TOKENS)) if t & (t - 1) == 0] or [1]
-    for length in length_buckets(max_model_len):
-        if length & (length - 1) and length != max_model_len:
-            continue  # the 3/2 lengths only in the steps below
+    sweep = [n for n in length_buckets(max_model_len) if n & (n - 1) == 0 or n == max_model_len]
+    cross = [t for t in token_buckets(min(max_tokens, CROSS_MAX_TOKENS)) if t & (t - 1) == 0]
+    for length in sweep:  # the 3/2 lengths only in the steps below
         for t in cross:
             add(WarmupStep(t, length))
+    if profile is not None:  # lengths where a row width crosses a tile: steps that meet a new launch
+        seen = [set(keys) for keys in zip(*(profile(s.num_tokens, s.end) for s in steps if s.num_seqs == 1))]
+        lengths = profile.candidate_lengths(max_model_len)
+        for t in range(1, min(max_tokens, CROSS_MAX_TOKENS) + 1):  # every count: thresholds follow the SMs
+            for length in [t] + [n for n in lengths if n > t]:
+                keys = profile(t, length)
+                if any(key not in known for key, known in zip(keys, seen)) and add(WarmupStep(t, length)):
+                    for key, known in zip(keys, seen):
+                        known.add(key)
     for t in token_buckets(max_tokens):  # larger steps at the longest length and at 3/2 lengths
         if t > CROSS_MAX_TOKENS and t & (t - 1) == 0:
             add(WarmupStep(t, max_model_len))
@@ -139,8 +210,9 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: i
 def runner_plan(runner) -> list[WarmupStep]:
     """`warmup_plan` for a runner's limits; without graphs, its eager decode buckets too."""
     eager_decode = {} if runner.use_graphs else {q: runner.graph_sizes_for(q) for q in runner.query_lens}
+    profile = JointProfile(runner.model_config, num_sms(runner.device), runner.options.num_speculative_tokens)
     return warmup_plan(runner.max_num_batched_tokens, runner.max_model_len, runner.max_num_seqs, runner.use_graphs,
-                       eager_decode)
+                       eager_decode, profile)
 
 
 @dataclass

@@ -147,6 +147,9 @@ class EngineConfig:
     # Weights held quantized (model/quantize.py, docs/quantization.md): "none" (decoded to the compute
     # dtype at load), "auto" (what the checkpoint stores in FP8/FP4 stays so), "fp8" (block-FP8 at load).
     quantization: str = "none"
+    # KV cache storage (vLLM's name; sparseserve/kv_format.py, docs/kv-cache.md): "auto" (the model's dtype),
+    # "bfloat16", or "fp8" (window, compressed and indexer rows in FP8 e4m3 with power-of-two scales).
+    kv_cache_dtype: str = "auto"
     use_tqdm_on_load: bool = True  # vLLM's: a progress bar while the weights load (on a terminal only)
     hf_overrides: dict | None = None
     speculative_config: dict | None = None

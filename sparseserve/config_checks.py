@@ -12,6 +12,7 @@ import os
 import torch
 
 from .errors import ConfigError, ConfigTypeError
+from .kv_format import KV_CACHE_DTYPES
 from .names import QUANTIZATION_MODES, SIDE_STREAM_MODES
 from .validation import check_bool, check_choice, check_float, check_int, is_int
 
@@ -114,6 +115,7 @@ def validate_engine_config(config) -> None:
     if config.quantization != "none" and config.tensor_parallel_size > 1:
         raise ConfigError(f"quantization={config.quantization!r} runs on one GPU; with tensor_parallel_size="
                           f"{config.tensor_parallel_size} use quantization='none' (weights decoded at load)")
+    check_choice(config.kv_cache_dtype, _name("kv_cache_dtype"), ConfigError, KV_CACHE_DTYPES)
     check_choice(config.topk_backend, _name("topk_backend"), ConfigError, TOPK_BACKENDS)
     check_choice(config.side_stream, _name("side_stream"), ConfigError, SIDE_STREAM_MODES)
     _check_speculative(config.speculative_config)
@@ -181,7 +183,8 @@ def layout_fingerprint(config) -> dict:
     """The options every node must agree on (compared across ranks at start-up)."""
     keys = ("model", "dtype", "tensor_parallel_size", "enable_expert_parallel", "nnodes", "max_model_len",
             "max_num_seqs", "max_num_batched_tokens", "block_size", "load_format", "hf_overrides",
-            "speculative_config", "seed", "enforce_eager", "num_gpu_blocks_override", "kv_cache_memory_bytes")
+            "speculative_config", "seed", "enforce_eager", "num_gpu_blocks_override", "kv_cache_memory_bytes",
+            "kv_cache_dtype")
     return {k: repr(getattr(config, k)) for k in keys}
 
 

@@ -68,13 +68,14 @@ class Driver:
     """Runs our model through its state with explicit chunks (what the runner does)."""
 
     def __init__(self, model: DeepseekV4ForCausalLM, num_slots: int = 4, num_blocks: int = 64,
-                 block_size: int | None = None, max_step_tokens: int = 512, device="cpu", dtype=torch.float32):
+                 block_size: int | None = None, max_step_tokens: int = 512, device="cpu", dtype=torch.float32,
+                 kv_cache_dtype: str = "auto"):
         mc = model.model_config
         self.model = model
         self.block_size = block_size or max(mc.lcm_rate, 16)
         self.layout = StateLayout(num_blocks=num_blocks, block_size=self.block_size, num_slots=num_slots,
                                   max_step_tokens=max_step_tokens, sliding_window=mc.hf_config.sliding_window)
-        self.state = ModelState(mc, self.layout, torch.device(device), dtype)
+        self.state = ModelState(mc, self.layout, torch.device(device), dtype, kv_cache_dtype)
         self.next_block = 0
         self.blocks: dict[int, list[int]] = {}
         self.device = device

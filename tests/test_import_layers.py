@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 NEUTRAL = ("sparseserve.config", "sparseserve.envs", "sparseserve.logger", "sparseserve.step_types",
            "sparseserve.outputs", "sparseserve.sampling_params", "sparseserve.errors", "sparseserve.validation",
            "sparseserve.config_checks", "sparseserve.checkpoint_checks", "sparseserve.names",
-           "sparseserve.quant_formats")
+           "sparseserve.quant_formats", "sparseserve.kv_format")
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:

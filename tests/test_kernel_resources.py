@@ -41,3 +41,21 @@ def test_hopper_attention_compiles_for_sm90():
     for row in rows:
         spill_limit = 0 if row["kernel"] == "sparse_mqa_split" else 80
         assert row["fits"] and row["spill_stack"] <= spill_limit and row["registers"] <= 255, row
+
+
+def test_fp8_attention_fits_the_sm():
+    """The attention kernel reading packed FP8 KV rows, at the engine's configs as it launches them (one stage:
+    with two, the 16-head config needs 246 KB of shared memory and would not launch), compiles for sm_90a and
+    fits one block's shared memory."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_resources.py"), "--fp8", "--configs",
+                           "64,64,8,1,1", "64,32,8,1,1", "16,64,4,1,4"], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode and ("ptxas" in proc.stderr or "backend" in proc.stderr.lower()):
+        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fp8 = [line for line in proc.stdout.splitlines() if "FP8 KV" in line]
+    assert len(fp8) == 3
+    for line in fp8:
+        shared = int(line.split("shared memory ")[1].split(" B")[0])
+        assert shared <= 232448, line

@@ -58,29 +58,15 @@ def test_auto_logits_against_decoded(models, monkeypatch):
     want = Driver(plain).step([(0, 0, IDS)])[0]
     got = Driver(quant).step([(0, 0, IDS)])[0]
     rel = ((got - want).norm() / want.norm()).item()
-    # Activations quantized to e4m3 per 128 columns: about 2^-5 relative RMS error per element and
-    # per projection (measured 0.027 on Gaussian rows); through 4 layers of a random model, whose
-    # router and indexer top-k choices flip under that perturbation, the logits moved by 0.43
-    # relative (measured). The bound keeps headroom over that and fails on a wrong weight or layout.
+    # Activations quantized to e4m3 per 128 columns move this random model's logits by 0.43 here, as
+    # much as random errors of e4m3 rounding's size do (0.36-0.43 over seeds): its gain is large and
+    # its router and indexer choices flip. tests/test_quantized_accuracy.py derives the bounds;
+    # here: quantization is active and nothing is off by order 1.
     assert 0.0 < rel < 0.6, rel
     # Without activation quantization the quantized path is the decoded one: the weights are exact.
     monkeypatch.setattr(quant_ref, "act_fake_quant_ref", lambda x, scale_fmt="ue8m0": x)
     exact = Driver(quant).step([(0, 0, IDS)])[0]
     assert (exact - want).abs().max().item() < 1e-4
-
-
-def test_greedy_generation_auto_against_none(release_dir):
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 12, (64,), generator=gen).tolist()
-    prompts = [{"prompt_token_ids": torch.randint(2, 512, (n,), generator=gen).tolist()} for n in lengths]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    base = dict(device="cpu", dtype="float32", max_model_len=64)
-    runs = {q: [o.outputs[0].token_ids for o in LLM(str(release_dir), quantization=q, **base).generate(
-        prompts, params, use_tqdm=False)] for q in ("none", "auto")}
-    same = sum(a == b for a, b in zip(runs["none"], runs["auto"]))
-    first = sum(a[0] == b[0] for a, b in zip(runs["none"], runs["auto"]))
-    print(f"greedy: {same} of 64 identical, first token {first} of 64")
-    assert first >= same >= 8  # random tiny model: near-tied logits (see test_auto_logits_against_decoded)
 
 
 def test_start_up_report_and_plan_count_held_bytes(release_dir, models, caplog):

@@ -4,7 +4,8 @@ compiles to a cubin with its bundled ptxas; cuobjdump reads the resources).
     python tools/kernel_resources.py [--configs 64,64,8,2,1 16,64,4,2,4 ...]   # attention: registers, spills
     TRITON_INTERPRET=0 python tools/kernel_resources.py --mhc-shared          # one JSON line per config
 
-Default: registers and spill stack of the portable Triton attention kernel's configs.
+Default: registers and spill stack of the portable Triton attention kernel's configs (`--fp8`: and of its variant
+reading packed FP8 KV rows).
 
 --hopper: the Hopper (Gluon) attention kernel as the engine launches it (registers, spill stack, shared memory;
 a CI test runs it: it builds with this Triton, fits one block, spills at most a few scalars). Must run with
@@ -62,11 +63,13 @@ def compile_sm90(fn, signature: dict, constexprs: dict, aligned: list[str], sour
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int) -> str:
+def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int, fp8: bool = False) -> str:
+    """fp8: the variant reading packed FP8 KV rows (V4: 448 e4m3 channels, scales at byte 576)."""
     fn = attention_triton._sparse_mqa_fwd_kernel
     names = fn.arg_names
     constexprs = {"NUM_SPLITS": splits, "BLOCK_H": block_h, "BLOCK_N": block_n, "BLOCK_D": 512, "SCAN": 256,
-                  "BAND_PREPASS": block_h == 64, "PDL": 1}
+                  "BAND_PREPASS": block_h == 64, "FP8": fp8, "NOPE": 448 if fp8 else 0,
+                  "SCALE_OFF": 576 if fp8 else 0, "PDL": 1}
     if block_h == 64:
         constexprs["head_blocks"] = 1  # 64 heads: the launch passes 1, which Triton specialises
     signature = {}
@@ -76,7 +79,7 @@ def resources(block_h: int, block_n: int, warps: int, stages: int, splits: int) 
         elif name == "qk_scale":
             signature[name] = "fp32"
         else:
-            signature[name] = POINTER_TYPES.get(name, "i32")
+            signature[name] = "*u8" if fp8 and name == "kv_ptr" else POINTER_TYPES.get(name, "i32")
     aligned = [name for name in names if signature[name] not in ("constexpr", "fp32") and name != "rows_per_split"]
     kernel = compile_sm90(fn, signature, constexprs, aligned, num_warps=warps, num_stages=stages)
     regs, stack = _usage(kernel)
@@ -111,16 +114,20 @@ def finalize_norm(warps: int) -> dict:
     return {"kernel": "finalize_norm", "warps": warps, "shared": shared}
 
 
-def norm_rope(weighted: bool, scatter: bool) -> dict:
-    """At V4 shapes: head dim 512, rope half-width 32."""
-    sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16",
-           "pool_ptr": "*bf16", "rows_ptr": "*i64", "heads": "i32", "dim": "i32", "stride_t": "i32", "stride_h": "i32",
-           "eps": "fp32", "HAS_W": "constexpr", "HALF": "constexpr", "BLOCK": "constexpr", "SCATTER": "constexpr"}
+def norm_rope(weighted: bool, scatter: bool, fp8: bool = False) -> dict:
+    """At V4 shapes: head dim 512, rope half-width 32 (fp8: the packed FP8 row, 592 B, written)."""
+    row = "*u8" if fp8 else "*bf16"
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": row,
+           "pool_ptr": row, "rows_ptr": "*i64", "heads": "i32", "dim": "i32", "stride_t": "i32", "stride_h": "i32",
+           "eps": "fp32", "HAS_W": "constexpr", "HALF": "constexpr", "BLOCK": "constexpr", "SCATTER": "constexpr",
+           "FP8": "constexpr", "NOPE": "constexpr", "SCALE_OFF": "constexpr", "ROW_BYTES": "constexpr"}
     aligned = ["x_ptr", "w_ptr", "cos_ptr", "sin_ptr", "out_ptr", "pool_ptr", "rows_ptr", "dim", "stride_t",
                "stride_h"]
-    kernel = compile_sm90(_norm_rope_kernel, sig, {"HAS_W": weighted, "HALF": 32, "BLOCK": 512, "SCATTER": scatter},
-                          aligned, num_warps=4)
-    return {"kernel": "norm_rope", "weighted": weighted, "scatter": scatter, "shared": kernel.metadata.shared}
+    consts = {"HAS_W": weighted, "HALF": 32, "BLOCK": 512, "SCATTER": scatter, "FP8": fp8,
+              "NOPE": 448 if fp8 else 0, "SCALE_OFF": 576 if fp8 else 0, "ROW_BYTES": 592 if fp8 else 0}
+    kernel = compile_sm90(_norm_rope_kernel, sig, consts, aligned, num_warps=4)
+    return {"kernel": "norm_rope", "weighted": weighted, "scatter": scatter, "fp8": fp8,
+            "shared": kernel.metadata.shared}
 
 
 def embed() -> dict:
@@ -202,7 +209,7 @@ def mhc_shared_rows() -> list[dict]:
     out = [expand_mix(t) for t in (1, 4, 16, 256)]
     out.append(dict(expand_mix(256, num_stages=3), expected_over=True))
     out += [finalize_norm(w) for w in (1, 8)]
-    out += [norm_rope(False, False), norm_rope(True, True), embed()]
+    out += [norm_rope(False, False), norm_rope(True, True), norm_rope(True, True, fp8=True), embed()]
     return out
 
 
@@ -213,6 +220,8 @@ def main() -> None:
                              "engine's)")
     parser.add_argument("--mhc-shared", action="store_true",
                         help="shared memory of the fused mHC kernels' configs instead, one JSON line each")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the attention configs reading packed FP8 KV rows (kv_cache_dtype='fp8') as well")
     parser.add_argument("--hopper", action="store_true",
                         help="the Hopper (Gluon) attention kernel instead, one JSON line each")
     args = parser.parse_args()
@@ -230,6 +239,9 @@ def main() -> None:
         block_h, block_n, warps, stages, splits = (int(x) for x in config.split(","))
         print(f"  (H{block_h}, N{block_n}, w{warps}, st{stages}, S{splits}): "
               f"{resources(block_h, block_n, warps, stages, splits)}")
+        if args.fp8:
+            print(f"  (H{block_h}, N{block_n}, w{warps}, st{stages}, S{splits}) FP8 KV: "
+                  f"{resources(block_h, block_n, warps, stages, splits, fp8=True)}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ V4's per-sequence state has two parts (docs/design.md, section 1):
   per `rate` tokens) and HCA entries (head_dim per `rate` tokens). Sliding layers add none.
 - fixed state, one slot per running sequence: every layer's window ring and every
   compressor's partial-window buffer.
-Accounting treats each part exactly; nothing is estimated as dense attention would be.
+Accounting treats each part exactly; nothing is estimated as dense attention would be. Row sizes come from
+the storage (`kv_cache_dtype`, sparseserve/kv_format.py): FP8 KV rows and indexer keys count their packed bytes
+(scales and padding included); the compressor buffers stay in the model's dtype.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, ModelConfig
 from ..errors import ConfigError, RequestTooLargeError
+from ..kv_format import index_row_bytes, kv_row_bytes
 from .request import Request
 
 KIND_NAMES = {LAYER_CSA: "csa", LAYER_HCA: "hca", LAYER_SLIDING: "sliding"}
@@ -35,6 +38,9 @@ class KVPlan:
     layers_by_kind: dict[str, int]
     fixed_bytes: int  # staging rows and trash rows, independent of sequences
     dense_mla_bytes_per_token: int
+    kv_cache_dtype: str = "auto"
+    kv_row_bytes: int = 0  # one KV row (window, staging or compressed entry) as stored
+    index_row_bytes: int = 0  # one indexer key as stored
 
     @property
     def bytes_per_token(self) -> float:
@@ -60,7 +66,8 @@ class KVPlan:
 
     def report(self, max_model_len: int, cache_bytes: int | None = None) -> str:
         gib = 1024**3
-        lines = [f"KV plan (dtype {self.dtype_bytes} B, block_size {self.block_size} tokens):"]
+        lines = [f"KV plan (kv_cache_dtype {self.kv_cache_dtype}: {self.kv_row_bytes} B per KV row, "
+                 f"{self.index_row_bytes} B per indexer key; block_size {self.block_size} tokens):"]
         lines.append(f"  {'kind':<9}{'layers':>7}{'B/token':>12}{'B/block':>12}{'fixed B/seq':>14}"
                      f"{'GiB/seq @' + str(max_model_len):>20}")
         for kind in ("csa", "hca", "sliding"):
@@ -84,8 +91,11 @@ class KVPlan:
 
 
 def plan_kv(model_config: ModelConfig, dtype_bytes: int, block_size: int, max_step_tokens: int,
-            num_speculative_tokens: int = 0) -> KVPlan:
+            num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto") -> KVPlan:
+    """dtype_bytes: the model's dtype (the compressor buffers, and the KV rows under "auto")."""
     hf = model_config.hf_config
+    kv_row = kv_row_bytes(hf.head_dim, hf.qk_rope_head_dim, kv_cache_dtype, dtype_bytes)
+    index_row = index_row_bytes(hf.index_head_dim, kv_cache_dtype, dtype_bytes)
     if block_size % model_config.lcm_rate != 0:
         raise ConfigError(f"block_size must be a multiple of {model_config.lcm_rate} (every compress rate) "
                          f"for this model, got {block_size}")
@@ -99,21 +109,23 @@ def plan_kv(model_config: ModelConfig, dtype_bytes: int, block_size: int, max_st
         kind = KIND_NAMES[model_config.layer_type(layer_idx)]
         layers[kind] = layers.get(kind, 0) + 1
         rate = model_config.compress_rate(layer_idx)
-        slot_bytes = ring_rows * hf.head_dim * dtype_bytes
-        fixed += (max_step_tokens + 1) * hf.head_dim * dtype_bytes
+        slot_bytes = ring_rows * kv_row
+        fixed += (max_step_tokens + 1) * kv_row
         if rate:
             csa = model_config.is_csa(layer_idx)
-            width = hf.head_dim + (hf.index_head_dim if csa else 0)
-            per_token[kind] = per_token.get(kind, 0.0) + width * dtype_bytes / rate
-            per_block[kind] = per_block.get(kind, 0) + (block_size // rate) * width * dtype_bytes
+            entry_bytes = kv_row + (index_row if csa else 0)
+            per_token[kind] = per_token.get(kind, 0.0) + entry_bytes / rate
+            per_block[kind] = per_block.get(kind, 0) + (block_size // rate) * entry_bytes
             comp_ring = (2 if csa else 1) * rate + num_speculative_tokens
             # kv || gate rows; CSA projections are twice as wide (overlapping windows).
+            width = hf.head_dim + (hf.index_head_dim if csa else 0)
             state_width = 2 * width * (2 if csa else 1)
             slot_bytes += comp_ring * state_width * dtype_bytes
             fixed += (max_step_tokens + 1) * state_width * dtype_bytes
         per_slot[kind] = per_slot.get(kind, 0) + slot_bytes
     dense = model_config.num_layers * (hf.head_dim + hf.qk_rope_head_dim + hf.index_head_dim) * dtype_bytes
-    return KVPlan(block_size, dtype_bytes, per_token, per_block, per_slot, layers, fixed, dense)
+    return KVPlan(block_size, dtype_bytes, per_token, per_block, per_slot, layers, fixed, dense, kv_cache_dtype,
+                  kv_row, index_row)
 
 
 @dataclass

@@ -117,7 +117,7 @@ class LLMEngine:
         dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
         spec_k = config.num_speculative_tokens
         self.kv_plan: KVPlan = plan_kv(self.model_config, dtype_bytes, self.block_size, self.max_num_batched_tokens,
-                                       spec_k)
+                                       spec_k, config.kv_cache_dtype)
         try:
             self._check_state_fits()
             self.runner = self._start_executor() if self.parallel else self._make_runner()
@@ -136,7 +136,8 @@ class LLMEngine:
                            self.max_num_batched_tokens, self.max_model_len, self.block_size,
                            RunnerOptions(enforce_eager=config.enforce_eager, cuda_graph_sizes=config.cuda_graph_sizes,
                                          topk_backend=config.topk_backend, step_timeout_s=config.step_timeout_s,
-                                         num_speculative_tokens=spec_k, side_stream=config.side_stream),
+                                         num_speculative_tokens=spec_k, side_stream=config.side_stream,
+                                         kv_cache_dtype=config.kv_cache_dtype),
                            mtp=mtp)
 
     def _start_executor(self):

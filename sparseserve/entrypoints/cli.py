@@ -20,6 +20,7 @@ from .. import envs
 from ..config import EngineConfig, ModelConfig
 from ..engine_args import parse_bool, add_engine_args, engine_kwargs
 from ..names import QUANTIZATION_MODES
+from ..kv_format import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from ..model.weight_bytes import ParallelLayout
@@ -126,7 +127,7 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
     dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}[args.dtype]
     block_size = args.block_size or max(model_config.lcm_rate, 16)
     plan = plan_kv(model_config, dtype_bytes, block_size, args.max_num_batched_tokens or 8192,
-                   args.num_speculative_tokens)
+                   args.num_speculative_tokens, args.kv_cache_dtype)
     cache_bytes = int(args.gpu_memory_gb * 1024**3) if args.gpu_memory_gb else None
     positions = model_config.hf_config.max_position_embeddings
     if args.max_model_len > positions:
@@ -143,7 +144,8 @@ def cmd_kv_plan(args: argparse.Namespace) -> int:
     gib = 1024**3
     compressed = plan.bytes_per_token * args.max_model_len
     dense = plan.dense_mla_bytes_per_token * args.max_model_len
-    print(f"per sequence at {args.max_model_len:,} tokens ({dtype_name}): compressed state {compressed / gib:.2f} GiB "
+    kv_name = dtype_name if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    print(f"per sequence at {args.max_model_len:,} tokens ({kv_name}): compressed state {compressed / gib:.2f} GiB "
           f"(+ {plan.bytes_per_slot / 1024**2:.2f} MiB fixed window/compressor rows); "
           f"dense-MLA {dense / gib:.2f} GiB ({dense / max(compressed, 1e-9):.1f}x)")
     return 0
@@ -265,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--max-model-len", type=_int_at_least(2), required=True)
     kv.add_argument("--gpu-memory-gb", type=_positive_float, default=None, help="cache memory to plan concurrency for")
     kv.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float16", "float32"])
+    kv.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                    help="KV rows and indexer keys as LLM(kv_cache_dtype=...) stores them (docs/kv-cache.md)")
     kv.add_argument("--block-size", type=_int_at_least(1), default=None)
     kv.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=None)
     kv.add_argument("--hf-overrides", type=json.loads, default=None)

@@ -76,7 +76,8 @@ def _build_runner(spec: WorkerSpec, limits: RunnerLimits, device: torch.device, 
     shard_model(model, group, mtp)
     options = RunnerOptions(enforce_eager=config.enforce_eager, cuda_graph_sizes=config.cuda_graph_sizes,
                             topk_backend=config.topk_backend, step_timeout_s=config.step_timeout_s,
-                            num_speculative_tokens=k, side_stream=config.side_stream)
+                            num_speculative_tokens=k, side_stream=config.side_stream,
+                            kv_cache_dtype=config.kv_cache_dtype)
     return ModelRunner(model, model_config, device, spec.dtype, config.max_num_seqs, limits.max_num_batched_tokens,
                        limits.max_model_len, limits.block_size, options, mtp=mtp)
 

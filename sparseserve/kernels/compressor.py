@@ -11,6 +11,10 @@ An emitting token whose out row is -1 writes nothing (and the kernel reads nothi
 a captured step passes every token as a possible emitter, and the ones that close no window
 then cost no memory traffic, with no host branch (docs/design.md, invariant 1).
 
+FP8 KV cache (sparseserve/kv_format.py): the entry is computed as for the compressor state's dtype, then
+quantized in the same program: packed KV rows (`kv_format`), or indexer codes with one scale per key
+(`out_scale`).
+
 Roofline (per emitted entry, S slots, width Wd): bytes = S * 2 * Wd * 2 + out; FLOPs ~ 6 * S * Wd.
 """
 from __future__ import annotations
@@ -19,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kv_format import KVFormat, quantize_index_rows, quantize_kv_rows
 from .dispatch import use_triton
+from .kv_fp8 import fp8_block, quant_index_row, store_kv_row
 from .rmsnorm import rms_norm_ref
 from .rope import apply_rope_ref
 from .pdl import pdl_args, wait_for_prior_grid
@@ -36,12 +42,16 @@ def compress_windows_ref(
     sin: torch.Tensor,
     out_pool: torch.Tensor,
     out_rows: torch.Tensor,
+    kv_format: KVFormat | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> None:
     """Plain-PyTorch reference (and CPU path).
 
     state: [N, 2 * Wd] rows of kv || gate; src_rows: [M, S] (S = 2*rate with overlap, else rate;
     -1 = no source); position_bias: [rate, Wd]; cos/sin: [M, rope_dim/2] at the entry positions;
     out_pool: [P, head_dim]; out_rows: [M] destination rows (-1 = write nothing).
+    kv_format: out_pool holds packed FP8 KV rows [P, row_bytes]; out_scale [P] fp32: out_pool holds FP8
+    indexer codes [P, head_dim] uint8 with these scales. Either way the entry is first rounded to state's dtype.
     """
     if src_rows.shape[0] == 0:
         return
@@ -60,15 +70,25 @@ def compress_windows_ref(
     gate = gate.masked_fill(~valid.unsqueeze(-1), float("-inf"))
     kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
     pooled = (kv * torch.softmax(gate, dim=1)).sum(dim=1)
-    entry = (norm_weight.float() * rms_norm_ref(pooled, None, norm_eps)).to(out_pool.dtype)
+    quantized = kv_format is not None or out_scale is not None
+    row_dtype = state.dtype if quantized else out_pool.dtype
+    entry = (norm_weight.float() * rms_norm_ref(pooled, None, norm_eps)).to(row_dtype)
     entry = apply_rope_ref(entry, cos, sin)
     keep = out_rows >= 0  # a mask index syncs on CUDA; this is the CPU path
-    out_pool.index_copy_(0, out_rows[keep].long(), entry[keep])
+    dest = out_rows[keep].long()
+    if kv_format is not None:
+        out_pool.index_copy_(0, dest, quantize_kv_rows(entry[keep], kv_format))
+    elif out_scale is not None:
+        codes, scales = quantize_index_rows(entry[keep])
+        out_pool.index_copy_(0, dest, codes)
+        out_scale.index_copy_(0, dest, scales)
+    else:
+        out_pool.index_copy_(0, dest, entry[keep])
 
 
 @triton.jit
 def _compress_windows_kernel(
-    state_ptr, src_ptr, bias_ptr, normw_ptr, cos_ptr, sin_ptr, out_ptr, out_rows_ptr,
+    state_ptr, src_ptr, bias_ptr, normw_ptr, cos_ptr, sin_ptr, out_ptr, out_rows_ptr, out_scale_ptr,
     stride_state, stride_src, stride_bias, stride_cos, stride_sin, stride_out,
     eps,
     HEAD_DIM: tl.constexpr,  # output channels (the RMSNorm width); even
@@ -79,6 +99,9 @@ def _compress_windows_kernel(
     HALF_ROPE: tl.constexpr,  # rope_dim // 2 (pairs rotated at the tail of the row)
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
+    QUANT: tl.constexpr,  # 0: out_pool in a float dtype; 1: packed FP8 KV rows; 2: FP8 indexer codes + scales
+    NOPE: tl.constexpr,  # QUANT 1: the FP8 channels and the scale bytes' offset
+    SCALE_OFF: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # One program per emitting token, holding its whole row so the RMSNorm needs no second
@@ -128,7 +151,7 @@ def _compress_windows_kernel(
         r = 1.0 / tl.sqrt(tl.sum(pooled * pooled, 0) / HEAD_DIM + eps)
         w = tl.load(normw_ptr + d, mask=dmask, other=0.0).to(tl.float32)
         # The reference rounds the normed entry to the pool dtype before rope: so do we.
-        odt = out_ptr.dtype.element_ty
+        odt = out_ptr.dtype.element_ty if QUANT == 0 else state_ptr.dtype.element_ty
         y = (w * (pooled * r)).to(odt).to(tl.float32)
         # Interleaved rope on the trailing pairs: (2i, 2i+1) -> (e*c - o*s, o*c + e*s).
         y_e, y_o = tl.split(tl.reshape(y, [BLOCK_D // 2, 2]))
@@ -140,7 +163,16 @@ def _compress_windows_kernel(
         o_e = tl.where(rmask, y_e * c - y_o * s, y_e)
         o_o = tl.where(rmask, y_o * c + y_e * s, y_o)
         out = tl.reshape(tl.join(o_e, o_o), [BLOCK_D])
-        tl.store(out_ptr + out_row * stride_out + d, out.to(odt), mask=dmask)
+        if QUANT == 1:
+            store_kv_row(out_ptr + out_row * stride_out, out.to(odt).to(tl.float32), HEAD_DIM, NOPE, SCALE_OFF,
+                         BLOCK_D)
+        elif QUANT == 2:
+            codes, sc = quant_index_row(out.to(odt).to(tl.float32), dmask)
+            tl.store(out_ptr + out_row * stride_out + d, codes.to(tl.float8e4nv).to(tl.uint8, bitcast=True),
+                     mask=dmask)
+            tl.store(out_scale_ptr + out_row, sc)
+        else:
+            tl.store(out_ptr + out_row * stride_out + d, out.to(odt), mask=dmask)
 
 
 def compress_config(head_dim: int, num_slots: int) -> tuple[int, int]:
@@ -163,6 +195,8 @@ def compress_windows_triton(
     out_rows: torch.Tensor,
     block_s: int | None = None,
     num_warps: int | None = None,
+    kv_format: KVFormat | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> None:
     """Triton kernel, one launch for all M emitting tokens; same contract as
     compress_windows_ref. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
@@ -172,7 +206,7 @@ def compress_windows_triton(
         return
     width = state.shape[1] // 2
     rate = position_bias.shape[0]
-    head_dim = out_pool.shape[1]
+    head_dim = kv_format.head_dim if kv_format is not None else out_pool.shape[1]
     num_slots = src_rows.shape[1]
     if head_dim != (width // 2 if overlap else width) or num_slots != (2 if overlap else 1) * rate:
         raise ValueError(
@@ -192,14 +226,18 @@ def compress_windows_triton(
     if out_pool.stride(1) != 1:
         raise ValueError("out_pool needs unit stride on its last dim (it is written in place)")
     cfg_s, cfg_warps = compress_config(head_dim, num_slots)
+    quant = 1 if kv_format is not None else 2 if out_scale is not None else 0
+    block_d = triton.next_power_of_2(max(head_dim, 2))
     _compress_windows_kernel[(num_emit,)](
         state, src_rows, position_bias, norm_weight, cos, sin, out_pool, out_rows,
+        out_scale if out_scale is not None else out_rows,
         state.stride(0), src_rows.stride(0), position_bias.stride(0), cos.stride(0), sin.stride(0),
         out_pool.stride(0),
         float(norm_eps),
         HEAD_DIM=head_dim, WIDTH=width, RATE=rate, OVERLAP=bool(overlap), NUM_SLOTS=num_slots,
         HALF_ROPE=cos.shape[-1], BLOCK_S=block_s or cfg_s,
-        BLOCK_D=triton.next_power_of_2(max(head_dim, 2)),
+        BLOCK_D=fp8_block(block_d) if quant == 1 else block_d, QUANT=quant,
+        NOPE=kv_format.nope_dim if quant == 1 else 0, SCALE_OFF=kv_format.scale_offset if quant == 1 else 0,
         num_warps=num_warps or cfg_warps, **pdl_args(state.device)
     )
 
@@ -215,11 +253,13 @@ def compress_windows(
     sin: torch.Tensor,
     out_pool: torch.Tensor,
     out_rows: torch.Tensor,
+    kv_format: KVFormat | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> None:
     """Dispatch on the device (a static fact): the Triton kernel on CUDA, the reference elsewhere."""
     if use_triton("compressor", state):
         compress_windows_triton(state, src_rows, position_bias, overlap, norm_weight, norm_eps, cos, sin,
-                                out_pool, out_rows)
+                                out_pool, out_rows, kv_format=kv_format, out_scale=out_scale)
     else:
         compress_windows_ref(state, src_rows, position_bias, overlap, norm_weight, norm_eps, cos, sin,
-                             out_pool, out_rows)
+                             out_pool, out_rows, kv_format, out_scale)

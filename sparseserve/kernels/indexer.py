@@ -15,6 +15,10 @@ relu, the head weights and the head sum run on the product in registers, and onl
 [BLOCK_E] scores go out. Tiles past the token's visible count skip the key loads and the
 product (a device-side loop bound, no host branch) and write -inf. Configs come from
 static shapes only, so the launch can be captured in a CUDA graph.
+
+FP8 keys (kv_cache_dtype="fp8", sparseserve/kv_format.py): index_pool holds e4m3 codes and index_scale one fp32
+power of two per key. The codes go into the product as q's dtype (exact) and each column of q . k is then
+multiplied by its key's scale (relu commutes with a positive scale): 132 B per key read instead of 256.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kv_format import dequantize_index_rows
 from .dispatch import num_sms, use_triton
 from .pdl import pdl_args, wait_for_prior_grid
 
@@ -55,12 +60,13 @@ def indexer_scores_ref(
     num_entries: int,
     token_chunk: int = 256,
     weights_scale: float = 1.0,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch reference (and CPU path).
 
     q: [T, Hi, Di]; weights: [T, Hi], any float dtype, times weights_scale (the head scaling)
     in fp32;
-    index_pool: [N, Di]; block_table: [B, max_blocks] int (-1 = no block);
+    index_pool: [N, Di] (index_scale [N] fp32: FP8 codes, uint8); block_table: [B, max_blocks] int (-1 = no block);
     token_seq: [T] batch index of each token's sequence; positions: [T] absolute positions.
     Returns fp32 [T, num_entries], -inf where the entry is not visible.
     """
@@ -73,7 +79,9 @@ def indexer_scores_ref(
         end = min(start + token_chunk, num_tokens)
         rows = entry_rows(block_table, token_seq[start:end], num_entries, entries_per_block)
         visible = (entries.unsqueeze(0) < ((positions[start:end].long() + 1) // rate).unsqueeze(1)) & (rows >= 0)
-        keys = index_pool[rows.clamp(min=0)].float()  # [t, E, Di]
+        safe = rows.clamp(min=0)
+        keys = (index_pool[safe].float() if index_scale is None
+                else dequantize_index_rows(index_pool[safe], index_scale[safe]))  # [t, E, Di]
         dots = torch.einsum("thd,ted->the", q[start:end].float(), keys)
         head_weights = weights[start:end].float() * weights_scale
         scores = (torch.relu(dots) * scale * head_weights.unsqueeze(-1)).sum(dim=1)
@@ -86,11 +94,11 @@ def indexer_scores_ref(
 # chunks per token.
 @triton.jit(do_not_specialize=["num_entries", "stride_ot", "chunks"])
 def _indexer_scores_kernel(
-    q_ptr, w_ptr, pool_ptr, bt_ptr, seq_ptr, pos_ptr, out_ptr,
+    q_ptr, w_ptr, pool_ptr, kscale_ptr, bt_ptr, seq_ptr, pos_ptr, out_ptr,
     num_heads, head_dim, num_entries, max_blocks, rate, entries_per_block, scale, weights_scale,
     stride_qt, stride_qh, stride_wt, stride_pool, stride_bt, stride_ot, chunks,
     TILES: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Flat grid (y/z cap at 65535); a token's chunks are adjacent in launch order.
@@ -123,9 +131,15 @@ def _indexer_scores_kernel(
         blk = tl.load(bt_base + blk_idx, mask=in_range & (blk_idx < max_blocks), other=-1)
         ok = in_range & (offs_e < visible) & (blk >= 0)
         row = blk.to(tl.int64) * entries_per_block + (offs_e % entries_per_block)
-        k = tl.load(pool_ptr + row[:, None] * stride_pool + offs_d[None, :],
-                    mask=ok[:, None] & d_mask[None, :], other=0.0)
-        dots = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_E], fp32
+        if FP8:
+            codes = tl.load(pool_ptr + row[:, None] * stride_pool + offs_d[None, :],
+                            mask=ok[:, None] & d_mask[None, :], other=0)
+            k = codes.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+            dots = tl.dot(q, tl.trans(k)) * tl.load(kscale_ptr + row, mask=ok, other=0.0)[None, :]
+        else:
+            k = tl.load(pool_ptr + row[:, None] * stride_pool + offs_d[None, :],
+                        mask=ok[:, None] & d_mask[None, :], other=0.0)
+            dots = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_E], fp32
         sc = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
         tl.store(out_base + offs_e, tl.where(ok, sc, float("-inf")), mask=in_range)
     for i in range(n_live, TILES):
@@ -165,6 +179,7 @@ def indexer_scores_triton(
     num_entries: int,
     config: IndexerConfig | None = None,
     weights_scale: float = 1.0,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton kernel; same contract as indexer_scores_ref. Runs on CUDA, or on the CPU under
     TRITON_INTERPRET=1 (tests)."""
@@ -183,13 +198,15 @@ def indexer_scores_triton(
     cfg = config or indexer_config(num_tokens, num_heads, head_dim, num_entries, num_sms(q.device))
     chunks = triton.cdiv(num_entries, cfg.block_e * cfg.tiles)
     _indexer_scores_kernel[(num_tokens * chunks,)](
-        q, weights, index_pool, block_table, token_seq.contiguous(), positions.contiguous(), out,
+        q, weights, index_pool, index_scale if index_scale is not None else out, block_table,
+        token_seq.contiguous(), positions.contiguous(), out,
         num_heads, head_dim, num_entries, block_table.shape[1], rate, entries_per_block, float(scale),
         float(weights_scale),
         q.stride(0), q.stride(1), weights.stride(0), index_pool.stride(0), block_table.stride(0), out.stride(0), chunks,
         TILES=cfg.tiles,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_E=cfg.block_e, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device)
+        BLOCK_E=cfg.block_e, FP8=index_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(q.device)
     )
     return out
 
@@ -206,15 +223,17 @@ def indexer_scores(
     scale: float,
     num_entries: int,
     weights_scale: float = 1.0,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA (bf16/fp16), the reference elsewhere. The head weights
-    are `weights * weights_scale` in fp32 (weights in any float dtype)."""
-    if use_triton("indexer", q) and q.dtype in (torch.bfloat16, torch.float16):
+    are `weights * weights_scale` in fp32 (weights in any float dtype). index_scale: FP8 keys."""
+    if (use_triton("indexer", q) and q.dtype in (torch.bfloat16, torch.float16)
+            and (index_scale is not None or index_pool.dtype == q.dtype)):
         return indexer_scores_triton(
             q, weights, index_pool, block_table, token_seq, positions, rate, entries_per_block, scale, num_entries,
-            weights_scale=weights_scale,
+            weights_scale=weights_scale, index_scale=index_scale,
         )
     return indexer_scores_ref(
         q, weights, index_pool, block_table, token_seq, positions, rate, entries_per_block, scale, num_entries,
-        weights_scale=weights_scale,
+        weights_scale=weights_scale, index_scale=index_scale,
     )

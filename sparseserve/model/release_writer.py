@@ -1,11 +1,13 @@
-"""Write random weights as a DeepSeek-V4 release checkpoint: the release's tensor names, its FP8
-block linears and FP4 (or FP8) routed experts, sharded with a `model.safetensors.index.json`,
-the MTP layer included. Tests and benchmarks get release-format files this way without
-downloading any; `tools/write_release_checkpoint.py` is the command line (docs/checkpoints.md).
+"""Write a DeepSeek-V4 release checkpoint: the release's tensor names, its FP8 block linears and
+FP4 (or FP8) routed experts, sharded with a `model.safetensors.index.json`, the MTP layer
+included. Tests and benchmarks get release-format files this way without downloading any;
+`tools/write_release_checkpoint.py` is the command line (docs/checkpoints.md).
 
 The shapes come from a config (a preset or a directory, with overrides: e.g. V4-Flash's layer
-shapes with fewer layers and experts). Tensors are made, encoded and written one at a time (one
-expert at a time for the routed experts), so memory stays at about one shard.
+shapes with fewer layers and experts). The values are random (`weights="random"`), made, encoded
+and written one at a time (one expert at a time for the routed experts), so memory stays at about
+one shard; or the model directory's own weights (`weights="model"`, e.g. the trained demo model),
+loaded in float32 and encoded the same way, so the model must fit in host memory.
 """
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ from ..config import ModelConfig
 from ..quant_formats import FP8_BLOCK, quantize_fp4, quantize_fp8_block
 from .checkpoint_names import MTP_PREFIX, release_mtp_name, release_name, release_storage
 from .deepseek_v4 import DeepseekV4ForCausalLM
-from .loader import load_hf_config, resolve_model_dir
-from .mtp import MTPModule
+from .loader import load_hf_config, load_model, resolve_model_dir
+from .mtp import MTPModule, load_mtp
 
 EXPERT_DTYPES = ("fp4", "fp8", "bf16")
+WEIGHT_SOURCES = ("random", "model")
 RELEASE_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                         "scale_fmt": "ue8m0", "weight_block_size": list(FP8_BLOCK)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -90,10 +93,13 @@ class _Encoder:
 
 def _release_tensors(module: torch.nn.Module, to_release, prefix_of_layer, num_experts: int,
                      encoder: _Encoder, gen: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
-    """(release name -> stored tensor) groups for every tensor of `module` (built on meta)."""
+    """(release name -> stored tensor) groups for every tensor of `module`: random values when it
+    is built on meta, else its own values."""
     for name, t in module.state_dict(keep_vars=True).items():
         shape = tuple(t.shape)
-        if name.endswith("tid2eid"):
+        if t.device.type != "meta":
+            yield from _encoded(name, t.detach(), to_release, prefix_of_layer, encoder)
+        elif name.endswith("tid2eid"):
             yield encoder.tensor(to_release(name), _tid2eid(shape, num_experts, gen))
         elif name.endswith("e_score_correction_bias"):
             yield encoder.tensor(to_release(name), 0.1 * torch.randn(shape, generator=gen, device=gen.device))
@@ -110,6 +116,23 @@ def _release_tensors(module: torch.nn.Module, to_release, prefix_of_layer, num_e
         else:
             release = to_release(name)
             yield encoder.tensor(release, _random(name, shape, gen, encoder.dtype_of(release)))
+
+
+def _encoded(name: str, value: torch.Tensor, to_release, prefix_of_layer, encoder: _Encoder
+             ) -> Iterator[dict[str, torch.Tensor]]:
+    """The release's tensors of one of the model's own tensors (the routed experts one by one)."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        prefix, half = prefix_of_layer(name), value.shape[1] // 2
+        for e in range(value.shape[0]):
+            yield encoder.expert(f"{prefix}ffn.experts.{e}.w1.weight", value[e, :half])
+            yield encoder.expert(f"{prefix}ffn.experts.{e}.w3.weight", value[e, half:])
+    elif name.endswith("mlp.experts.down_proj"):
+        prefix = prefix_of_layer(name)
+        for e in range(value.shape[0]):
+            yield encoder.expert(f"{prefix}ffn.experts.{e}.w2.weight", value[e])
+    else:
+        release = to_release(name)
+        yield encoder.tensor(release, value.to(encoder.dtype_of(release)))
 
 
 def _layer_prefix(name: str) -> str:
@@ -171,15 +194,19 @@ def write_release_checkpoint(out_dir: str | os.PathLike, model: str | os.PathLik
                              hf_overrides: dict | None = None, expert_dtype: str = "fp4", seed: int = 0,
                              max_shard_bytes: int = 4 << 30, mtp: bool = True,
                              tokenizer_dir: str | os.PathLike | None = None,
-                             device: str | torch.device = "cpu") -> Path:
-    """Write a random release-format checkpoint of `model`'s config (a preset or a directory, with
+                             device: str | torch.device = "cpu", weights: str = "random") -> Path:
+    """Write a release-format checkpoint of `model`'s config (a preset or a directory, with
     `hf_overrides`) into `out_dir`: FP8 linears with FP4 (`expert_dtype="fp4"`, as DeepSeek-V4-Flash)
     or FP8 (`"fp8"`, as -Flash-Base) routed experts, or everything unquantized (`"bf16"`).
+    `weights="random"`: random values; `"model"`: the checkpoint's own weights (`model` must have
+    them; its MTP layer's too when `mtp`), quantized as the release stores them.
     The tokenizer files of `tokenizer_dir` (default: the config's directory, if it has them) are copied.
     `device` draws and encodes the values there (a GPU writes V4-Flash-sized files in seconds); the
     same arguments on the same kind of device write the same files."""
     if expert_dtype not in EXPERT_DTYPES:
         raise ValueError(f"expert_dtype must be one of {EXPERT_DTYPES}, got {expert_dtype!r}")
+    if weights not in WEIGHT_SOURCES:
+        raise ValueError(f"weights must be one of {WEIGHT_SOURCES}, got {weights!r}")
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     model_dir, preset_overrides = resolve_model_dir(model)
@@ -187,9 +214,16 @@ def write_release_checkpoint(out_dir: str | os.PathLike, model: str | os.PathLik
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model_config = ModelConfig(hf, dtype=torch.float32)
-    with torch.device("meta"):
-        net = DeepseekV4ForCausalLM(model_config)
-        mtp_module = MTPModule(model_config) if mtp and hf.num_nextn_predict_layers > 0 else None
+    if weights == "model":
+        net, model_config, mtp_tensors = load_model(model_dir, torch.float32, torch.device(device),
+                                                    hf_overrides={**preset_overrides, **(hf_overrides or {})},
+                                                    progress=False)
+        mtp_module = (load_mtp(model_config, mtp_tensors, torch.device(device), torch.float32)
+                      if mtp and hf.num_nextn_predict_layers > 0 else None)
+    else:
+        with torch.device("meta"):
+            net = DeepseekV4ForCausalLM(model_config)
+            mtp_module = MTPModule(model_config) if mtp and hf.num_nextn_predict_layers > 0 else None
     gen = torch.Generator(device=device).manual_seed(seed)
     encoder = _Encoder(expert_dtype)
     writer = _ShardWriter(out, max_shard_bytes)

@@ -71,6 +71,7 @@ class RunnerOptions:
     step_timeout_s: float = 60.0
     num_speculative_tokens: int = 0
     side_stream: str = "auto"  # one of SIDE_STREAM_MODES (EngineConfig.side_stream)
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (model/state.py)
 
 
 class ModelRunner:
@@ -167,7 +168,8 @@ class ModelRunner:
             return 0
         length = min(self.max_num_batched_tokens, self.max_model_len)
         blocks = -(-length // self.block_size)
-        state = ModelState(self.model_config, self._layout(blocks), self.device, self.dtype)
+        kv = self.options.kv_cache_dtype
+        state = ModelState(self.model_config, self._layout(blocks), self.device, self.dtype, kv)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -194,9 +196,10 @@ class ModelRunner:
         return int(gpu_memory_utilization * total - (total - free) - peak)
 
     def allocate_state(self, num_blocks: int) -> None:
-        self.state = ModelState(self.model_config, self._layout(num_blocks), self.device, self.dtype)
+        kv = self.options.kv_cache_dtype
+        self.state = ModelState(self.model_config, self._layout(num_blocks), self.device, self.dtype, kv)
         if self.mtp is not None:
-            mtp_state = ModelState(self.mtp.config, self._layout(0), self.device, self.dtype)
+            mtp_state = ModelState(self.mtp.config, self._layout(0), self.device, self.dtype, kv)
             self.speculator = MTPSpeculator(self.mtp, self.model, mtp_state, self.options.num_speculative_tokens,
                                             self.mtp_forward)
 

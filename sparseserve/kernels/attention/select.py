@@ -14,6 +14,9 @@ The table, first matching row wins (`wide` = tokens x heads / 64, the (token, 64
 | 4   | heads >= 64, wide >= 3/4 of the SMs (D > 128)      | triton | 64            | 32        | none                |
 | 5   | otherwise (small batches, few heads)               | triton | 16            | 64        | up to 2 programs per SM, <= 8, >= 64 rows each |
 
+An FP8 KV cache (`kv_cache_dtype="fp8"`) never takes row 1: `hopper_supported` is False for packed FP8 rows, so
+those calls take rows 2-5 (the portable Triton kernel, which dequantizes its tiles).
+
 The Hopper kernel is two Gluon kernels sharing `hopper_common.py`: unsplit calls (prefill, decode batches that fill
 the chip) run the role-split kernel (`hopper.py`), split calls the lockstep kernel (`hopper_split.py`), whose short
 units do not pay for the roles' hand-overs (docs/performance.md: each is the faster one on its calls).

@@ -8,7 +8,11 @@ an online softmax whose running max starts at the sink logit. Small batches spli
 first to its last valid row (a device-side loop bound, so still graph-safe): the work follows the rows a token sees,
 not the list's static width. Launch choices come from `select.attention_config` (static shapes only).
 
-Roofline (per token, D = head dim, H heads, L rows): bytes = L*D*2 (rows, bf16) + 2*H*D*2 (q in, out);
+FP8 KV cache (sparseserve/kv_format.py): the pool holds packed rows; a tile is gathered through one uint8 pointer
+(stride in bytes) and dequantized in registers to q's dtype (exact: e4m3 times a power of two), then the same
+dot products run. The Hopper kernels do not read FP8 rows (`hopper_supported` is False for them).
+
+Roofline (per token, D = head dim, H heads, L rows): bytes = L*D*2 (rows, bf16; FP8: L*row_bytes) + 2*H*D*2 (q in, out);
 FLOPs = 4*H*L*D (QK^T and PV).
 """
 from __future__ import annotations
@@ -18,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ...kv_format import KVFormat
 from ..dispatch import num_sms
+from ..kv_fp8 import load_kv_tile
 from ..pdl import pdl_args, wait_for_prior_grid
 from ..rope import apply_rope
 from .hopper import launch_hopper_attention
@@ -66,7 +72,8 @@ def _sparse_mqa_fwd_kernel(
     stride_qt, stride_qh, stride_kv, stride_rt, stride_ot, stride_oh,
     qk_scale,  # scale * log2(e): logits are kept in base 2
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SCAN: tl.constexpr, BAND_PREPASS: tl.constexpr, PDL: tl.constexpr,
+    SCAN: tl.constexpr, BAND_PREPASS: tl.constexpr, FP8: tl.constexpr, NOPE: tl.constexpr,
+    SCALE_OFF: tl.constexpr, PDL: tl.constexpr,
 ):
     # One flat grid axis (the y/z axes cap at 65535); head blocks and splits of one token are adjacent in launch
     # order, so they run together and share rows through L2.
@@ -106,8 +113,12 @@ def _sparse_mqa_fwd_kernel(
         r = tl.load(rows_base + offs_n, mask=offs_n < row_end, other=-1)
         valid = r >= 0
         # Holes (-1) are masked out of the gather, so they cost no memory traffic.
-        k = tl.load(kv_ptr + r.to(tl.int64)[:, None] * stride_kv + offs_d[None, :],
-                    mask=valid[:, None] & d_mask[None, :], other=0.0)
+        if FP8:
+            k = load_kv_tile(kv_ptr, r.to(tl.int64), valid, stride_kv, offs_d, head_dim, NOPE, SCALE_OFF,
+                             q_ptr.dtype.element_ty)
+        else:
+            k = tl.load(kv_ptr + r.to(tl.int64)[:, None] * stride_kv + offs_d[None, :],
+                        mask=valid[:, None] & d_mask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -190,7 +201,7 @@ def _sparse_mqa_merge_kernel(
 
 def engine_attention_config(q: torch.Tensor, kv_pool: torch.Tensor, num_rows: int) -> AttnConfig:
     """The config the engine takes for these tensors: `attention_config`, with the Hopper kernel where it can serve
-    the call and is not turned off (SPARSESERVE_DISABLE_KERNELS=attention_hopper)."""
+    the call and is not turned off (SPARSESERVE_DISABLE_KERNELS=attention_hopper; FP8 rows: never)."""
     num_tokens, num_heads, head_dim = q.shape
     return attention_config(num_tokens, num_heads, num_rows, head_dim, num_sms(q.device),
                             hopper=hopper_supported(q, kv_pool))
@@ -204,6 +215,7 @@ def sparse_mqa_attention_triton(
     scale: float,
     config: AttnConfig | None = None,
     inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
     """The kernels; same contract as `reference.sparse_mqa_attention_ref`. Runs on CUDA, or on the CPU under
     TRITON_INTERPRET=1 (the Triton kernel only). inverse_rope (cos, sin [T, rope_dim/2] fp32): then the output's
@@ -227,6 +239,8 @@ def sparse_mqa_attention_triton(
             hopper_supported(q, kv_pool) and cfg.block_h == 64 and cfg.block_n == 64 and cfg.band_prepass):
         raise ValueError(f"{cfg} asks for the Hopper kernel, which takes sm_90, 64-head blocks, D = 512, 64-row "
                          f"tiles and a band pre-pass; got q {tuple(q.shape)} {q.dtype} on {q.device}")
+    if hopper and kv_format is not None:
+        raise ValueError(f"{cfg} asks for the Hopper kernel, which does not read FP8 KV rows; use a 'triton' config")
     if cfg.kernel not in ("triton", "hopper"):
         raise ValueError(f"AttnConfig.kernel must be 'triton' or 'hopper', got {cfg.kernel!r}")
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -260,7 +274,12 @@ def sparse_mqa_attention_triton(
             q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1),
             float(scale) * _LOG2E,
             NUM_SPLITS=splits, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SCAN=scan,
-            BAND_PREPASS=band is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device)
+            BAND_PREPASS=band is not None, FP8=kv_format is not None,
+            NOPE=kv_format.nope_dim if kv_format is not None else 0,
+            SCALE_OFF=kv_format.scale_offset if kv_format is not None else 0, num_warps=cfg.num_warps,
+            # FP8 tiles are three gathers (codes, rope, scales): pipelined in two stages they overflow the
+            # H200's shared memory at 16-head configs (246 KB, tools/kernel_resources.py --fp8).
+            num_stages=1 if kv_format is not None else cfg.num_stages, **pdl_args(q.device)
         )
     fuse_rope = inverse_rope is not None and splits > 1 and block_d == head_dim
     if splits > 1:

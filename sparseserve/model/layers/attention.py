@@ -172,7 +172,8 @@ class Attention(nn.Module):
         kv = fresh_kv.result()
         rows = ctx.window_rows if staged is None else entry_rows.result()  # window rows, then entries
         # The output's rope channels are rotated back inside the attention launches.
-        out = sparse_mqa_attention(q, state.kv_pool, rows, self.sinks.float(), self.scale, inverse_rope=(cos, sin))
+        out = sparse_mqa_attention(q, state.kv_pool, rows, self.sinks.float(), self.scale, inverse_rope=(cos, sin),
+                                   kv_format=state.kv_format)
         # Commit after every read of the rings, queued after attention: beside it, even tiny
         # kernels slowed attention by half (H200 profile, 2026-11-29). Nothing waits for the
         # commit before the forward's end, and the staged projections may be views of this
@@ -211,7 +212,7 @@ class Attention(nn.Module):
         state.compressor_state.index_copy_(0, addr.staging_rows, comp_kv_gate)
         compress_windows(state.compressor_state, addr.emit_src_rows, comp.position_bias, comp.overlap,
                          comp.kv_norm.weight, self.eps, rate_addr.emit_cos, rate_addr.emit_sin,
-                         state.kv_pool, rate_addr.emit_kv_rows)
+                         state.kv_pool, rate_addr.emit_kv_rows, kv_format=state.kv_format)
         idx_kv_gate = None
         if self.is_csa:
             idx = comp.indexer
@@ -219,14 +220,15 @@ class Attention(nn.Module):
             state.indexer_state.index_copy_(0, addr.staging_rows, idx_kv_gate)
             compress_windows(state.indexer_state, addr.emit_src_rows, idx.position_bias, True,
                              idx.kv_norm.weight, self.eps, rate_addr.emit_cos, rate_addr.emit_sin,
-                             state.index_pool, rate_addr.emit_index_rows)
+                             state.index_pool, rate_addr.emit_index_rows, out_scale=state.index_scale)
         return comp_kv_gate, idx_kv_gate
 
     def _stage_kv(self, kv_proj: torch.Tensor, ctx: StepContext, state: LayerState) -> torch.Tensor:
-        """This step's KV rows (normed, rotated, in the pool's dtype), written to their staging
+        """This step's KV rows (normed, rotated, in the pool's dtype; FP8: packed), written to their staging
         rows: attention reads them there; `_commit` writes them to the ring after it."""
         cos, sin = ctx.rope[self.rope_name]
-        return norm_rope(kv_proj, self.kv_norm.weight, self.kv_norm.eps, cos, sin, state.kv_pool, ctx.kv_staging_rows)
+        return norm_rope(kv_proj, self.kv_norm.weight, self.kv_norm.eps, cos, sin, state.kv_pool, ctx.kv_staging_rows,
+                         kv_format=state.kv_format)
 
     def _entry_rows(self, x_proj: list[torch.Tensor], q_proj: list[torch.Tensor], ctx: StepContext,
                     state: LayerState) -> torch.Tensor:
@@ -244,7 +246,8 @@ class Attention(nn.Module):
         # The head weights (a column slice of the packed GEMM output) are scaled inside the kernel.
         scores = indexer_scores(iq, x_proj[2], state.index_pool, batch.block_table, batch.token_seq,
                                 batch.positions, self.rate, ctx.layout.entries_per_block(self.rate),
-                                idx.softmax_scale, rate_addr.num_entries, weights_scale=idx.weights_scale)
+                                idx.softmax_scale, rate_addr.num_entries, weights_scale=idx.weights_scale,
+                                index_scale=state.index_scale)
         chosen = ctx.topk(scores, rate_addr.visible_counts, idx.topk)
         return entry_pool_rows(chosen, batch.token_seq, batch.block_table,
                                ctx.layout.entries_per_block(self.rate), ctx.layout.comp_base(), prefix=ctx.window_rows)

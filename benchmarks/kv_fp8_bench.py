@@ -1,0 +1,133 @@
+"""FP8 KV cache against bf16 in one run (H200): decode attention and indexer scores at V4-Flash shapes, and the
+sequences that fit at 128K context in the same memory (docs/kv-cache.md).
+
+    python -m benchmarks.kv_fp8_bench [--out PATH] [--smoke]
+
+Cases: attention decode, V4-Flash (64 heads, D = 512, top-k 512), CSA and HCA row lists, batch 64 / 256 x context
+32K / 128K; indexer decode (64 heads x 128) at the same batches and contexts. Inputs and timing are
+benchmarks/kernels.py's (input sets cycled in one captured graph, so rows come from HBM); the FP8 pool is the
+bf16 pool quantized, read through the same row lists. Each case records the bf16 engine kernel (Hopper where it
+serves the call), the portable Triton kernel on bf16 rows, the FP8 kernel, their speedups and the share of HBM
+the FP8 kernel's own bytes reach. --smoke: tiny shapes on the CPU under TRITON_INTERPRET=1 (a script check).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+import benchmarks.kernels as K
+from benchmarks import result_file
+from sparseserve.config import ModelConfig
+from sparseserve.engine.kv_cache import plan_kv
+from sparseserve.kernels.attention import (
+    attention_config,
+    engine_attention_config,
+    sparse_mqa_attention_ref,
+    sparse_mqa_attention_triton,
+)
+from sparseserve.kernels.indexer import indexer_config, indexer_scores_triton
+from sparseserve.kv_format import IndexFormat, KVFormat, dequantize_kv_rows, quantize_index_rows, quantize_kv_rows
+from sparseserve.model.loader import load_hf_config, resolve_model_dir
+
+FMT = KVFormat(K.D, 64)
+BATCHES = (64, 256)
+CONTEXTS = (32768, 131072)
+CHUNK = 1 << 16  # rows quantized at a time (bounded fp32 temporaries)
+
+
+def _quantized(pool: torch.Tensor, index: bool = False):
+    parts = [(quantize_index_rows if index else lambda r: quantize_kv_rows(r, FMT))(pool[i:i + CHUNK])
+             for i in range(0, pool.shape[0], CHUNK)]
+    if index:
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return torch.cat(parts)
+
+
+def _graph_us(sets, launch) -> float:
+    return K._bench_graph([(lambda a=a: launch(a)) for a in sets])
+
+
+def attention_case(kind: str, batch: int, ctx: int, gen: torch.Generator, num_sms: int) -> dict:
+    case = K.attn_decode_case("flash", kind, batch, ctx, gen)
+    q, kv, rows, sinks, scale = case["args"]
+    packed = _quantized(kv)
+    engine = engine_attention_config(q, kv, rows.shape[1])
+    triton_cfg = attention_config(batch, q.shape[1], rows.shape[1], K.D, num_sms)
+    fp8_cfg = engine_attention_config(q, packed, rows.shape[1])
+    fp8 = lambda a: sparse_mqa_attention_triton(a[0], packed, *a[2:], fp8_cfg, kv_format=FMT)  # noqa: E731
+    out = fp8(case["args"])
+    ref = sparse_mqa_attention_ref(q.float(), dequantize_kv_rows(packed, FMT), rows, sinks, scale)
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    t_bf16 = _graph_us(case["sets"], lambda a: sparse_mqa_attention_triton(*a, engine))
+    t_triton = _graph_us(case["sets"], lambda a: sparse_mqa_attention_triton(*a, triton_cfg))
+    t_fp8 = _graph_us(case["sets"], fp8)
+    valid = batch * case["rows"]
+    fp8_bytes = case["bytes"] - valid * K.D * 2 + valid * FMT.row_bytes
+    return dict(kernel="attn", kind=kind, batch=batch, ctx=ctx, rows=case["rows"], bf16_config=repr(engine),
+                fp8_config=repr(fp8_cfg), bf16_us=round(t_bf16, 2), bf16_triton_us=round(t_triton, 2),
+                fp8_us=round(t_fp8, 2), speedup=round(t_bf16 / t_fp8, 3),
+                speedup_vs_triton_bf16=round(t_triton / t_fp8, 3),
+                fp8_hbm_frac=round(fp8_bytes / (t_fp8 * 1e-6) / K.HBM_BPS, 3),
+                bf16_hbm_frac=round(case["bytes"] / (t_bf16 * 1e-6) / K.HBM_BPS, 3), rel_err_vs_ref=round(rel, 5))
+
+
+def indexer_case(batch: int, ctx: int, gen: torch.Generator, num_sms: int) -> dict:
+    case = K.indexer_decode_case(batch, ctx, gen)
+    a0 = case["args"]
+    codes, scales = _quantized(a0[2], index=True)
+    cfg = indexer_config(batch, K.IDX_HEADS, K.IDX_DIM, a0[-1], num_sms)
+    t_bf16 = _graph_us(case["sets"], lambda a: indexer_scores_triton(*a, config=cfg))
+    t_fp8 = _graph_us(case["sets"], lambda a: indexer_scores_triton(a[0], a[1], codes, *a[3:], config=cfg,
+                                                                    index_scale=scales))
+    vis = batch * case["entries"]
+    fp8_bytes = case["bytes"] - vis * K.IDX_DIM * 2 + vis * IndexFormat(K.IDX_DIM).row_bytes
+    return dict(kernel="indexer", batch=batch, ctx=ctx, bf16_us=round(t_bf16, 2), fp8_us=round(t_fp8, 2),
+                speedup=round(t_bf16 / t_fp8, 3), fp8_hbm_frac=round(fp8_bytes / (t_fp8 * 1e-6) / K.HBM_BPS, 3))
+
+
+def concurrency(cache_gib: float = 100.0, ctx: int = 131072) -> dict:
+    model_dir, overrides = resolve_model_dir("deepseek-v4-flash")
+    mc = ModelConfig(load_hf_config(model_dir, overrides))
+    cache = int(cache_gib * 1024**3)
+    fits = {kv: plan_kv(mc, 2, 128, 8192, kv_cache_dtype=kv).max_concurrency(ctx, cache) for kv in ("bfloat16", "fp8")}
+    return dict(cache_gib=cache_gib, ctx=ctx, bf16_seqs=fits["bfloat16"], fp8_seqs=fits["fp8"],
+                ratio=round(fits["fp8"] / max(fits["bfloat16"], 1), 3))
+
+
+def run() -> dict:
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if K.DEV == "cuda" else 132
+    gen = torch.Generator(device=K.DEV).manual_seed(0)
+    results = []
+    for batch in BATCHES:
+        for ctx in CONTEXTS:
+            for kind in ("csa", "hca"):
+                results.append(attention_case(kind, batch, ctx, gen, num_sms))
+                print(json.dumps(results[-1]), flush=True)
+            results.append(indexer_case(batch, ctx, gen, num_sms))
+            print(json.dumps(results[-1]), flush=True)
+    card = torch.cuda.get_device_properties(0).name if K.DEV == "cuda" else "cpu (interpreter smoke run)"
+    return dict(device=card, kv_row_bytes=FMT.row_bytes, index_row_bytes=IndexFormat(K.IDX_DIM).row_bytes,
+                cases=results, concurrency_128k=concurrency())
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=result_file("kv_fp8"))
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1 (script check)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        global BATCHES, CONTEXTS
+        K.DEV, K.DTYPE = "cpu", torch.float32
+        BATCHES, CONTEXTS = (2,), (1024,)
+    report = run()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import sys
 import time
 
@@ -28,7 +27,7 @@ import torch
 import triton
 import triton.testing
 
-from benchmarks import result_file
+from benchmarks import result_file, write_result
 from benchmarks.ceilings import READ_BLOCK, read_sum
 from sparseserve.kernels.indexer import IndexerConfig, indexer_config, indexer_scores_ref, indexer_scores_triton
 from sparseserve.kernels.attention import (
@@ -481,9 +480,7 @@ def main() -> None:
         print(f"warm {args.warm}: {time.time() - t0:.1f} s")
         return
     report = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_result(args.out, report)
     print(f"wrote {args.out}")
 
 

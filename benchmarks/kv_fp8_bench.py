@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
 import benchmarks.kernels as K
-from benchmarks import result_file
+from benchmarks import result_file, write_result
 from sparseserve.config import ModelConfig
 from sparseserve.engine.kv_cache import plan_kv
 from sparseserve.kernels.attention import (
@@ -123,9 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         K.DEV, K.DTYPE = "cpu", torch.float32
         BATCHES, CONTEXTS = (2,), (1024,)
     report = run()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_result(args.out, report)
     print(f"wrote {args.out}")
 
 

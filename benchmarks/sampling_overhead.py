@@ -5,6 +5,7 @@ same batch where none do.
     python benchmarks/sampling_overhead.py [--model PATH_OR_PRESET] [--tokenizer DIR] [--load-format dummy] [--batch 64]
     python benchmarks/sampling_overhead.py --smoke          # CPU, tiny model, a few steps (CI)
     python benchmarks/sampling_overhead.py --profile        # also: where the host's time per step goes
+    python benchmarks/sampling_overhead.py --stub-model --profile --repeat 5   # CPU: the host's cost alone
 
 Writes benchmarks/results/sampling_overhead.json (or --out). A step's time is the wall time of
 `LLMEngine.step()` once every request is decoding (the prefill steps and the steps after the
@@ -12,10 +13,18 @@ first request finished are left out). Nothing synchronises between steps: in ste
 `step()` waits for the step before it, so its wall time is the period at which steps complete,
 with the async overlap of host and device as a server gets it. A grammar needs the previous token
 on the host, so those steps read the previous step back while the next forward runs and queue
-the sampling after it; the JSON shows what that costs."""
+the sampling after it; the JSON shows what that costs.
+
+`--stub-model` measures the host's cost alone on the CPU: the tiny checkpoint (its tokenizer drives
+the grammars) with the model replaced by benchmarks/host_overhead.py's FixedLogitsModel, decode
+steps built as on CUDA (padded to a bucket) and async scheduling on, as on CUDA. Every step's
+device work is then a few small CPU ops, so what is timed is the engine's Python, the torch
+dispatch of the sampling ops and the grammar work. On a shared CPU, compare medians of several
+runs (`--repeat`), the thread CPU time, the profile's call counts and `--count-ops`."""
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import json
 import pstats
@@ -56,37 +65,92 @@ def workload(batch: int, prompt_len: int, max_tokens: int, vocab: int, features:
     return prompts, params
 
 
-def host_profile(profile: cProfile.Profile, steps: int, top: int = 15) -> list[dict]:
-    """The functions with the most host time per decode step (cProfile's own time), as a list."""
+# The sampling path's entry points, whose cumulative time per step the profile reports.
+SAMPLING_FUNCTIONS = ("step", "launch_sampling", "_process_logits", "process_logits", "fill_bitmask", "accept",
+                      "sample", "_append_token")
+
+
+def host_profile(profile: cProfile.Profile, steps: int, top: int = 15) -> dict:
+    """Per decode step: the functions with the most host time (cProfile's own time) with their calls,
+    the function calls in all, and the cumulative time of the sampling path's entry points."""
     stats = pstats.Stats(profile).stats
-    rows = sorted(((vals[2], f"{Path(f).name}:{line}:{fn}") for (f, line, fn), vals in stats.items()), reverse=True)
-    return [{"function": name, "us_per_step": 1e6 * t / max(steps, 1)} for t, name in rows[:top]]
+    steps = max(steps, 1)
+    rows = sorted(((vals[2], vals[1], f"{Path(f).name}:{line}:{fn}") for (f, line, fn), vals in stats.items()),
+                  reverse=True)
+    cumulative: dict[str, float] = {}
+    for (f, line, fn), vals in stats.items():
+        if fn in SAMPLING_FUNCTIONS and "sparseserve" in f:
+            key = f"{Path(f).name}:{fn}"
+            cumulative[key] = cumulative.get(key, 0.0) + 1e6 * vals[3] / steps
+    return {"host_profile": [{"function": name, "us_per_step": 1e6 * t / steps, "calls_per_step": n / steps}
+                             for t, n, name in rows[:top]],
+            "host_calls_per_step": sum(vals[1] for vals in stats.values()) / steps,
+            "host_cumulative_us_per_step": dict(sorted(cumulative.items()))}
 
 
-def time_steps(llm: LLM, prompts, params, profile: cProfile.Profile | None = None) -> dict:
+class OpCounter:
+    """Counts the aten ops run (on a GPU each is a kernel launch or a copy) while enabled; `torch.tensor`
+    from host values shows as lift_fresh (a host -> device copy on a GPU)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self.counts = collections.Counter()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counts[func.__name__.split(".")[0]] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._new_mode = Mode
+        self._mode = None
+
+    def enable(self) -> None:
+        self._mode = self._new_mode()
+        self._mode.__enter__()
+
+    def disable(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+
+    def report(self, steps: int) -> dict:
+        steps = max(steps, 1)
+        ops = {k: v / steps for k, v in self.counts.most_common()}
+        return {"aten_ops_per_step": sum(ops.values()), "host_tensors_per_step": ops.get("lift_fresh", 0.0),
+                "aten_ops": ops}
+
+
+def time_steps(llm: LLM, prompts, params, profile: cProfile.Profile | OpCounter | None = None) -> dict:
     engine = llm.llm_engine
     for n, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{n}", p, sp)
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
-    times = []
+    times, cpu_times = [], []
     while engine.has_unfinished_requests():
         decoding = all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in engine.scheduler.running) and \
             len(engine.scheduler.running) == len(prompts)
         if profile is not None and decoding:
             profile.enable()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         finished = engine.step()
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
         if profile is not None:
             profile.disable()
         if decoding and not finished:
             times.append(elapsed)
-    times = times[2:] or times  # the first decode steps may build kernels
-    result = {"steps": len(times), "median_ms": 1e3 * statistics.median(times), "mean_ms": 1e3 * statistics.fmean(times)}
-    if profile is not None:
-        result["host_profile"] = host_profile(profile, len(times) + 2)
+            cpu_times.append(cpu)
+    times, cpu_times = times[2:] or times, cpu_times[2:] or cpu_times  # the first decode steps may build kernels
+    # thread_cpu_ms: the CPU time of this thread per step, which other processes on a shared CPU do not inflate.
+    result = {"steps": len(times), "median_ms": 1e3 * statistics.median(times),
+              "mean_ms": 1e3 * statistics.fmean(times),
+              "thread_cpu_ms": 1e3 * statistics.median(cpu_times)}
+    if isinstance(profile, OpCounter):
+        result.update(profile.report(len(times) + 2))
+    elif profile is not None:
+        result.update(host_profile(profile, len(times) + 2))
     return result
 
 
@@ -103,7 +167,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true",
                     help="after the timed runs, run each workload again under cProfile and record where the host's "
                          "time per decode step goes (the timed figures are not profiled)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sampling_overhead.json"))
+    ap.add_argument("--count-ops", action="store_true",
+                    help="after the timed runs, count the torch ops per decode step of each workload (deterministic, "
+                         "unlike times on a shared CPU)")
+    ap.add_argument("--stub-model", action="store_true",
+                    help="CPU, the tiny model with its forward stubbed by fixed logits: the host's cost alone")
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs per workload (the median of their medians)")
+    ap.add_argument("--out", default=None, help="the report's path (default: benchmarks/results/"
+                    "sampling_overhead.json, or sampling_overhead_cpu_stub.json with --stub-model)")
     args = ap.parse_args(argv)
     kwargs = {"load_format": args.load_format}
     if args.tokenizer:
@@ -113,24 +184,50 @@ def main(argv: list[str] | None = None) -> dict:
 
         args.model, args.batch, args.prompt_len, args.steps, args.device = str(CONFIGS_DIR / "tiny"), 4, 8, 6, "cpu"
         kwargs["dtype"] = "float32"
+    if args.stub_model:
+        from sparseserve.model.loader import CONFIGS_DIR
+
+        args.model, args.device, kwargs["dtype"] = str(CONFIGS_DIR / "tiny"), "cpu", "float32"
+        kwargs["async_scheduling"] = True  # as on CUDA: pending tokens, and deferred sampling for grammars
+        torch.set_num_threads(1)  # the ops are tiny: intra-op threads only add wake-up waits on a shared CPU
     llm = LLM(args.model, device=args.device, max_model_len=args.prompt_len + args.steps + 8,
               max_num_seqs=max(args.batch, 1), **kwargs)
     vocab = llm.llm_engine.vocab_size
+    if args.stub_model:
+        from benchmarks.host_overhead import FixedLogitsModel
+
+        runner = llm.llm_engine.runner
+        runner.model = FixedLogitsModel(runner.model_config.hf_config, max(args.batch, 1))
+        runner.pad_like_graphs = True  # decode steps built as on CUDA (padded to a bucket)
     results = {}
     for name, features in FEATURES.items():
         prompts, params = workload(args.batch, args.prompt_len, args.steps, vocab, features)
-        results[name] = time_steps(llm, prompts, params)
+        runs = [time_steps(llm, prompts, params) for _ in range(max(args.repeat, 1))]
+        results[name] = {"steps": runs[0]["steps"], "median_ms": statistics.median(r["median_ms"] for r in runs),
+                         "mean_ms": statistics.fmean(r["mean_ms"] for r in runs),
+                         "thread_cpu_ms": statistics.median(r["thread_cpu_ms"] for r in runs)}
+        if len(runs) > 1:
+            results[name]["run_medians_ms"] = [r["median_ms"] for r in runs]
+            results[name]["run_thread_cpu_ms"] = [r["thread_cpu_ms"] for r in runs]
     if args.profile:
         for name, features in FEATURES.items():
             prompts, params = workload(args.batch, args.prompt_len, args.steps, vocab, features)
-            results[name]["host_profile"] = time_steps(llm, prompts, params, cProfile.Profile())["host_profile"]
+            profiled = time_steps(llm, prompts, params, cProfile.Profile())
+            results[name].update({k: v for k, v in profiled.items() if k.startswith("host_")})
+    if args.count_ops:
+        for name, features in FEATURES.items():
+            prompts, params = workload(args.batch, args.prompt_len, args.steps, vocab, features)
+            counted = time_steps(llm, prompts, params, OpCounter())
+            results[name].update({k: v for k, v in counted.items() if "ops" in k or "host_tensors" in k})
     base, other = results["none"]["median_ms"], results["quarter_penalties_and_json"]["median_ms"]
     report = {"device": torch.cuda.get_device_name() if llm.llm_engine.device.type == "cuda" else "cpu",
-              "model": args.model or "demo", "batch": args.batch, "prompt_len": args.prompt_len,
+              "model": args.model or "demo", "stub_model": args.stub_model, "batch": args.batch,
+              "prompt_len": args.prompt_len,
               "decode_steps": args.steps, "async_scheduling": llm.llm_engine.async_scheduling,
               "results": results, "slowdown": other / base - 1.0,
               "slowdown_by_feature": {k: v["median_ms"] / base - 1.0 for k, v in results.items() if k != "none"}}
-    out = Path(args.out)
+    out = Path(args.out or ROOT / "benchmarks" / "results" /
+               ("sampling_overhead_cpu_stub.json" if args.stub_model else "sampling_overhead.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -6,8 +6,8 @@ One untimed run of the whole workload (200 prompts x 1,024 tokens -> 128, greedy
 dummy weights), then `--runs` timed runs, each on new prompts of the same lengths; prints one JSON
 line with every run's output tok/s and the median. A single run lasts about a second on an H200, so
 one figure varies by up to 15% between processes: compare medians of processes that alternate
-between the two trees (A, B, A, B). Only the public API (`LLM`, `SamplingParams`) is used, so the
-script runs against any tree of the engine, including ones older than it.
+between the two trees (A, B, A, B). It uses only `LLM`, `SamplingParams` and `bench throughput`'s
+prompt generator (`random_prompts`), so it runs against older trees of the engine too.
 """
 from __future__ import annotations
 
@@ -19,11 +19,7 @@ import time
 import torch
 
 from sparseserve import LLM, SamplingParams
-
-
-def prompts(count: int, length: int, vocab: int, seed: int) -> list[dict]:
-    gen = torch.Generator().manual_seed(seed)
-    return [{"prompt_token_ids": p} for p in torch.randint(0, vocab, (count, length), generator=gen).tolist()]
+from sparseserve.benchmarks.throughput import random_prompts
 
 
 def main() -> None:
@@ -41,7 +37,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True, detokenize=False)
     rates = []
     for run in range(args.runs + 1):  # run 0 is the untimed warm-up
-        batch = prompts(200, 1024, vocab, 100 + run)
+        batch = [{"prompt_token_ids": p} for p in random_prompts(200, 1024, vocab, 100 + run)]
         sync()
         start = time.perf_counter()
         outputs = llm.generate(batch, params, use_tqdm=False)

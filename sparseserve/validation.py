@@ -87,6 +87,9 @@ def check_token_ids(values, name: str, err: type[ValueError], vocab_size: int | 
         hint = "; call .tolist() first" if hasattr(values, "tolist") else ""
         _fail(err, name, values, "a list of integer token ids" + hint, wrong_type=True)
     hi = vocab_size - 1 if vocab_size is not None else None
+    # Fast path (a prompt is checked at every add_request): plain ints in range need no per-item work.
+    if values and all(type(t) is int for t in values) and min(values) >= 0 and (hi is None or max(values) <= hi):
+        return list(values)
     return [check_int(t, f"{name}[{i}]", err, 0, hi,
                       hint=" (a token id of the model's vocabulary)" if hi is not None else "")
             for i, t in enumerate(values)]

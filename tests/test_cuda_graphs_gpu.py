@@ -197,3 +197,25 @@ def test_audit_detects_the_historical_topk_bug_with_mtp_1(historical_topk_bug):
             **spec_config(1))
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_async_speculation_equals_sync_under_graphs(k):
+    """Async scheduling with speculation (engine/spec_async.py; the fused greedy verify + draft
+    queued at launch): graph replay with async scheduling gives the tokens and acceptance of a
+    synchronous engine, graph and eager, greedy and seeded sampling."""
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True) for i in range(32)]
+    results = {}
+    for eager, mode in ((False, True), (False, False), (True, False)):
+        llm = LLM(TINY, enforce_eager=eager, async_scheduling=mode, **COMMON, **spec_config(k))
+        assert llm.llm_engine.async_scheduling is mode
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompt_set(), greedy, use_tqdm=False)]
+        tokens += [o.outputs[0].token_ids for o in llm.generate(prompt_set(32, seed=2), sampled, use_tqdm=False)]
+        m = llm.llm_engine.spec_metrics
+        results[(eager, mode)] = (tokens, m.num_draft_tokens, m.num_accepted_tokens)
+        assert m.num_verify_steps > 0 and llm.llm_engine.all_cache_free()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert results[(False, True)] == results[(False, False)] == results[(True, False)]

@@ -136,16 +136,36 @@ def test_quantized_groups_pack_on_128_row_members(rows, packs):
 
 
 @pytest.mark.gpu
-def test_gpu_quantized_kernels_against_cpu_reference_and_graphs(release_dir):
-    """On CUDA the Triton kernels run: logits against the CPU reference path, graphs against eager."""
-    want = Driver(load_model(str(release_dir), torch.float32, CPU, quantization="auto")[0]).step([(0, 0, IDS)])[0]
-    gpu = load_model(str(release_dir), torch.float32, torch.device("cuda"), quantization="auto")[0]
-    got = Driver(gpu, device="cuda").step([(0, 0, IDS)])[0].float().cpu()
-    # Same codes and scales; the kernels differ from the reference in the order of fp32 sums only.
-    assert ((got - want).norm() / want.norm()).item() < 1e-2
-    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + i))} for i in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    runs = [[o.outputs[0].token_ids for o in LLM(str(release_dir), device="cuda", quantization="auto",
-                                                  enforce_eager=eager, max_model_len=64).generate(
-        prompts, params, use_tqdm=False)] for eager in (True, False)]
+def test_gpu_quantized_logits_against_decoded_and_cpu(release_dir):
+    """On CUDA the Triton kernels run. Against the decoded path on the GPU the error is the activation
+    quantization's, bounded as on the CPU (test_auto_logits_against_decoded); against the CPU reference
+    the kernels differ in the order of fp32 sums only, but an activation one sum-order ulp from an e4m3
+    rounding boundary moves by a whole e4m3 step, and this random model amplifies that as it does the
+    quantization itself (kernel-level equality is tests/test_quant_kernels.py's)."""
+    rel = lambda a, b: ((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm()).item()  # noqa: E731
+    cuda = torch.device("cuda")
+    cpu_quant = Driver(load_model(str(release_dir), torch.float32, CPU, quantization="auto")[0]).step([(0, 0, IDS)])[0]
+    gpu_quant = Driver(load_model(str(release_dir), torch.float32, cuda, quantization="auto")[0],
+                       device="cuda").step([(0, 0, IDS)])[0]
+    gpu_plain = Driver(load_model(str(release_dir), torch.float32, cuda, quantization="none")[0],
+                       device="cuda").step([(0, 0, IDS)])[0]
+    assert 0.0 < rel(gpu_quant, gpu_plain) < 0.6
+    assert rel(gpu_quant, cpu_quant) < 0.6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("expert_dtype", ["fp4", "fp8"])
+@pytest.mark.parametrize("mtp", [False, True])
+def test_gpu_quantized_graphs_equal_eager(tmp_path, expert_dtype, mtp):
+    """Captured graphs give the eager steps' greedy tokens with quantized weights, with and without MTP."""
+    ckpt = write_release_checkpoint(tmp_path / expert_dtype, CONFIGS_DIR / "tiny", expert_dtype=expert_dtype, seed=2)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 3 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}} if mtp else {}
+    runs = []
+    for eager in (True, False):
+        llm = LLM(str(ckpt), device="cuda", quantization="auto", enforce_eager=eager, max_model_len=64,
+                  kv_cache_memory_bytes=1 << 28, **spec)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.shutdown()
     assert runs[0] == runs[1]

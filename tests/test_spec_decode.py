@@ -174,14 +174,14 @@ def test_fused_greedy_step_equals_the_general_path(k, padded, monkeypatch):
 
     def run(fused: bool):
         calls = []
-        original = spec_step.fused_greedy_step
+        original = spec_step.fused_greedy_launch
 
         def wrapped(*args):
-            took = original(*args) if fused else False
-            calls.append(took)
+            took = original(*args) if fused else None
+            calls.append(took is not None)
             return took
 
-        monkeypatch.setattr(spec_step, "fused_greedy_step", wrapped)
+        monkeypatch.setattr(spec_step, "fused_greedy_launch", wrapped)
         llm = spec(k, max_num_seqs=8, cuda_graph_sizes=[2, 8])
         llm.llm_engine.runner.pad_like_graphs = padded
         got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
@@ -208,7 +208,7 @@ def test_fused_greedy_step_with_accepted_drafts_on_the_demo_model(monkeypatch):
     results = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(spec_step, "fused_greedy_step", lambda *args: False)
+            monkeypatch.setattr(spec_step, "fused_greedy_launch", lambda *args: None)
         llm = LLM("demo", **base, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
         got = [o.outputs[0].token_ids for o in llm.generate(texts, params, use_tqdm=False)]
         m = llm.llm_engine.spec_metrics

@@ -17,7 +17,7 @@ import torch
 
 from ..config import CacheConfig, EngineConfig, ModelConfig
 from ..config_checks import check_memory, check_model_limits, check_parallel_layout
-from ..errors import CheckpointError, ConfigError, EngineClosedError, InvalidRequestError, RequestTooLargeError
+from ..errors import ConfigError, EngineClosedError, InvalidRequestError, RequestTooLargeError
 from ..model.fit_check import available_memory_bytes, check_weights_fit
 from ..model.loader import load_hf_config, load_model, resolve_model_dir
 from ..model.meta_model import weight_plan
@@ -30,7 +30,7 @@ from ..spec_decode.metrics import SpecDecodeMetrics
 from ..step_types import RunnerOutput, SchedulerOutput
 from ..validation import ModelLimits, parse_prompt
 from ..worker.model_runner import LaunchedStep, ModelRunner, RunnerOptions
-from . import isolation
+from . import isolation, spec_async
 from .detokenizer import detokenize_incrementally
 from .graph_audit import audit_graph_replays
 from .startup_report import audit_mode, log_startup
@@ -38,6 +38,7 @@ from .kv_cache import KVCacheManager, KVPlan, plan_kv
 from .request import Request
 from .sampling_checks import needs_host_state, prepare_logits_fields
 from .scheduler import Scheduler
+from .tokenizer_loading import load_tokenizer
 
 logger = logging.getLogger("sparseserve")
 
@@ -46,25 +47,6 @@ STARTUP_TIMEOUT_S = 1800.0  # workers' rendezvous and loading (a release checkpo
 
 
 __all__ = ["LLMEngine", "InvalidRequestError"]
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def load_tokenizer(path: Path, explicit: bool = False):
-    """The tokenizer at `path`. A checkpoint without tokenizer files runs on token ids (logged); an
-    explicit `tokenizer=` that does not load, or tokenizer files that do not load, are errors."""
-    from transformers import AutoTokenizer
-
-    has_files = path.is_dir() and any((path / f).is_file() for f in TOKENIZER_FILES)
-    if not explicit and not has_files:
-        logger.info("no tokenizer files in %s; prompts must be token ids", path)
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad tokenizer
-        what = f"tokenizer={str(path)!r}" if explicit else f"the tokenizer files in {path}"
-        raise CheckpointError(f"{what} could not be loaded ({type(exc).__name__}: {exc}); give a directory with a "
-                              "valid tokenizer.json, or skip_tokenizer_init=True and token-id prompts") from exc
 
 
 class LLMEngine:
@@ -201,15 +183,14 @@ class LLMEngine:
                                     "its model is freed; create a new LLM to run more requests")
 
     def _finish_init(self) -> None:
-        config, spec_k, hf = self.config, self.config.num_speculative_tokens, self.model_config.hf_config
-        # Async scheduling: launch step n + 1 before reading step n back (on by default on CUDA;
-        # speculation verifies and drafts from the step's results, so it stays synchronous).
-        if config.async_scheduling and spec_k:
-            raise ValueError("async_scheduling does not support speculative decoding yet; "
-                             "leave async_scheduling unset or set it to False")
+        config, hf = self.config, self.model_config.hf_config
+        # Async scheduling: launch step n + 1 before reading step n back (on by default on CUDA).
+        # With speculation (opt-in, async_scheduling=True, until checked on a GPU), step n + 1 is
+        # scheduled once n is read back and n's bookkeeping overlaps n + 1 (engine/spec_async.py).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.device.type == "cuda" and not spec_k)
+                                 else self.device.type == "cuda" and not config.num_speculative_tokens)
         self._in_flight: LaunchedStep | None = None
+        self._advanced_step: LaunchedStep | None = None  # see spec_async.advance
         num_blocks, cache_bytes = self._size_cache()
         self.cache_bytes = cache_bytes  # the one source of the cache figures (start-up report, kv_report)
         self.runner.allocate_state(num_blocks)
@@ -384,6 +365,10 @@ class LLMEngine:
         the step launched here is read back by the next call, so the host's bookkeeping and the next
         schedule overlap the GPU's work (outputs arrive one call later)."""
         self.check_open()
+        if self.async_scheduling and self.config.num_speculative_tokens:
+            if self._suspects:
+                self._suspects = {r for r in self._suspects if not r.is_finished}
+            return spec_async.step(self)
         early: list[RequestOutput] = []
         # A request's sampling needs its previous token on the host (a grammar, a bad word's prefix):
         # the next step's forward is launched first, the in-flight step is read back while the device
@@ -433,14 +418,23 @@ class LLMEngine:
         # Speculation and prompt logprobs need the full bookkeeping below; plain steps skip it.
         plain = not (result.num_accepted or result.drafts or result.prompt_logprobs)
         sampled_by_id = result.sampled
+        # spec_async.advance recorded the counts, tokens and drafts before the next launch.
+        advanced = launched is self._advanced_step
         for i, chunk in enumerate(chunks):
             self._applying = i
             req = chunk.request
-            if chunk.completes:
+            if chunk.completes and not advanced:
                 req.num_pending_tokens -= 1
             if req.is_finished:
+                if not plain:
+                    self.runner.forget(req.request_id)  # drafts proposed for a request that had finished
                 continue  # finished or aborted while this step ran: what it computed is dropped
-            if chunk.num_draft or not plain:
+            if advanced:
+                appended = len(sampled_by_id.get(req.request_id, ()))
+                if appended:
+                    del req.output_token_ids[-appended:]  # re-appended below, with the stop checks
+                self._record_prompt_logprobs(req, result)
+            elif chunk.num_draft or not plain:
                 accepted = result.num_accepted.get(req.request_id, 0)
                 # Verified drafts that were rejected leave positions to be re-run (position-addressed).
                 req.num_computed_tokens += accepted
@@ -464,7 +458,7 @@ class LLMEngine:
                 self.scheduler.finish(req)
                 self.runner.forget(req.request_id)
                 finished_groups.add(self._group_of(req))
-            elif not plain:
+            elif not plain and not advanced:
                 req.draft_token_ids = result.drafts.get(req.request_id, [])
         self._applying = -1
         self.spec_metrics.maybe_log()

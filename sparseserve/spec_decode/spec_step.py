@@ -5,14 +5,14 @@ target, then let the MTP drafter catch up on the step's positions and propose th
 forward) and called after each step's sampling; it reads the runner only through `RunnerView`."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
 from ..model.batch import SequenceChunk
 from ..model.deepseek_v4 import DeepseekV4ForCausalLM
-from ..model.host_copy import to_device
+from ..model.host_copy import to_device, to_host
 from ..model.mtp import MTPModule
 from ..model.state import ModelState
 from ..sample.sampler import SamplingTensors, filtered_probs, uniform_noise
@@ -47,30 +47,52 @@ class MTPSpeculator:
         """Drop what is kept for a request's pending drafts (finished, aborted or preempted)."""
         self.draft_probs.pop(request_id, None)
 
+    def launch_step(self, runner: RunnerView, sched: SchedulerOutput, chunks: list[SequenceChunk],
+                    logits: torch.Tensor, verify_rows: list[tuple[int, int]]) -> FusedGreedy | None:
+        """At launch, right after the target forward: queue a fused greedy step's verify and drafts
+        (`fused_greedy_launch`), so they run on the device while the host does other work; None
+        when the step is not of that kind (`finish_step` then takes the general path)."""
+        if len(verify_rows) != len(chunks):
+            return None
+        return fused_greedy_launch(self, runner, sched, chunks, logits)
+
     def finish_step(self, runner: RunnerView, sched: SchedulerOutput, chunks: list[SequenceChunk],
-                    logits: torch.Tensor, verify_rows: list[tuple[int, int]], out: RunnerOutput) -> None:
-        """After a step's sampling: accept drafts, emit tokens and propose the next drafts into `out`."""
-        if len(verify_rows) == len(chunks) and fused_greedy_step(self, runner, sched, chunks, logits, out):
+                    logits: torch.Tensor, verify_rows: list[tuple[int, int]], out: RunnerOutput,
+                    launched: FusedGreedy | None = None) -> None:
+        """After a step's sampling: accept drafts, emit tokens and propose the next drafts into `out`.
+        `launched`: the step's fused greedy work queued at launch (read back here)."""
+        if launched is not None:
+            fused_greedy_finish(self, launched, out)
             return
         if verify_rows:
             verify_drafts(self, runner, sched, verify_rows, logits, out)
         draft_next(self, runner, sched, chunks, out)
 
 
-def fused_greedy_step(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutput,
-                      chunks: list[SequenceChunk], logits: torch.Tensor, out: RunnerOutput) -> bool:
+@dataclass
+class FusedGreedy:
+    """A fused greedy step's device work, queued: per request [accepted, target tokens, next drafts]."""
+
+    reqs: list
+    q: int  # 1 + k
+    host: torch.Tensor  # [B, 1 + q + k], copied to host memory (read once the step's event is done)
+
+
+def fused_greedy_launch(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutput,
+                        chunks: list[SequenceChunk], logits: torch.Tensor) -> FusedGreedy | None:
     """A step where every request is greedy and verifies all k drafts: acceptance, the MTP layer's
-    catch-up and the next k drafts are computed on the device from the step's logits, and the host
-    reads everything back once (the general path waits after verifying and again after drafting).
-    Returns False, having done nothing, when the step is not of that kind."""
+    catch-up and the next k drafts are queued on the device from the step's logits, with a copy of
+    the results to host memory, so that the host reads everything back once (the general path
+    waits after verifying and again after drafting). None, having done nothing, when the step is
+    not of that kind."""
     proposer = spec.proposer
     if not isinstance(proposer, MTPProposer):
-        return False
+        return None
     k = proposer.k
     reqs = [sc.request for sc in sched.chunks]
     if any(sc.num_draft != k for sc in sched.chunks) or any(
             not r.params.greedy or r.params.logprobs is not None or r.params.needs_logits_processing for r in reqs):
-        return False
+        return None
     device = logits.device
     batch, q = len(reqs), k + 1
     target = logits[: batch * q].view(batch, q, -1).argmax(dim=-1)  # [B, 1 + k]
@@ -85,14 +107,18 @@ def fused_greedy_step(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerO
     positions = to_device([c.start_pos for c in chunks], device) + accepted if k > 1 else None
     new_drafts, _ = proposer.draft(catch_up, runner.last_streams, next_tokens.reshape(-1), rows, chunks,
                                    positions, None)
-    host = torch.cat([accepted.unsqueeze(1), target, new_drafts], dim=1).tolist()
-    for n, req in enumerate(reqs):
+    return FusedGreedy(reqs, q, to_host(torch.cat([accepted.unsqueeze(1), target, new_drafts], dim=1)))
+
+
+def fused_greedy_finish(spec: MTPSpeculator, launched: FusedGreedy, out: RunnerOutput) -> None:
+    """Read a fused greedy step back into `out`: emitted tokens, accepted counts, next drafts."""
+    host, q = launched.host.tolist(), launched.q
+    for n, req in enumerate(launched.reqs):
         a = host[n][0]
         out.sampled[req.request_id] = [SampledToken(t) for t in host[n][1:a + 2]]
         out.num_accepted[req.request_id] = a
         out.drafts[req.request_id] = host[n][1 + q:]
         spec.forget(req.request_id)
-    return True
 
 
 def verify_drafts(spec: MTPSpeculator, runner: RunnerView, sched: SchedulerOutput,

@@ -9,6 +9,7 @@ import json
 from ..sampling_params import StructuredOutputsParams
 
 _MAX_CACHED = 256
+_BATCH_MATCHERS: dict[int, object] = {}  # id(xgrammar module) -> its BatchGrammarMatcher (None: not in this version)
 
 
 class StructuredOutputsError(ValueError):
@@ -85,7 +86,21 @@ class GrammarState:
     `fill` writes the bitmask of the tokens allowed after a (draft) prefix, leaving the state as it was."""
 
     def __init__(self, xgr, compiled, max_rollback: int) -> None:
+        self._xgr = xgr
         self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=max(max_rollback, 1))
+
+    @property
+    def matcher(self):
+        return self._matcher
+
+    def batch_matcher(self):
+        """xgrammar's BatchGrammarMatcher (fills many matchers' bitmasks in one call), or None where
+        the installed xgrammar has none."""
+        key = id(self._xgr)
+        if key not in _BATCH_MATCHERS:
+            cls = getattr(self._xgr, "BatchGrammarMatcher", None)
+            _BATCH_MATCHERS[key] = cls() if cls is not None else None
+        return _BATCH_MATCHERS[key]
 
     def accept(self, token: int) -> bool:
         if self._matcher.is_terminated():
@@ -98,6 +113,12 @@ class GrammarState:
 
     def fill(self, bitmask, index: int, prefix: list[int]) -> None:
         m = self._matcher
+        if not prefix:
+            if m.is_terminated():
+                bitmask[index] = -1
+            else:
+                m.fill_next_token_bitmask(bitmask, index)
+            return
         advanced = 0
         for token in prefix:
             if m.is_terminated() or not m.accept_token(token):

@@ -28,8 +28,9 @@ from ..spec_decode.spec_step import MTPSpeculator
 from ..step_types import PENDING_TOKEN_ID, RunnerOutput, SampledToken, SchedulerOutput
 from .cuda_graph import (BufferSpec, CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes,
                          logits_mode, pad_chunks, pick_bucket, set_positions)
-from ..sample.logits_processors import LogitsRow, build_prompt_mask, process_logits
+from ..sample.logits_processors import process_logits
 from .kernel_warmup import run_warmup, runner_plan
+from .sampling_state import LogitsState, SamplingTensorCache
 from .watchdog import StepWatchdog
 
 logger = logging.getLogger("sparseserve")
@@ -61,6 +62,7 @@ class LaunchedStep:
     prompt_logprobs: list = field(default_factory=list)  # (request, start, host tensors)
     done: torch.cuda.Event | None = None  # recorded after the copies
     pending_sampling: tuple | None = None  # (rows, last_rows, all_greedy, any_logprobs, any_processing) until sampled
+    spec_launched: object | None = None  # a fused greedy verify + draft queued at launch (spec_step.FusedGreedy)
 
 
 @dataclass
@@ -131,9 +133,10 @@ class ModelRunner:
         # The last launched step's sampled tokens (device) and each request's row among them:
         # the next step reads its pending input tokens from there.
         self._last_sampled: tuple[torch.Tensor, dict] | None = None
-        self._prompt_masks: dict[str, torch.Tensor] = {}  # request id -> its prompt tokens (repetition penalty)
         eos = model_config.hf_config.eos_token_id
         self.eos_token_id = eos if isinstance(eos, int) else None
+        self.logits_state = LogitsState(self.eos_token_id)  # penalties, bans, biases, grammar masks
+        self.sampling_cache = SamplingTensorCache()
         # The forwards start-up runs before any request, with their wall time (kernel builds included).
         self.startup_steps: list[tuple[str, float]] = []
         self.startup_phases: dict[str, float] = {}  # start-up phase -> seconds (the start-up report)
@@ -208,6 +211,7 @@ class ModelRunner:
         self.graphs, self.mtp_graphs, self._topk = {}, {}, {}
         self.state = self.speculator = self.mtp = self._last_sampled = self.last_streams = None
         self.model = self.capture_stream = None
+        self.logits_state, self.sampling_cache = LogitsState(self.eos_token_id), SamplingTensorCache()
 
     @property
     def draft_probs(self) -> dict:
@@ -216,22 +220,14 @@ class ModelRunner:
 
     @property
     def prompt_masks(self) -> dict[str, torch.Tensor]:
-        return self._prompt_masks
+        return self.logits_state.prompt_masks
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state (the request finished, was aborted or preempted)."""
-        self._prompt_masks.pop(request_id, None)
+        self.logits_state.forget(request_id)
+        self.sampling_cache.forget(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
-
-    def _prompt_mask(self, req, vocab: int, device: torch.device) -> torch.Tensor | None:
-        """The prompt's tokens as a device mask, made once per request that uses a repetition penalty."""
-        if req.params.repetition_penalty == 1.0:
-            return None
-        mask = self._prompt_masks.get(req.request_id)
-        if mask is None:
-            mask = self._prompt_masks[req.request_id] = build_prompt_mask(req.prompt_token_ids, vocab, device)
-        return mask
 
     def graph_sizes_for(self, query_len: int) -> list[int]:
         """The buckets a graph of this query length is captured for (its tokens fit one step's staging rows)."""
@@ -380,6 +376,8 @@ class ModelRunner:
         # The index of each token being sampled, fixed now: the engine counts it as pending after launch.
         counters = None if all_greedy else [len(r.output_token_ids) + r.num_pending_tokens for r in sample_reqs]
         step.pending_sampling = (rows, {} if defer_sampling else last_rows, counters, any_logprobs, any_processing)
+        if self.speculator is not None and verify:  # queued before the step's event is recorded
+            step.spec_launched = self.speculator.launch_step(self, sched, chunks, logits, verify)
         if not defer_sampling:
             self.launch_sampling(step)
         return step
@@ -425,7 +423,8 @@ class ModelRunner:
                 for req, st in zip(step.sample_reqs, self._records(step.sample_reqs, tokens, lp)):
                     out.sampled[req.request_id] = [st]
         if self.speculator is not None:
-            self.speculator.finish_step(self, step.sched, step.chunks, step.logits, step.verify, out)
+            self.speculator.finish_step(self, step.sched, step.chunks, step.logits, step.verify, out,
+                                        step.spec_launched)
         return out
 
     def _pending_fix(self, dst: list[int], src: list[int]) -> Callable[[torch.Tensor], None] | None:
@@ -530,35 +529,18 @@ class ModelRunner:
         return self.mtp(batch, hidden[:rows], self.speculator.state, self.model)
 
     def sampling_tensors(self, reqs, counters: list[int] | None = None) -> SamplingTensors:
-        """`counters`: the index of the token each request samples (default: from its token counts)."""
-        def t(values, dtype):
-            return to_device(values, self.device, dtype)
-
-        params = [r.params for r in reqs]
-        return SamplingTensors(
-            temperature=t([p.temperature for p in params], torch.float32),
-            top_k=t([p.top_k for p in params], torch.int64),
-            top_p=t([p.top_p for p in params], torch.float32),
-            min_p=t([p.min_p for p in params], torch.float32),
-            seeds=t([r.sample_seed for r in reqs], torch.int64),
-            # index of the token being sampled: tokens still pending on the device count too
-            counters=t(counters if counters is not None
-                       else [len(r.output_token_ids) + r.num_pending_tokens for r in reqs], torch.int64),
-            any_top_k=any(p.top_k > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-            any_min_p=any(p.min_p > 0 for p in params),
-            all_greedy=all(p.greedy for p in params),
-        )
+        """`counters`: the index of the token each request samples (default: from its token counts,
+        tokens still pending on the device included). The other parameters are copied once per batch."""
+        if counters is None:
+            counters = [len(r.output_token_ids) + r.num_pending_tokens for r in reqs]
+        return self.sampling_cache.get(reqs, counters, self.device)
 
     def _process_logits(self, logits: torch.Tensor, reqs, last_rows: dict) -> torch.Tensor:
         """`logits` rows of `reqs` after their logits processing; a pending token (async scheduling)
         counts from the last launched step's device tokens."""
-        rows = [LogitsRow(r.params, r.prompt_token_ids, r.output_token_ids,
-                          last_rows.get(r) if r.num_pending_tokens else None,
-                          None if r.is_finished else r.grammar,
-                          prompt_mask=self._prompt_mask(r, logits.shape[1], logits.device)) for r in reqs]
+        plan = self.logits_state.plan(reqs, last_rows, logits.shape[1], logits.device)
         pending = self._last_sampled[0] if self._last_sampled is not None else None
-        return process_logits(logits, rows, self.eos_token_id, pending)
+        return process_logits(logits, plan, self.eos_token_id, pending)
 
     def wait(self, describe: Callable[[], str]) -> None:
         """Wait for the step with a deadline before any blocking read: a hung kernel becomes an error."""

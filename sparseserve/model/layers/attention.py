@@ -175,7 +175,7 @@ class Attention(nn.Module):
         out = sparse_mqa_attention(q, state.kv_pool, rows, self.sinks.float(), self.scale, inverse_rope=(cos, sin),
                                    kv_format=state.kv_format)
         # Commit after every read of the rings, queued after attention: beside it, even tiny
-        # kernels slowed attention by half (H200 profile, 2026-11-29). Nothing waits for the
+        # kernels slowed attention by half (an H200 profile). Nothing waits for the
         # commit before the forward's end, and the staged projections may be views of this
         # layer's GEMM output, freed when it returns.
         staged_rows = staged.value if staged is not None else (None, None)

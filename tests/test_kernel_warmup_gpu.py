@@ -74,6 +74,13 @@ CASES = {
     # no graphs: decode steps run eagerly, padded to their buckets
     "tiny-eager": ("tiny", dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, enforce_eager=True,
                                 kv_cache_memory_bytes=2 * 1024**3), 25),
+    # async scheduling with speculation (engine/spec_async.py: the fused greedy verify + draft queued at launch)
+    "tiny-mtp-async": ("tiny", dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, async_scheduling=True,
+                                    kv_cache_memory_bytes=2 * 1024**3,
+                                    speculative_config={"method": "mtp", "num_speculative_tokens": 2}), 25),
+    # FP8 KV rows and indexer keys: the packed-row writers and the Triton readers
+    "tiny-fp8kv": ("tiny", dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, kv_cache_dtype="fp8",
+                                kv_cache_memory_bytes=2 * 1024**3), 25),
 }
 
 
@@ -86,3 +93,16 @@ def test_no_kernel_is_built_after_startup(case):
     assert result["builds"] == 0, (f"{result['builds']} Triton builds after start-up: {result['kernels']} "
                                    f"(start-up built {result['startup_builds']}; its steps: {result['steps']})")
     assert "kernel warm-up" in result["phases"] and result["startup_builds"] > 0
+
+
+@pytest.mark.parametrize("expert_dtype", ["fp4", "fp8"])
+def test_no_kernel_is_built_after_startup_quantized(tmp_path, expert_dtype):
+    """Quantized weights (FP8 linears, FP4 or FP8 experts): the quantized GEMM and activation kernels."""
+    from sparseserve.model.loader import CONFIGS_DIR
+    from sparseserve.model.release_writer import write_release_checkpoint
+
+    ckpt = write_release_checkpoint(tmp_path / expert_dtype, CONFIGS_DIR / "tiny", expert_dtype=expert_dtype, seed=2)
+    result = run_case(str(ckpt), dict(dtype="bfloat16", quantization="auto", max_model_len=1024, max_num_seqs=16,
+                                      kv_cache_memory_bytes=2 * 1024**3), 25)
+    assert result["builds"] == 0, (f"{result['builds']} Triton builds after start-up: {result['kernels']} "
+                                   f"(start-up built {result['startup_builds']})")

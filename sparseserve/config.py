@@ -156,7 +156,11 @@ class EngineConfig:
     topk_backend: str = "auto"
     num_gpu_blocks_override: int | None = None
     cuda_graph_sizes: list[int] | None = None
-    cudagraph_audit: bool = False
+    # At every start-up compare each top-k path's graphs with a second capture at max_model_len dummy
+    # lengths (a frozen host branch refuses to start); `cudagraph_audit_replay` also compares every
+    # bucket's capture and replays each graph on random batches against the eager step (slow).
+    cudagraph_audit: bool = True
+    cudagraph_audit_replay: bool = False
     step_timeout_s: float = 60.0
     # Launch each step before the previous one is read back (None: on for CUDA without speculation).
     async_scheduling: bool | None = None

@@ -3,7 +3,8 @@ and the watchdog."""
 import pytest
 
 from sparseserve.model.batch import SequenceChunk
-from sparseserve.worker.cuda_graph import _dot_kernel_sequence, decode_batch, default_graph_sizes, pad_chunks, pick_bucket
+from sparseserve.worker.cuda_graph import decode_batch, default_graph_sizes, pad_chunks, pick_bucket
+from sparseserve.worker.graph_signature import GraphNode, node_difference
 from sparseserve.engine.graph_audit import interesting_lengths
 from sparseserve.worker.watchdog import StepTimeoutError, StepWatchdog
 
@@ -30,15 +31,48 @@ def test_padding_touches_only_the_dummy_slot_and_no_blocks():
     assert all(t.tolist() == [0, 1, 2, 3] for t in batch.emit_tokens.values())  # kernels mask non-closing ones
 
 
-def test_dot_parser_and_difference_report(tmp_path):
-    dot = tmp_path / "g.dot"
-    dot.write_text('digraph G {\n'
-                   'node0 [label="KERNEL\\nid=0\\nfill_kernel\\nblock=(256,1,1)"];\n'
-                   'node1 [label="MEMSET\\nid=1\\nvalue=0"];\n'
-                   'node2 [label="KERNEL\\nid=2\\n_topk_hist_kernel\\n"];\n'
-                   'node0 -> node1;\n}\n')
-    seq = _dot_kernel_sequence(str(dot))
-    assert seq[1] == "MEMSET" and seq[0].startswith("KERNEL") and len(seq) == 3
+def captured_nodes(reset_workspace: bool, grid: int = 4) -> list[GraphNode]:
+    """A decode graph's nodes as the driver lists them (fake): the persistent top-k's workspace zeroing
+    (a fill kernel) is recorded only when the host `if` let it run at capture time."""
+    nodes = [GraphNode("KERNEL", "_embed_streams_kernel", (grid, 4, 1), (128, 1, 1)),
+             GraphNode("KERNEL", "_indexer_scores_kernel", (grid * 8, 1, 1), (128, 1, 1), 0),
+             GraphNode("EVENT_RECORD"), GraphNode("WAIT_EVENT"),
+             GraphNode("KERNEL", "_p_select_kernel", (132, 1, 1), (256, 1, 1), 1024)]
+    if reset_workspace:
+        nodes.insert(2, GraphNode("KERNEL", "vectorized_elementwise_kernel<FillFunctor>", (1, 1, 1), (128, 1, 1)))
+    return nodes
+
+
+def test_node_comparison_catches_the_frozen_workspace_reset():
+    """The seed's bug class: the capture at a short dummy length skipped the zeroing that the capture at
+    max_model_len recorded. The comparison names the missing node; listing order does not matter."""
+    short, long = captured_nodes(reset_workspace=False), captured_nodes(reset_workspace=True)
+    diff = node_difference(short, long, "short", "long")
+    assert diff is not None and "FillFunctor" in diff and "0 only in the first capture, 1 only in the second" in diff
+    assert node_difference(long, list(reversed(long)), "a", "b") is None
+    assert node_difference(short, captured_nodes(reset_workspace=False), "a", "b") is None
+
+
+def test_node_comparison_catches_a_launch_shape_frozen_from_the_lengths():
+    """A grid computed on the host from the dummy lengths differs between the two captures."""
+    diff = node_difference(captured_nodes(False, grid=4), captured_nodes(False, grid=5), "short", "long")
+    assert diff is not None and "_embed_streams_kernel grid=(4, 4, 1)" in diff
+    assert "_embed_streams_kernel grid=(5, 4, 1)" in diff and "_p_select_kernel" not in diff
+    assert str(GraphNode("MEMSET")) == "MEMSET"
+
+
+def test_audit_samples_each_topk_path_and_the_extremes():
+    """The default capture audit compares the smallest and largest bucket and the first of each top-k
+    path; with the replay audit, every bucket."""
+    from sparseserve.worker.cuda_graph import CudaGraphRunner
+
+    runner = CudaGraphRunner.__new__(CudaGraphRunner)  # only the fields audit_sizes reads
+    runner.sizes, runner.query_len = [1, 2, 4, 8, 16, 24, 32, 40], 1
+    runner.topk_for = lambda rows: (None, "standard" if rows < 16 else "persistent")
+    assert runner.audit_sizes(every=False) == [1, 16, 40]
+    assert runner.audit_sizes(every=True) == runner.sizes
+    runner.topk_for = None
+    assert runner.audit_sizes(every=False) == [1, 40]
 
 
 def test_interesting_lengths_cover_boundaries():

@@ -55,23 +55,40 @@ def test_async_scheduling_equals_sync_under_graphs():
 
 
 def test_audit_passes_with_every_path():
-    for backend in ("standard", "persistent"):
-        llm = LLM(TINY, cudagraph_audit=True, cuda_graph_sizes=[1, 4, 8], topk_backend=backend, **COMMON)
+    """Both halves of the audit (every bucket's capture compared, and replays against eager) pass."""
+    for backend in ("standard", "persistent", "auto"):
+        llm = LLM(TINY, cudagraph_audit_replay=True, cuda_graph_sizes=[1, 4, 8], topk_backend=backend, **COMMON)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
 
 
-def test_audit_detects_the_historical_topk_bug(historical_topk_bug):
-    with pytest.raises(GraphCaptureError, match="different kernels"):
-        LLM(TINY, cudagraph_audit=True, cuda_graph_sizes=[1, 4], topk_backend="persistent", **COMMON)
+def test_default_startup_refuses_the_historical_topk_bug(historical_topk_bug):
+    """The capture audit is on by default: the seed's bug class stops start-up without being asked for,
+    with the missing node named."""
+    with pytest.raises(GraphCaptureError, match="different kernels") as caught:
+        LLM(TINY, topk_backend="persistent", **COMMON)
+    assert "only in the second" in str(caught.value) and "topk_path=persistent" in str(caught.value)
     gc.collect()
     torch.cuda.empty_cache()
     # Without the capture comparison, the replay comparison catches the stale counters.
-    llm = LLM(TINY, cuda_graph_sizes=[1, 4], topk_backend="persistent", **COMMON)
+    llm = LLM(TINY, cudagraph_audit=False, cuda_graph_sizes=[1, 4], topk_backend="persistent", **COMMON)
     with pytest.raises(GraphCaptureError, match="replay differs from the eager step"):
         audit_graph_replays(llm.llm_engine.runner, llm.llm_engine.kv, seed=1)
     assert llm.llm_engine.all_cache_free()
+
+
+def test_capture_audit_is_a_small_share_of_capture():
+    """The default audit (a second, recorded-only capture of each top-k path's first bucket and of the
+    largest) costs a fraction of the capture time; the start-up report breaks the time down."""
+    llm = LLM(TINY, topk_backend="auto", **COMMON)  # default buckets up to 64: 11 graphs
+    phases = llm.llm_engine.runner.startup_phases
+    print("start-up phases:", phases)
+    assert phases["capture audit"] > 0 and phases["graph capture"] > 0
+    assert phases["capture audit"] <= 0.25 * phases["graph capture"], phases
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def test_watchdog_reports_a_step_that_does_not_finish():
@@ -171,7 +188,7 @@ def test_greedy_with_speculation_equals_without_on_gpu(k):
 def test_audit_passes_with_mtp_1():
     """The reference article's configuration: MTP=1, persistent top-k path; capture audit and replay
     audit (decode, verify and drafter graphs) must pass."""
-    llm = LLM(TINY, cudagraph_audit=True, cuda_graph_sizes=[1, 4, 8], topk_backend="persistent", **COMMON,
+    llm = LLM(TINY, cudagraph_audit_replay=True, cuda_graph_sizes=[1, 4, 8], topk_backend="persistent", **COMMON,
               **spec_config(1))
     assert sorted(llm.llm_engine.runner.graphs) == [1, 2]
     del llm

@@ -34,6 +34,7 @@ from ..worker.model_runner import LaunchedStep, ModelRunner, RunnerOptions
 from . import isolation, spec_async
 from .detokenizer import detokenize_incrementally
 from .graph_audit import audit_graph_replays
+from .startup_report import audit_mode, log_startup
 from .kv_cache import KVCacheManager, KVPlan, plan_kv
 from .request import Request
 from .sampling_checks import needs_host_state, prepare_logits_fields
@@ -71,6 +72,7 @@ class LLMEngine:
         self.weight_bytes = check_weights_fit(self.weight_plan, self.parallel_layout,
                                               available_memory_bytes(self.device),
                                               str(config.model or DEFAULT_MODEL), str(self.device))
+        loading = time.perf_counter()
         if self.parallel:
             self.model, self.mtp_tensors = None, {}
             self.model_config = ModelConfig(hf, dtype=self.dtype, path=str(model_dir))
@@ -78,6 +80,7 @@ class LLMEngine:
             self.model, self.model_config, self.mtp_tensors = load_model(
                 config.model, self.dtype, self.device, config.load_format, config.hf_overrides, config.seed,
                 config.quantization, config.use_tqdm_on_load)
+        self.load_s = time.perf_counter() - loading  # the workers load their own shards
         hf = self.model_config.hf_config
         self.tokenizer = None
         if not config.skip_tokenizer_init:  # before the state is allocated
@@ -174,13 +177,7 @@ class LLMEngine:
             pass
 
     def _log_startup(self, seconds: float) -> None:
-        """The start-up report's last line: no warm-up request runs, so it gives the forwards start-up ran
-        (cache profiling: a full-budget prefill to its logits; graph warm-ups), kernel builds included."""
-        steps = getattr(self.runner, "startup_steps", None)  # None: the ranks of a parallel layout ran them
-        ran = ("; ".join(f"{what}: {s * 1e3:.1f} ms" for what, s in steps) if steps else
-               "none (no cache profiling or graph capture here): the first request's steps are the first forwards")
-        logger.info("engine ready in %.1f s; no warm-up request runs at start-up; its forwards: %s", seconds,
-                    ran if steps is not None else "run by the workers")
+        log_startup(seconds, self.load_s, self.runner)
 
     def check_open(self) -> None:
         if self.closed:
@@ -214,11 +211,10 @@ class LLMEngine:
         if self.parallel:  # one shared KV head (MQA): every rank holds the whole state
             logger.info("the KV state is replicated on each of the %d tensor-parallel ranks: the figures above "
                         "are per GPU", config.world_size)
-        if config.cudagraph_audit:
-            self.runner.audit_graphs()
-        self.runner.capture_graphs()
+        self.runner.warm_up_kernels()
+        self.runner.capture_graphs(audit_mode(config))
         self.spec_policy = attach_policy(self.scheduler, config, self.device.type, self.runner, self.spec_metrics)
-        if config.cudagraph_audit and not self.parallel:  # the replay half reads the runner in this process
+        if config.cudagraph_audit_replay and not self.parallel:  # the replay half reads the runner in this process
             audit_graph_replays(self.runner, self.kv, seed=config.seed)
         self.eos_token_id = hf.eos_token_id if isinstance(hf.eos_token_id, int) else None
         self.limits = ModelLimits(self.vocab_size, self.max_model_len, config.max_logprobs)

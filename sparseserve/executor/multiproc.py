@@ -195,11 +195,11 @@ class MultiprocExecutor:
     def allocate_state(self, num_blocks: int) -> None:
         self._call("allocate_state", num_blocks, timeout_s=self.startup_timeout_s)
 
-    def capture_graphs(self) -> None:
-        self._call("capture_graphs", timeout_s=self.startup_timeout_s)
+    def warm_up_kernels(self) -> None:
+        self._call("warm_up_kernels", timeout_s=self.startup_timeout_s)
 
-    def audit_graphs(self) -> None:
-        self._call("audit_graphs", timeout_s=self.startup_timeout_s)
+    def capture_graphs(self, audit: str = "off") -> None:
+        self._call("capture_graphs", audit, timeout_s=self.startup_timeout_s)
 
     # ---- steps ----
     def forget(self, request_id: str) -> None:

@@ -89,20 +89,23 @@ def indexer_scores_ref(
     return out
 
 
-@triton.jit
+# Lengths and widths that vary per step are plain, unspecialised arguments (no build per new value):
+# the entry count (the longest sequence / rate in an eager step), the output's row stride and the
+# chunks per token.
+@triton.jit(do_not_specialize=["num_entries", "stride_ot", "chunks"])
 def _indexer_scores_kernel(
     q_ptr, w_ptr, pool_ptr, kscale_ptr, bt_ptr, seq_ptr, pos_ptr, out_ptr,
     num_heads, head_dim, num_entries, max_blocks, rate, entries_per_block, scale, weights_scale,
-    stride_qt, stride_qh, stride_wt, stride_pool, stride_bt, stride_ot,
-    CHUNKS: tl.constexpr, TILES: tl.constexpr,
+    stride_qt, stride_qh, stride_wt, stride_pool, stride_bt, stride_ot, chunks,
+    TILES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Flat grid (y/z cap at 65535); a token's chunks are adjacent in launch order.
     wait_for_prior_grid(PDL)
     pid = tl.program_id(0)
-    tok = (pid // CHUNKS).to(tl.int64)
-    chunk = pid % CHUNKS
+    tok = (pid // chunks).to(tl.int64)
+    chunk = pid % chunks
     seq = tl.load(seq_ptr + tok).to(tl.int64)
     visible = (tl.load(pos_ptr + tok).to(tl.int64) + 1) // rate
 
@@ -199,8 +202,8 @@ def indexer_scores_triton(
         token_seq.contiguous(), positions.contiguous(), out,
         num_heads, head_dim, num_entries, block_table.shape[1], rate, entries_per_block, float(scale),
         float(weights_scale),
-        q.stride(0), q.stride(1), weights.stride(0), index_pool.stride(0), block_table.stride(0), out.stride(0),
-        CHUNKS=chunks, TILES=cfg.tiles,
+        q.stride(0), q.stride(1), weights.stride(0), index_pool.stride(0), block_table.stride(0), out.stride(0), chunks,
+        TILES=cfg.tiles,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_E=cfg.block_e, FP8=index_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(q.device)

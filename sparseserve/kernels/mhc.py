@@ -212,7 +212,7 @@ if HAS_TRITON:
         tl.store(mix_ws_ptr + ws[:, None] * MP + m[None, :], acc, mask=rmask[:, None])
         tl.store(sq_ws_ptr + ws, sq, mask=rmask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens", "splits"])
     def _hc_mix_partial_kernel(x_ptr, fn_ptr, mix_ws_ptr, sq_ws_ptr, num_tokens, K, M, chunk, splits,
                                BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, FMA: tl.constexpr,
                                SPLIT_BF16: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
@@ -248,7 +248,7 @@ if HAS_TRITON:
         sq = tl.sum(tl.load(sq_ws_ptr + tt[:, None] * splits + s[None, :], mask=tsmask, other=0.0), axis=1)
         return tl.rsqrt(sq / K + norm_eps)[:, None]
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens", "splits"])
     def _hc_finalize_kernel(x_ptr, mix_ws_ptr, sq_ws_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
                             norm_w_ptr, num_tokens, D, K, splits, norm_eps, hc_eps, block_eps,
                             HC: tl.constexpr, HP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
@@ -314,7 +314,7 @@ if HAS_TRITON:
             cptr = comb_ptr + tt[:, None, None] * (HC * HC) + i[None, :, None] * HC + i[None, None, :]
             tl.store(cptr, comb, mask=tmask[:, None, None] & valid3[None, :, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _hc_expand_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, new_ptr, num_tokens, D,
                           HC: tl.constexpr, HP: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
         """Program (TB tokens, D block): new[k, d] = post[k] * o[d] + sum_j comb[j, k] * s[j, d] (fp32)."""

@@ -77,7 +77,7 @@ def hc_head_collapse_norm_ref(streams, fn, base, scale, hc_eps, norm_eps, norm_w
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens", "splits"])
     def _hc_expand_mix_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, mix_ws_ptr, sq_ws_ptr,
                               num_tokens, D, K, M, chunk, splits,
                               HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, MP: tl.constexpr,

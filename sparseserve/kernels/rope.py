@@ -32,7 +32,7 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, invers
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, rows, heads, dim, stride_t, stride_h, sign,
                  HALF: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     # A tile of BLOCK_R rows (token, head) x the 2 * HALF rope channels, loaded contiguously and
@@ -89,7 +89,7 @@ def rope_tables_ref(positions: torch.Tensor, offsets: torch.Tensor, inv_freq: to
     return torch.stack((angles.cos(), angles.sin()), dim=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _rope_tables_kernel(pos_ptr, off_ptr, freq_ptr, out_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
                         PDL: tl.constexpr):
     wait_for_prior_grid(PDL)

@@ -33,7 +33,7 @@ ROUTER_MAX_TOKENS = 16
 WEIGHT_BYTES_PER_PROGRAM = 16384
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _router_partials_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, dim, stride_x, stride_w,
                             BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program (K slice, expert block): part[slice, t, e] = sum over the slice of x[t, k] * w[e, k],

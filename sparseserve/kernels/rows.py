@@ -153,7 +153,7 @@ def _entry_row(ids, seq, bt_ptr, stride_bt, max_blocks, epb, comp_base):
     return tl.where((ids >= 0) & (block >= 0), rows, -1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _source_rows_kernel(
     pos_ptr, seq_ptr, start_ptr, tok_off_ptr, slots_ptr, offs_ptr, out_ptr,
     num_tokens, num_offs, ring_rows, staging_base, stride_out,
@@ -180,7 +180,7 @@ def _source_rows_kernel(
              mask=tmask[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _ring_write_rows_kernel(
     pos_ptr, seq_ptr, start_ptr, ntok_ptr, slots_ptr, out_ptr,
     num_tokens, ring0, trash0, ring1, trash1, ring2, trash2, ring3, trash3,
@@ -205,7 +205,7 @@ def _ring_write_rows_kernel(
     tl.store(out_ptr + t, rows, mask=tmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_cols", "stride_out"])
 def _entry_rows_kernel(
     ids_ptr, pos_ptr, seq_ptr, bt_ptr, out_ptr, pre_ptr,
     num_tokens, num_cols, stride_ids, stride_bt, max_blocks, epb, comp_base, rate, stride_out, pre_cols, stride_pre,
@@ -238,7 +238,7 @@ def _entry_rows_kernel(
     tl.store(out_ptr + t[:, None].to(tl.int64) * stride_out + n[None, :], rows, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _emit_pool_rows_kernel(
     pos_ptr, seq_ptr, bt_ptr, out_ptr, out2_ptr,
     num_tokens, stride_bt, max_blocks, rate, epb, comp_base, base2, trash_row,
@@ -261,7 +261,7 @@ def _emit_pool_rows_kernel(
         tl.store(out2_ptr + t, tl.where(emits, rows - comp_base + base2, trash_row), mask=tmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_entries"])
 def _visible_counts_kernel(pos_ptr, out_ptr, num_tokens, rate, num_entries, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     wait_for_prior_grid(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -157,11 +157,32 @@ def build_batch(
                                      np.array([c.slot for c in chunks], dtype=np.int64), starts, counts,
                                      offsets, logits)))
     parts = list(values.values()) + list(emit.values())
-    flat = to_device(torch.from_numpy(np.concatenate([v.astype(np.int64, copy=False) for v in parts])), device)
-    views = flat.split([len(v) for v in parts])
+    flat, views = _aligned_flat(parts, device)
     return BatchMetadata(
         **dict(zip(INT64_FIELDS, views)),
         block_table=to_device(torch.from_numpy(table), device, torch.int32),
         num_entries=num_entries,
         emit_tokens=dict(zip(emit, views[len(INT64_FIELDS):])),
     )
+
+
+def aligned_offsets(lengths: list[int]) -> list[int]:
+    """Start of each part in the one int64 buffer of `build_batch`: every part starts on a 16-byte
+    boundary (an even index). Triton specialises a pointer argument on 16-byte alignment, so views at
+    odd offsets (which follow from the step's token and sequence counts) would build a kernel variant
+    per parity while requests wait; aligned views give every step the same one."""
+    offsets, at = [], 0
+    for n in lengths:
+        offsets.append(at)
+        at += n + (n & 1)
+    return offsets
+
+
+def _aligned_flat(parts: list[np.ndarray], device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    lengths = [len(v) for v in parts]
+    offsets = aligned_offsets(lengths)
+    host = np.zeros(offsets[-1] + lengths[-1] if parts else 0, dtype=np.int64)
+    for v, at in zip(parts, offsets):
+        host[at:at + len(v)] = v
+    flat = to_device(torch.from_numpy(host), device)
+    return flat, [flat.narrow(0, at, n) for at, n in zip(offsets, lengths)]

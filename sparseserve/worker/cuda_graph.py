@@ -9,26 +9,26 @@ per-request fact lives in the static input buffers ("bridge tensors") that `run`
 before each replay, padded sequences use a dummy slot and an empty block table so they
 touch nothing real, and the top-k path of a graph is fixed when it is built.
 
-The audit captures every graph a second time under other dummy lengths and compares the
-two kernel sequences: a difference means a host branch on data was frozen into a capture.
+The capture audit (on by default) captures some graphs a second time under another dummy length
+and compares the nodes both captures recorded (`graph_signature.py`): a difference means a host
+branch on data was frozen into a capture. The second capture is only recorded (never instantiated
+or run) and reuses the first one's warm-up, so it costs a fraction of the capture time.
 """
 from __future__ import annotations
 
-import difflib
 import logging
-import os
-import re
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
+from ..kernels.jit_builds import TritonBuilds
 from ..logger import progress_bar
 from ..model.batch import INT64_FIELDS, BatchMetadata, BlockTableCache, SequenceChunk, build_batch
 from ..model.state import ModelState
 from ..model.step_context import TopKFn
+from .graph_signature import GraphWalkError, graph_nodes, node_difference
 
 logger = logging.getLogger("sparseserve")
 
@@ -140,7 +140,6 @@ class CapturedGraph:
     outputs: tuple[torch.Tensor, ...]  # views of the runner's shared output buffers, written by every replay
     topk_path: str
     capture_len: int
-    kernels: list[str] = field(default_factory=list)  # filled when the graph is audited
 
 
 # step(batch, topk, hidden, outputs): writes its results into `outputs` (the shared static buffers,
@@ -158,28 +157,6 @@ class BufferSpec:
 
 class GraphCaptureError(RuntimeError):
     """The audit found two captures of one graph that differ, or a replay that differs from eager."""
-
-
-def _dot_kernel_sequence(path: str) -> list[str]:
-    """Node sequence of a CUDA-graph DOT dump: 'KERNEL <name>' / 'MEMSET' / ... in node order."""
-    text = open(path, encoding="utf-8", errors="replace").read()
-    nodes = []
-    for match in re.finditer(r'^\s*"?([\w]+)"?\s*\[(.*?)\];?\s*$', text, flags=re.M | re.S):
-        attrs = match.group(2)
-        label = re.search(r'label="(.*?)"\s*(?:,|\]|$)', attrs, flags=re.S)
-        if not label:
-            continue
-        body = label.group(1)
-        kind = re.search(r"\b(KERNEL|MEMSET|MEMCPY|HOST|EVENT_RECORD|WAIT_EVENT|EMPTY|GRAPH|MEM_ALLOC|MEM_FREE)\b",
-                         body)
-        if not kind:
-            continue
-        entry = kind.group(1)
-        if entry == "KERNEL":
-            name = re.search(r"(?:\\n|\|)\s*([A-Za-z_][\w:<>,\s]*?)\s*(?:\\n|\||\\l|$)", body[kind.end():])
-            entry += " " + (name.group(1).strip() if name else body[kind.end():kind.end() + 80].strip())
-        nodes.append(entry)
-    return nodes
 
 
 class CudaGraphRunner:
@@ -216,6 +193,7 @@ class CudaGraphRunner:
                        if hidden is not None else None)
         self.graphs: dict[GraphKey, CapturedGraph] = {}
         self.first_warmup_s: float | None = None  # wall time of the first eager warm-up step
+        self.capture_s = self.audit_s = 0.0  # capture_all's capture time and its capture audit's
 
     def _rows(self, batch_size: int) -> int:
         """Output rows of a graph: one per sequence, or one per token of a verify step."""
@@ -226,7 +204,12 @@ class CudaGraphRunner:
         return decode_batch(chunks, self.rates, self.device, self.max_blocks, self.num_entries)
 
     @torch.no_grad()
-    def capture(self, batch_size: int, dummy_len: int, debug_dump: bool = False) -> CapturedGraph:
+    def capture(self, batch_size: int, dummy_len: int, keep_graph: bool = False, warm_up: bool = True,
+                instantiate: bool = True) -> CapturedGraph:
+        """Capture the graph of one bucket with the padding sequences at `dummy_len`. `keep_graph`:
+        keep the captured node list readable (`graph_signature.graph_nodes`); `warm_up=False` skips
+        the eager warm-up step (the audit's second capture of a bucket that was just warmed up);
+        `instantiate=False` (with keep_graph) leaves the graph uninstantiated (never replayed)."""
         key = GraphKey(batch_size, self.query_len)
         static = StaticBatch(self._template(batch_size, dummy_len))
         topk_fn, topk_path = self.topk_for(batch_size * self.query_len) if self.topk_for else (None, "none")
@@ -243,38 +226,85 @@ class CudaGraphRunner:
         # Made inside a capture, it would come from the graph pool and outlive the graphs, and
         # torch refuses to capture into a pool whose graphs are all gone but which still holds memory.
         self.stream.wait_stream(torch.cuda.current_stream())
-        start = time.perf_counter()
-        with torch.cuda.stream(self.stream):
-            step()
-        if self.first_warmup_s is None:  # the start-up report's first warm-up step (kernel builds included)
-            self.stream.synchronize()
-            self.first_warmup_s = time.perf_counter() - start
-        graph = torch.cuda.CUDAGraph(keep_graph=True) if debug_dump else torch.cuda.CUDAGraph()
-        if debug_dump:
-            graph.enable_debug_mode()
+        if warm_up:
+            start = time.perf_counter()
+            with torch.cuda.stream(self.stream):
+                step()
+            if self.first_warmup_s is None:  # the start-up report's first warm-up step (kernel builds included)
+                self.stream.synchronize()
+                self.first_warmup_s = time.perf_counter() - start
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             step()
+        if keep_graph and instantiate and hasattr(graph, "instantiate"):
+            graph.instantiate()  # with keep_graph torch would otherwise instantiate at the first replay
         torch.cuda.current_stream().wait_stream(self.stream)
-        captured = CapturedGraph(key, graph, static, outputs, topk_path, dummy_len)
-        if debug_dump:
-            with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "graph.dot")
-                graph.debug_dump(path)
-                captured.kernels = _dot_kernel_sequence(path)
-        return captured
+        return CapturedGraph(key, graph, static, outputs, topk_path, dummy_len)
 
-    def capture_all(self) -> None:
+    def audit_sizes(self, every: bool) -> list[int]:
+        """The buckets whose capture is audited: every one, or the smallest, the largest and the first
+        of each top-k path (the captures' code differs only by path and shape, not by bucket)."""
+        if every or not self.sizes:
+            return list(self.sizes)
+        chosen, paths = {self.sizes[0], self.sizes[-1]}, set()
+        for size in self.sizes:
+            path = self.topk_for(size * self.query_len)[1] if self.topk_for else "none"
+            if path not in paths:
+                paths.add(path)
+                chosen.add(size)
+        return sorted(chosen)
+
+    def capture_all(self, audit: str = "off", long_len: int = 0) -> list[str]:
+        """Capture every bucket. `audit`: "off", "sample" (the buckets `audit_sizes` picks) or "all":
+        each audited bucket is captured a second time with its dummy sequences at `long_len` and the
+        two captures' nodes are compared; returns the differences found (`capture_s` and `audit_s`
+        hold the times)."""
         start = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
+        audited = set(self.audit_sizes(audit == "all")) if audit != "off" else set()
+        problems: list[str] = []
+        self.audit_s = 0.0
         sizes = sorted(self.sizes, reverse=True)  # largest first: smaller ones reuse its pool
-        for size in progress_bar(sizes, desc=f"Capturing CUDA graphs ({self.name}, query_len={self.query_len})",
-                                 unit="graph"):
-            graph = self.capture(size, self.short_len)
-            self.graphs[graph.key] = graph
+        with TritonBuilds() as builds:  # the decode-shaped steps' kernels, built by the warm-up steps
+            for size in progress_bar(sizes, desc=f"Capturing CUDA graphs ({self.name}, query_len={self.query_len})",
+                                     unit="graph"):
+                graph = self.capture(size, self.short_len, keep_graph=size in audited)
+                self.graphs[graph.key] = graph
+                if size in audited:
+                    audit_start = time.perf_counter()
+                    problem = self.audit_capture(graph, long_len)
+                    if problem:
+                        problems.append(problem)
+                    self.audit_s += time.perf_counter() - audit_start
         torch.cuda.synchronize(self.device)
-        logger.info("Captured %d CUDA graphs (%s, query_len=%d, batch sizes %s) in %.1f s, %.2f GiB",
-                    len(self.graphs), self.name, self.query_len, self.sizes, time.perf_counter() - start,
-                    (torch.cuda.memory_reserved(self.device) - before) / 1024**3)
+        self.capture_s = time.perf_counter() - start - self.audit_s
+        logger.info("Captured %d CUDA graphs (%s, query_len=%d, batch sizes %s) in %.1f s (%d kernels built), "
+                    "%.2f GiB%s", len(self.graphs), self.name, self.query_len, self.sizes, self.capture_s, builds.count,
+                    (torch.cuda.memory_reserved(self.device) - before) / 1024**3,
+                    f"; capture audit of batch sizes {sorted(audited)}: {self.audit_s:.2f} s" if audited else "")
+        return problems
+
+    def audit_capture(self, graph: CapturedGraph, long_len: int) -> str | None:
+        """Capture `graph`'s bucket again with its dummy sequences at `long_len` (recorded only) and
+        compare the nodes; the description of a difference, or None."""
+        name = f"{self.name} graph {graph.key} (topk_path={graph.topk_path})"
+        other = self.capture(graph.key.batch_size, long_len, keep_graph=True, warm_up=False, instantiate=False)
+        try:
+            short_nodes, long_nodes = graph_nodes(graph.graph), graph_nodes(other.graph)
+        except GraphWalkError as exc:  # the driver's API, not the graph: serve, but say the audit did not run
+            logger.warning("capture audit skipped for %s: its nodes could not be read (%s)", name, exc)
+            return None
+        finally:
+            del other
+        if not short_nodes:
+            return f"{name}: the capture holds no nodes; cannot audit"
+        diff = node_difference(short_nodes, long_nodes, f"capture at dummy length {self.short_len}",
+                               f"capture at dummy length {long_len}")
+        if diff is None:
+            logger.debug("audit: %s captures identically (%d nodes)", name, len(short_nodes))
+            return None
+        return (f"{name} recorded different kernels when captured at other lengths: a host branch on data was "
+                f"frozen into the capture.\n{diff}")
 
     def bucket_for(self, num_seqs: int) -> int | None:
         return pick_bucket(self.sizes, num_seqs)
@@ -307,25 +337,3 @@ class CudaGraphRunner:
             self.hidden[:n].copy_(hidden[:n])
         graph.graph.replay()
         return graph.outputs, graph
-
-    def audit_captures(self, long_len: int) -> list[str]:
-        """Capture every graph under short and long dummy lengths; return the differences found."""
-        problems = []
-        for size in progress_bar(self.sizes, desc=f"Auditing CUDA graph captures ({self.name}, "
-                                 f"query_len={self.query_len})", unit="graph"):
-            short = self.capture(size, self.short_len, debug_dump=True)
-            long = self.capture(size, long_len, debug_dump=True)
-            name = f"{self.name} graph {short.key}"
-            if not short.kernels:
-                problems.append(f"{name}: the DOT dump held no nodes; cannot audit")
-                continue
-            if short.kernels != long.kernels:
-                diff = "\n".join(difflib.unified_diff(short.kernels, long.kernels,
-                                                      f"capture at dummy length {self.short_len}",
-                                                      f"capture at dummy length {long_len}", lineterm="", n=1))
-                problems.append(f"{name} (topk_path={short.topk_path}) recorded different kernels "
-                                f"when captured at other lengths: a host branch on data was frozen into the "
-                                f"capture.\n{diff}")
-            else:
-                logger.info("audit: %s captures identically (%d nodes)", name, len(short.kernels))
-        return problems

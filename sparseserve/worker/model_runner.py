@@ -29,6 +29,7 @@ from ..step_types import PENDING_TOKEN_ID, RunnerOutput, SampledToken, Scheduler
 from .cuda_graph import (BufferSpec, CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes,
                          logits_mode, pad_chunks, pick_bucket, set_positions)
 from ..sample.logits_processors import process_logits
+from .kernel_warmup import run_warmup, runner_plan
 from .sampling_state import LogitsState, SamplingTensorCache
 from .watchdog import StepWatchdog
 
@@ -141,6 +142,7 @@ class ModelRunner:
         self.sampling_cache = SamplingTensorCache()
         # The forwards start-up runs before any request, with their wall time (kernel builds included).
         self.startup_steps: list[tuple[str, float]] = []
+        self.startup_phases: dict[str, float] = {}  # start-up phase -> seconds (the start-up report)
 
     # ---- top-k paths: fixed per row bucket from static facts (docs/design.md, invariant 3) ----
     def topk_for(self, max_rows: int) -> tuple[TopKFn, str]:
@@ -263,29 +265,34 @@ class ModelRunner:
                                                topk_for=None, hidden=streams, pool=pool, **common))
         return runners
 
-    def capture_graphs(self) -> None:
+    def warm_up_kernels(self) -> None:
+        """Build the kernels of every eager step the limits admit before serving (kernel_warmup.py)."""
+        if self.device.type != "cuda":
+            return  # no Triton kernel runs off CUDA
+        report = run_warmup(self, runner_plan(self))
+        self.startup_phases["kernel warm-up"] = report.seconds
+        self.startup_steps.append((f"kernel warm-up: {report.steps} eager steps, {report.builds} kernels built",
+                                   report.seconds))
+
+    def capture_graphs(self, audit: str = "off") -> None:
+        """Capture every graph. `audit` ("off", "sample", "all"): compare the captures of those buckets
+        with a second capture at max_model_len dummy lengths; GraphCaptureError on a difference."""
         if not self.use_graphs:
             return
+        problems = []
         for runner in self._new_graph_runners():
-            runner.capture_all()
+            problems += runner.capture_all(audit, self.max_model_len)
+            for phase, seconds in (("graph capture", runner.capture_s), ("capture audit", runner.audit_s)):
+                self.startup_phases[phase] = self.startup_phases.get(phase, 0.0) + seconds
             if runner.sizes:
                 self.startup_steps.append((f"first graph warm-up: {runner.name}, batch {max(runner.sizes)} of "
                                            f"{runner.query_len} token(s)", runner.first_warmup_s))
             (self.graphs if runner.name == "target" else self.mtp_graphs)[runner.query_len] = runner
+        if problems:
+            self.graphs, self.mtp_graphs = {}, {}
+            raise GraphCaptureError("CUDA graph audit failed:\n" + "\n".join(problems))
         if self.speculator is not None and self.options.adaptive_speculation:
             self.step_costs = self.speculator.measure_costs(self.graphs, self.mtp_graphs)
-
-    def audit_graphs(self) -> None:
-        """Capture each graph again under short and max_model_len dummy lengths and compare."""
-        if not self.use_graphs:
-            raise ValueError("cudagraph_audit needs CUDA graphs: a CUDA device and enforce_eager=False")
-        problems = []
-        # The audit's graphs are dropped runner by runner: a pool per runner, so that none is shared
-        # with graphs that are already gone.
-        for runner in self._new_graph_runners(pool_per_runner=True):
-            problems += runner.audit_captures(self.max_model_len)
-        if problems:
-            raise GraphCaptureError("CUDA graph audit failed:\n" + "\n".join(problems))
 
     @contextmanager
     def eager_only(self):

@@ -335,7 +335,7 @@ if HAVE_GLUON:
             j = j + 1
         _cp.wait_group(0)  # the gathers past the stream's end must land before the program exits
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_units", "num_rows", "stride_rt"])
     def _sparse_mqa_hopper_kernel(
         q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         num_heads, num_units, units_per_token, num_rows,

@@ -72,7 +72,7 @@ if HAVE_GLUON:
                     acc = rows_scaled(acc, gl.where(l_i > 0, l_i, 1.0), offs_oh)
                 gl.store(acc_rows + gl.expand_dims(offs_od, 0), acc.to(part_acc_ptr.dtype.element_ty))
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_units", "num_rows", "stride_rt"])
     def _sparse_mqa_split_kernel(
         q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         num_heads, num_units, units_per_token,

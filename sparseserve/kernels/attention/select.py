@@ -44,7 +44,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import triton
+
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division of ints (the launch path and start-up's warm-up plan call the table often:
+    `triton.cdiv` is a far slower wrapper)."""
+    return -(-a // b)
+
 
 HOPPER_MIN_PROGRAMS = 8  # fewer (token, 64-head) programs keep the Triton 16-head path (row 5)
 HOPPER_SPLIT_MAX = 16
@@ -80,17 +85,17 @@ def attention_config(num_tokens: int, num_heads: int, num_rows: int, head_dim: i
     the pool holds packed FP8 rows (rows F1, F2)."""
     if fp8:
         return fp8_attention_config(num_tokens, num_heads, num_rows, num_sms)
-    wide = num_tokens * triton.cdiv(num_heads, 64)
+    wide = num_tokens * _cdiv(num_heads, 64)
     if hopper and num_heads % 64 == 0 and head_dim == 512 and wide >= HOPPER_MIN_PROGRAMS:
         splits = _splits(wide, num_rows, HOPPER_SPLIT_MAX, HOPPER_SPLIT_MIN_ROWS, num_sms)
-        if triton.cdiv(num_rows, 64) <= 3 and triton.cdiv(triton.cdiv(num_rows, splits), 64) > 1:
+        if _cdiv(num_rows, 64) <= 3 and _cdiv(_cdiv(num_rows, splits), 64) > 1:
             splits = 1  # a short list splits only into one-tile splits (see the table)
         return AttnConfig("hopper", 64, 64, 4, 2, splits, band_prepass=True)
     if num_heads >= 64 and 4 * wide >= 3 * num_sms:
         if head_dim <= 128 or wide >= 8 * num_sms:
             return AttnConfig("triton", 64, 64, 4 if head_dim <= 128 else 8, 2, band_prepass=True)
         return AttnConfig("triton", 64, 32, 8, 3, band_prepass=True)
-    programs = num_tokens * triton.cdiv(num_heads, 16)
+    programs = num_tokens * _cdiv(num_heads, 16)
     max_splits = min(TRITON_SPLIT_MAX, max(1, num_rows // TRITON_SPLIT_MIN_ROWS))
     splits = 1
     while splits * 2 <= max_splits and programs * splits * 2 <= 2 * num_sms:  # powers of 2: few compiles
@@ -101,7 +106,7 @@ def attention_config(num_tokens: int, num_heads: int, num_rows: int, head_dim: i
 def fp8_attention_config(num_tokens: int, num_heads: int, num_rows: int, num_sms: int) -> AttnConfig:
     """Rows F1 and F2 of the table (packed FP8 rows)."""
     block_h = 64 if num_heads >= 64 else 16
-    programs = num_tokens * triton.cdiv(num_heads, block_h)
+    programs = num_tokens * _cdiv(num_heads, block_h)
     splits = _splits(programs, num_rows, FP8_SPLIT_MAX, FP8_SPLIT_MIN_ROWS, num_sms)
     if block_h == 64:
         return AttnConfig("triton", 64, 32, 8, 2, splits, band_prepass=True)
@@ -119,7 +124,7 @@ def _splits(programs: int, num_rows: int, max_splits: int, min_rows: int, num_sm
 
 def split_length(num_rows: int, cfg: AttnConfig) -> int:
     """Row slots per split: the list cut into cfg.num_splits pieces, each a whole number of tiles."""
-    return triton.cdiv(triton.cdiv(max(num_rows, 1), cfg.num_splits), cfg.block_n) * cfg.block_n
+    return _cdiv(_cdiv(max(num_rows, 1), cfg.num_splits), cfg.block_n) * cfg.block_n
 
 
 def needs_band_prepass(cfg: AttnConfig, rows_per_split: int) -> bool:

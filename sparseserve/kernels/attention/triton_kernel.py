@@ -53,7 +53,7 @@ def _valid_band(rows_base, row_start, row_end, SCAN: tl.constexpr):
     return lo, hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "stride_rt"])
 def _valid_band_kernel(rows_ptr, band_ptr, num_rows, rows_per_split, stride_rt,
                        NUM_SPLITS: tl.constexpr, SCAN: tl.constexpr, PDL: tl.constexpr):
     """Each (token, split)'s valid band, for attention programs that read it instead of scanning."""
@@ -68,7 +68,7 @@ def _valid_band_kernel(rows_ptr, band_ptr, num_rows, rows_per_split, stride_rt,
     tl.store(band_ptr + pid * 2 + 1, hi)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "stride_rt"])
 def _sparse_mqa_fwd_kernel(
     q_ptr, kv_ptr, rows_ptr, band_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     num_heads, num_rows, head_dim, rows_per_split, head_blocks,

@@ -32,7 +32,7 @@ if _HAVE_TRITON:
 
     # ---- persistent path: a resident grid looping over (row, chunk) items, two launches.
 
-    @triton.jit(do_not_specialize=["W", "n_items", "CPR"])
+    @triton.jit(do_not_specialize=["stride_s", "W", "n_items", "CPR"])
     def _p_bound_kernel(
         scores_ptr, stride_s, lengths_ptr, ws_ptr, W, n_items, CPR,
         K: tl.constexpr, CHUNK: tl.constexpr, G: tl.constexpr, WS: tl.constexpr, LB_STEPS: tl.constexpr,
@@ -224,7 +224,7 @@ if _HAVE_TRITON:
             if chunk == 0:
                 _fill(orow, n, K, -1, K, FB)
 
-    @triton.jit(do_not_specialize=["W", "n_items", "CPR", "UPR", "IPR", "SUB", "ONE"])
+    @triton.jit(do_not_specialize=["stride_s", "W", "n_items", "CPR", "UPR", "IPR", "SUB", "ONE"])
     def _p_select_kernel(
         scores_ptr, stride_s, lengths_ptr, ws_ptr, cinfo_ptr, cand_v_ptr, cand_i_ptr, out_ptr, stride_o,
         W, n_items, CPR, UPR, IPR, SUB,

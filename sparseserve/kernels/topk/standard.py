@@ -29,7 +29,7 @@ if _HAVE_TRITON:
 
     # ---- standard path: one program per row (grid-stride when rows exceed the grid)
 
-    @triton.jit(do_not_specialize=["R", "W", "ONE"])
+    @triton.jit(do_not_specialize=["stride_s", "R", "W", "ONE"])
     def _topk_standard_kernel(
         scores_ptr, stride_s, lengths_ptr, out_ptr, stride_o, cand_v_ptr, cand_i_ptr, R, W,
         ONE,

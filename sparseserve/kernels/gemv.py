@@ -3,7 +3,7 @@
 At batch 1 every projection of a layer is a read of its weight: x-projections [4160, 4096],
 q_b [40960, 1024], the grouped o_a [8 x 1024, 4096], o_b [4096, 8192], the shared expert
 [4096, 4096] and [4096, 2048] (V4-Flash; 8-84 MB each). cuBLAS runs them at 2.5-3.8 TB/s
-(session-15 profile: split-K plus a reduce kernel for most), against 4.3 TB/s for the LM head's
+(an H200 profile: split-K plus a reduce kernel for most), against 4.3 TB/s for the LM head's
 1 GB. Two things cost the small ones: each program walks K with one load round trip per step,
 and nothing is read before the previous kernel has completed.
 

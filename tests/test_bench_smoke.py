@@ -79,3 +79,16 @@ def test_the_package_does_not_import_the_micro_benchmarks():
     offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "sparseserve").rglob("*.py")
                  if re.search(r"^\s*(from|import) benchmarks\b", p.read_text(), re.M)]
     assert offenders == []
+
+
+def test_startup_benchmark_child_reports_a_start(tmp_path):
+    """benchmarks/startup.py: one start in its own process with its own Triton cache, as the report records it."""
+    import argparse
+
+    from benchmarks.startup import run_start
+
+    args = argparse.Namespace(model="tiny", load_format="dummy", max_model_len=256, smoke=True, timeout_s=120.0)
+    result = run_start(args, audit=False, cache_dir=str(tmp_path / "triton"))
+    assert "error" not in result, result
+    assert result["import_and_llm_s"] > result["load_s"] > 0
+    assert isinstance(result["phases_s"], dict) and isinstance(result["forwards"], list)

@@ -106,6 +106,19 @@ def test_parts_are_filled_one_at_a_time_in_parameter_order(monkeypatch, load_for
         assert set(still_meta) == set(order) - done, name  # this part and the earlier ones only are allocated
 
 
+@pytest.mark.parametrize("world,ep", [(1, False), (2, False), (2, True), (4, False), (4, True)])
+def test_bytes_per_gpu_are_what_a_rank_holds(world, ep):
+    """The fit check's per-GPU count is the streamed shard's bytes exactly (the tiny model has 2
+    output groups: 4 ranks share each)."""
+    plan = weight_plan(loader.ModelConfig(loader.load_hf_config(TINY), dtype=torch.float32), torch.float32)
+    want = plan.at(ParallelLayout(world, ep)).per_gpu_bytes
+    for rank in range(world):
+        sharder = RankSharder(ParallelGroup(rank, world, expert_parallel=ep)) if world > 1 else None
+        model, _, _ = _load(TINY, sharder, load_format="dummy")
+        held = [*model.parameters(), *model.buffers()]
+        assert sum(t.numel() * t.element_size() for t in held) == want, rank
+
+
 def test_fit_check_counts_the_ranks_share(monkeypatch):
     plan = weight_plan(loader.ModelConfig(loader.load_hf_config(TINY), dtype=torch.float32), torch.float32)
     whole, share = plan.at().per_gpu_bytes, plan.at(ParallelLayout(2, True)).per_gpu_bytes

@@ -2,11 +2,11 @@
 
 Start-up: join the rendezvous, check that every rank was given the same options, load this rank's
 share of the model part by part (model/streamed_load.py, model/sharding.py), build the
-`ModelRunner`, report ready. Then the loop: rank 0 reads the driver's next message from its pipe (or, after a quiet interval, a heartbeat,
-so that no rank's wait on the bounded-timeout control group expires while the engine idles) and
-broadcasts it on the control group; every rank runs it. Only rank 0 answers; any rank that raises
-reports the error with its traceback on its own pipe and exits, so its peers' collectives fail
-or time out and the driver names the cause instead of waiting.
+`ModelRunner`, report ready. Then the loop: rank 0 reads the driver's next message from its pipe
+(or, after a quiet interval, a heartbeat, so that no rank's wait on the bounded-timeout control
+group expires while the engine idles) and broadcasts it on the control group; every rank runs it.
+Only rank 0 answers; any rank that raises reports the error with its traceback on its own pipe and
+exits, so its peers' collectives fail or time out and the driver names the cause instead of waiting.
 """
 from __future__ import annotations
 

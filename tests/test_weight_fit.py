@@ -94,17 +94,16 @@ def test_bytes_as_held_equal_what_the_loader_allocates():
 
 
 def hand_sharded_bytes(hf) -> int:
-    """bf16 bytes of the tensors split over tensor-parallel ranks, from the config alone."""
+    """bf16 bytes of the tensors split over tensor-parallel ranks, from the config alone (the
+    embedding and the indexers are replicated)."""
     d, heads, hd = hf.hidden_size, hf.num_attention_heads, hf.head_dim
-    csa = hf.layer_types.count("compressed_sparse_attention")
     attention = (heads * hd * hf.q_lora_rank  # q_b
                  + hf.o_groups * hf.o_lora_rank * (heads * hd // hf.o_groups)  # o_a, grouped
                  + d * hf.o_groups * hf.o_lora_rank) * 2 + heads * 4  # o_b; sinks in float32
-    indexer = (hf.index_n_heads * hf.index_head_dim * hf.q_lora_rank + hf.index_n_heads * d) * 2
     shared = 3 * hf.moe_intermediate_size * hf.n_shared_experts * d * 2
     experts = hf.n_routed_experts * 3 * hf.moe_intermediate_size * d * 2
-    vocab = 2 * hf.vocab_size * d * 2
-    return vocab + hf.num_hidden_layers * (attention + shared + experts) + csa * indexer
+    vocab = hf.vocab_size * d * 2  # the LM head
+    return vocab + hf.num_hidden_layers * (attention + shared + experts)
 
 
 @pytest.mark.parametrize("ways", [2, 4, 8])

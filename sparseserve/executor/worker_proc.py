@@ -1,12 +1,12 @@
 """One worker process: one rank of the parallel layout, with its shard of the model and a runner.
 
-Start-up: join the rendezvous, check that every rank was given the same options, load the model,
-keep this rank's shard (model/sharding.py), build the `ModelRunner`, report ready. Then the loop:
-rank 0 reads the driver's next message from its pipe (or, after a quiet interval, a heartbeat,
-so that no rank's wait on the bounded-timeout control group expires while the engine idles) and
-broadcasts it on the control group; every rank runs it. Only rank 0 answers; any rank that raises
-reports the error with its traceback on its own pipe and exits, so its peers' collectives fail
-or time out and the driver names the cause instead of waiting.
+Start-up: join the rendezvous, check that every rank was given the same options, load this rank's
+share of the model part by part (model/streamed_load.py, model/sharding.py), build the
+`ModelRunner`, report ready. Then the loop: rank 0 reads the driver's next message from its pipe
+(or, after a quiet interval, a heartbeat, so that no rank's wait on the bounded-timeout control
+group expires while the engine idles) and broadcasts it on the control group; every rank runs it.
+Only rank 0 answers; any rank that raises reports the error with its traceback on its own pipe and
+exits, so its peers' collectives fail or time out and the driver names the cause instead of waiting.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ..distributed.process_group import destroy_process_groups, init_process_gro
 from ..errors import ConfigError
 from ..model.loader import load_model
 from ..model.mtp import load_mtp
-from ..model.sharding import shard_model
+from ..model.sharding import RankSharder, shard_mtp
 from ..worker.model_runner import ModelRunner, RunnerOptions
 from .messages import StepDecoder
 
@@ -69,11 +69,14 @@ def _device(spec: WorkerSpec, local_rank: int) -> torch.device:
 
 def _build_runner(spec: WorkerSpec, limits: RunnerLimits, device: torch.device, group) -> ModelRunner:
     config = spec.config
+    sharder = RankSharder(group) if group.world_size > 1 else None  # this rank's share only, part by part
     model, model_config, mtp_tensors = load_model(config.model, spec.dtype, device, config.load_format,
-                                                  config.hf_overrides, config.seed, progress=config.use_tqdm_on_load)
+                                                  config.hf_overrides, config.seed, progress=config.use_tqdm_on_load,
+                                                  shard=sharder)
     k = config.num_speculative_tokens
     mtp = (load_mtp(model_config, mtp_tensors, device, spec.dtype, config.load_format, config.seed) if k else None)
-    shard_model(model, group, mtp)
+    if mtp is not None:
+        shard_mtp(mtp, group)  # one layer, loaded whole then cut
     options = RunnerOptions(enforce_eager=config.enforce_eager, cuda_graph_sizes=config.cuda_graph_sizes,
                             topk_backend=config.topk_backend, step_timeout_s=config.step_timeout_s,
                             num_speculative_tokens=k, side_stream=config.side_stream,

@@ -7,7 +7,8 @@
   release's layout (FP8/FP4 decoded at load), as `transformers` saves them, or under the engine's
   own module names (`weight_loader`, `checkpoint_names`; docs/checkpoints.md);
 - `mtp.*` tensors are returned separately for speculative decoding (not an error);
-- `load_format="dummy"` fills every tensor with random values of the right shape.
+- `load_format="dummy"` fills every tensor with random values of the right shape;
+- one rank of a parallel layout (`shard`) loads only its share, part by part (`streamed_load`).
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ from transformers import DeepseekV4Config
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
-from ..logger import progress_bar
 from ..checkpoint_checks import check_hf_config, check_override_keys, check_raw_config, check_weight_format
 from .deepseek_v4 import DeepseekV4ForCausalLM
+from .dummy_weights import init_dummy_weights  # noqa: F401 (re-exported)
 from .fit_check import available_memory_bytes, check_weights_fit
 from .layers.fused_linear import pack_projections
 from .quantize import describe_quantized, quantize_model
+from .streamed_load import PartSharder, stream_load
 from .presets import CONFIGS_DIR, DEFAULT_MODEL, PRESETS, resolve_model_dir  # noqa: F401 (re-exported)
 from .weight_bytes import KEEP_FP32, ParallelLayout, WeightPlan, held_dtype  # noqa: F401 (KEEP_FP32 re-exported)
 from .weight_loader import apply_weights, checkpoint_files, load_checkpoint, read_tensors  # noqa: F401 (re-exported)
@@ -67,30 +69,6 @@ def load_hf_config(model_dir: Path, hf_overrides: dict | None = None) -> Deepsee
     return hf
 
 
-@torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, seed: int = 0, hf_config=None, progress: bool = True) -> None:
-    """Random weights of the right shapes (for benchmarks at real shapes; never zeros).
-    Drawn on the parameters' device, so billions of values take seconds on a GPU."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    hf = hf_config if hf_config is not None else model.model_config.hf_config
-    params = list(model.named_parameters())
-    for name, p in progress_bar(params, enabled=progress, desc="Initializing dummy weights", unit="tensor"):
-        if "norm" in name and name.endswith("weight"):
-            p.fill_(1.0)
-        elif p.dim() >= 2:
-            p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype) * p.shape[-1] ** -0.5)
-        else:
-            p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype) * 0.1)
-    for name, b in model.named_buffers():
-        if name.endswith("tid2eid"):
-            # Distinct experts per token: a random start walking modulo the expert count.
-            first = torch.randint(0, hf.n_routed_experts, (b.shape[0], 1), generator=gen, device=device)
-            b.copy_((first + torch.arange(b.shape[1], device=device)) % hf.n_routed_experts)
-        elif name.endswith("e_score_correction_bias"):
-            b.copy_(torch.randn(b.shape, generator=gen, device=device) * 0.01)
-
-
 def load_model(
     model: str | os.PathLike | None,
     dtype: torch.dtype,
@@ -100,22 +78,36 @@ def load_model(
     seed: int = 0,
     quantization: str = "none",
     progress: bool = True,
+    shard: PartSharder | None = None,
 ) -> tuple[DeepseekV4ForCausalLM, ModelConfig, dict[str, torch.Tensor]]:
+    """The model on `device`, its config and the checkpoint's `mtp.*` tensors. With `shard` (one
+    rank of a parallel layout, `model/sharding.py`'s `RankSharder`): only this rank's share, loaded
+    part by part (`model/streamed_load.py`), the fit checked against that share."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+    if shard is not None and quantization != "none":
+        raise ValueError(f"quantization={quantization!r} runs on one GPU; a parallel load takes quantization='none'")
     model_dir, preset_overrides = resolve_model_dir(model)
     overrides = {**preset_overrides, **(hf_overrides or {})}
     hf_config = load_hf_config(model_dir, overrides)
     model_config = ModelConfig(hf_config, dtype=dtype, path=str(model_dir))
     with torch.device("meta"):
         net = DeepseekV4ForCausalLM(model_config)
-    check_weights_fit(WeightPlan.of([("", net)], model_config, dtype, quantization), ParallelLayout(),
+    layout = shard.layout if shard is not None else ParallelLayout()
+    check_weights_fit(WeightPlan.of([("", net)], model_config, dtype, quantization), layout,
                       available_memory_bytes(device), str(model), str(device))
     for name, p in net.named_parameters():  # on meta: to_empty then allocates the held dtypes directly
         p.data = p.data.to(held_dtype(name, dtype))
+    fresh = DeepseekV4ForCausalLM.rope_buffers(model_config)  # non-persistent: recomputed, never loaded
+    if shard is not None:
+        mtp = stream_load(net, device, shard, load_format, model_dir, model_config.weight_format, seed,
+                          hf_config.n_routed_experts, progress)
+        for name, value in fresh.items():
+            setattr(net, name, value.to(device))
+        shard.finish(net)
+        pack_projections(net)
+        return net.eval(), model_config, mtp
     net = net.to_empty(device="cpu" if load_format != "dummy" else device)
-    # Non-persistent buffers (rope tables) are recomputed after to_empty.
-    fresh = DeepseekV4ForCausalLM.rope_buffers(model_config)
     for name, value in fresh.items():
         getattr(net, name).copy_(value)
     mtp: dict[str, torch.Tensor] = {}

@@ -1,7 +1,8 @@
 """Cut one rank's shard of a loaded model (tensor and expert parallelism, docs/parallelism.md).
 
-The loader builds and fills the full model; `shard_model` then replaces each split parameter by
-this rank's slice and hands the module its `ParallelGroup`. What is split:
+The parallel load hands each part of the model to a `RankSharder` as soon as it is filled
+(`model/streamed_load.py`), which replaces each split parameter by this rank's slice and hands the
+module its `ParallelGroup`; `shard_model` does the same to a model loaded whole. What is split:
 
 - attention: the query heads (`q_b_proj` rows, `sinks`) and the output groups (`o_a_proj` rows and,
   when there are more ranks than groups, its input columns of this rank's heads; `o_b_proj`
@@ -14,7 +15,8 @@ this rank's slice and hands the module its `ParallelGroup`. What is split:
 - the LM head's vocabulary rows (padded to a multiple of the ranks); the logits are all-gathered.
   The embedding, the mHC mixes and the norms are replicated.
 
-Every rank loads the full tensors first (the loader is unchanged) and keeps its slices.
+A part is cut where it was filled (on the host for a checkpoint, on the device for dummy weights),
+before it moves to the device.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from ..distributed.communicator import ParallelGroup
 from .layers.attention import Attention
 from .layers.fused_linear import pack_projections
 from .layers.moe import SparseMoE
+from .streamed_load import model_parts
+from .weight_bytes import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -126,16 +130,48 @@ def shard_layers(root: nn.Module, group: ParallelGroup) -> None:
             shard_moe(module, group)
 
 
-def shard_model(model: nn.Module, group: ParallelGroup, mtp: nn.Module | None = None) -> None:
-    """Keep only this rank's share of a loaded `DeepseekV4ForCausalLM` (and its MTP layer, whose
-    logits use the target's LM head); re-packs the projections that share an input."""
+def shard_part(name: str, part: nn.Module, group: ParallelGroup) -> None:
+    """This rank's share of one part of the model (`streamed_load.model_parts`): the LM head's rows,
+    or every attention and MoE block in it."""
+    if name == "lm_head":
+        shard_lm_head(part, group)
+    else:
+        shard_layers(part, group)
+
+
+@dataclass(frozen=True)
+class RankSharder:
+    """The parallel load's cutter (`streamed_load.PartSharder`) for one rank of `group`."""
+
+    group: ParallelGroup
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(self.group.world_size, self.group.expert_parallel)
+
+    def part(self, name: str, module: nn.Module) -> None:
+        shard_part(name, module, self.group)
+
+    def finish(self, model: nn.Module) -> None:
+        model.tp = self.group
+
+
+def shard_mtp(mtp: nn.Module, group: ParallelGroup) -> None:
+    """The MTP layer's share (its logits use the target's LM head); re-packs its projections."""
     if group.world_size == 1:
         return
-    shard_layers(model.model, group)
-    shard_lm_head(model.lm_head, group)
+    shard_layers(mtp, group)
+    pack_projections(mtp)
+
+
+def shard_model(model: nn.Module, group: ParallelGroup, mtp: nn.Module | None = None) -> None:
+    """Keep only this rank's share of a loaded `DeepseekV4ForCausalLM` (and its MTP layer); re-packs
+    the projections that share an input."""
+    if group.world_size == 1:
+        return
+    for name, part in model_parts(model):
+        shard_part(name, part, group)
     model.tp = group
     pack_projections(model)
     if mtp is not None:
-        shard_layers(mtp, group)
-        pack_projections(mtp)
-
+        shard_mtp(mtp, group)

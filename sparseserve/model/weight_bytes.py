@@ -14,12 +14,12 @@ parameter is held in. Buffers (router tables, rope tables) are held in their own
   `held_quant` names (the rule `model/quantize.py` applies) as held: FP8 1 byte per value + a 1-byte
   ue8m0 scale per 128 x 128 block, FP4 half a byte + a 1-byte scale per 32 values.
 
-Per GPU under `tensor_parallel_size=N` (`TP_SPLITS`): attention heads split (q_b, sinks, the output
-groups of o_a, o_b's input), the indexer's heads split, the LM head and the embedding split over the
+Per GPU under `tensor_parallel_size=N` (`TP_SPLITS`, as `model/sharding.py` cuts them): attention
+heads split (q_b, sinks, the output groups of o_a, o_b's input), the LM head split over the
 vocabulary, the shared expert split (gate/up rows, down columns), routed experts split within each
-expert (TP) or whole experts across the ranks (`enable_expert_parallel`); everything else (q_a, the
-shared KV projection, compressors, router, norms, mHC, buffers) replicated. Uneven splits count the
-largest shard.
+expert (TP) or whole experts across the ranks (`enable_expert_parallel`); everything else (the
+embedding, q_a, the shared KV projection, compressors and indexers, router, norms, mHC, buffers)
+replicated. Uneven splits count the largest shard.
 """
 from __future__ import annotations
 
@@ -186,12 +186,12 @@ class ParallelLayout:
         return f"tensor_parallel_size={self.tensor_parallel_size}{ep}"
 
 
-# (name suffix, dimension) of the tensors split over tensor-parallel ranks; the rest is replicated.
+# (name suffix, dimension) of the tensors split over tensor-parallel ranks (model/sharding.py); the
+# rest is replicated.
 TP_SPLITS: tuple[tuple[str, int], ...] = (
-    ("embed_tokens.weight", 0), ("lm_head.weight", 0),  # vocabulary
+    ("lm_head.weight", 0),  # vocabulary
     ("self_attn.q_b_proj.weight", 0), ("self_attn.sinks", 0),  # attention heads
     ("self_attn.o_a_proj.weight", 0), ("self_attn.o_b_proj.weight", 1),  # output groups
-    ("indexer.q_b_proj.weight", 0), ("indexer.scorer.weights_proj.weight", 0),  # indexer heads
     ("shared_experts.gate_proj.weight", 0), ("shared_experts.up_proj.weight", 0),
     ("shared_experts.down_proj.weight", 1),
 )
@@ -205,11 +205,15 @@ def _split(shape: tuple[int, ...], dim: int, ways: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def shard_shape(name: str, shape: tuple[int, ...], layout: ParallelLayout) -> tuple[int, ...]:
-    """The largest shard of tensor `name` one GPU holds under `layout`."""
+def shard_shape(name: str, shape: tuple[int, ...], layout: ParallelLayout, o_groups: int | None = None
+                ) -> tuple[int, ...]:
+    """The largest shard of tensor `name` one GPU holds under `layout`. With more ranks than output
+    groups (`o_groups`), a rank holds its whole group's `o_b_proj` columns."""
     ways = layout.tensor_parallel_size
     if ways == 1:
         return tuple(shape)
+    if o_groups and name.endswith("self_attn.o_b_proj.weight"):
+        return _split(shape, 1, min(ways, o_groups))
     for suffix, dim in EXPERT_TP_SPLITS.items():
         if name.endswith(suffix):
             return _split(shape, 0 if layout.enable_expert_parallel else dim, ways)
@@ -283,13 +287,14 @@ class WeightBytes:
                 f"{format_bytes(self.per_gpu_bytes)} per GPU with {self.layout.describe()} ({parts})")
 
 
-def count_bytes(specs: list[TensorSpec], policy: HeldPolicy, layout: ParallelLayout, held: str) -> WeightBytes:
+def count_bytes(specs: list[TensorSpec], policy: HeldPolicy, layout: ParallelLayout, held: str,
+                o_groups: int | None = None) -> WeightBytes:
     total = per_gpu = 0
     by_part = dict.fromkeys(PARTS, 0)
     for spec in specs:
         fmt = policy(spec.name, spec.shape) if spec.is_parameter else dtype_format(spec.dtype)
         total += fmt.nbytes(spec.shape)
-        share = fmt.nbytes(shard_shape(spec.name, spec.shape, layout))
+        share = fmt.nbytes(shard_shape(spec.name, spec.shape, layout, o_groups))
         per_gpu += share
         by_part[part_of(spec.name)] += share
     return WeightBytes(layout, held, total, per_gpu, by_part)
@@ -327,7 +332,7 @@ class WeightPlan:
         return cls(specs, policy, held, model_config.hf_config, checkpoint_format(model_config))
 
     def at(self, layout: ParallelLayout = ParallelLayout()) -> WeightBytes:
-        return count_bytes(self.specs, self.policy, layout, self.held)
+        return count_bytes(self.specs, self.policy, layout, self.held, getattr(self.hf_config, "o_groups", None))
 
     def checkpoint_bytes(self) -> int:
         """One copy of every tensor in the checkpoint's own format (its size on disk, about)."""

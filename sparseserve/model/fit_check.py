@@ -69,7 +69,7 @@ def fitting_layouts_hint(plan: WeightPlan, free_bytes: int) -> str:
     else:
         options = " or ".join(f"{w.layout.describe()} ({format_bytes(w.per_gpu_bytes)} per GPU)" for w in fits)
     return (f"the smallest layouts whose weights fit GPUs with {format_bytes(free_bytes)} free: {options}; the KV "
-            "cache needs room beside them (sparseserve serves on one GPU today: tensor_parallel_size must be 1)")
+            "cache needs room beside them (set tensor_parallel_size, and enable_expert_parallel, to one of these)")
 
 
 def check_weights_fit(plan: WeightPlan, layout: ParallelLayout, free_bytes: int | None, name: str,

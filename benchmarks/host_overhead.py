@@ -37,6 +37,13 @@ class FixedLogitsModel:
         return self.logits[: hidden.shape[0]]
 
 
+def install_stub(runner, max_rows: int) -> None:
+    """Replace `runner`'s model by a FixedLogitsModel and build its decode steps as on CUDA (padded
+    to a bucket), so what runs per step is the host's work alone."""
+    runner.model = FixedLogitsModel(runner.model_config.hf_config, max_rows)
+    runner.pad_like_graphs = True
+
+
 def timed(phases: dict, owner, name: str, key: str) -> None:
     original = getattr(owner, name)
 

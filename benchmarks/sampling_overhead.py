@@ -194,11 +194,9 @@ def main(argv: list[str] | None = None) -> dict:
               max_num_seqs=max(args.batch, 1), **kwargs)
     vocab = llm.llm_engine.vocab_size
     if args.stub_model:
-        from benchmarks.host_overhead import FixedLogitsModel
+        from benchmarks.host_overhead import install_stub
 
-        runner = llm.llm_engine.runner
-        runner.model = FixedLogitsModel(runner.model_config.hf_config, max(args.batch, 1))
-        runner.pad_like_graphs = True  # decode steps built as on CUDA (padded to a bucket)
+        install_stub(llm.llm_engine.runner, max(args.batch, 1))
     results = {}
     for name, features in FEATURES.items():
         prompts, params = workload(args.batch, args.prompt_len, args.steps, vocab, features)

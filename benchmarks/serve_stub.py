@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 def stub_llm(max_num_seqs: int, max_model_len: int):
     import torch
 
-    from benchmarks.host_overhead import FixedLogitsModel
+    from benchmarks.host_overhead import install_stub
     from sparseserve import LLM
     from sparseserve.model.loader import CONFIGS_DIR
 
@@ -31,8 +31,7 @@ def stub_llm(max_num_seqs: int, max_model_len: int):
     llm = LLM(str(CONFIGS_DIR / "tiny"), device="cpu", dtype="float32", max_model_len=max_model_len,
               max_num_seqs=max_num_seqs, async_scheduling=True)
     runner = llm.llm_engine.runner
-    runner.model = FixedLogitsModel(runner.model_config.hf_config, max_num_seqs * 8 + runner.max_num_batched_tokens)
-    runner.pad_like_graphs = True
+    install_stub(runner, max_num_seqs * 8 + runner.max_num_batched_tokens)
     return llm
 
 

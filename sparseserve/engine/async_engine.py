@@ -246,14 +246,9 @@ class AsyncLLMEngine:
     @staticmethod
     def _deliver(batch: list) -> None:
         """From the engine thread: (stream, item) pairs to their event loops, one wake-up per loop."""
-        if not batch:
-            return
-        loop = batch[0][0].loop
-        by_loop = {loop: batch}
-        if any(stream.loop is not loop for stream, _ in batch):
-            by_loop = {}
-            for pair in batch:
-                by_loop.setdefault(pair[0].loop, []).append(pair)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for pair in batch:
+            by_loop.setdefault(pair[0].loop, []).append(pair)
         for loop, pairs in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_dispatch, pairs)

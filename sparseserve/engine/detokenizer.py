@@ -2,23 +2,15 @@
 hold back text that ends in an incomplete UTF-8 sequence (shown as U+FFFD)."""
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 from .request import Request
-
-_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 def fast_decode(tokenizer) -> Callable[[list[int], bool], str]:
     """`decode(ids, skip_special_tokens)` for `tokenizer`. For a `tokenizers`-backed tokenizer whose
     `decode` adds nothing to the Rust tokenizer's (no clean-up of tokenization spaces, the stock
     `_decode`), the Rust call itself: the `transformers` wrapper costs about twice the decode, and
-    it runs twice per token of every request."""
-    try:
-        return _DECODERS[tokenizer]
-    except (KeyError, TypeError):
-        pass
+    it runs twice per token of every request. The engine makes it once, with its tokenizer."""
     decode = None
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -36,16 +28,13 @@ def fast_decode(tokenizer) -> Callable[[list[int], bool], str]:
     if decode is None:
         def decode(ids: list[int], skip_special_tokens: bool) -> str:
             return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-    try:
-        _DECODERS[tokenizer] = decode
-    except TypeError:  # not weak-referenceable: not cached
-        pass
     return decode
 
 
-def detokenize_incrementally(tokenizer, request: Request, skip_special_tokens: bool) -> str:
-    """Append the newly decodable text of `request.output_token_ids` to request.text; returns the new text."""
-    decode = fast_decode(tokenizer)
+def detokenize_incrementally(decode: Callable[[list[int], bool], str], request: Request,
+                             skip_special_tokens: bool) -> str:
+    """Append the newly decodable text of `request.output_token_ids` to request.text (`decode`: the
+    engine's `fast_decode(tokenizer)`); returns the new text."""
     ids = request.output_token_ids
     prefix_text = decode(ids[request.prefix_offset:request.read_offset], skip_special_tokens)
     full_text = decode(ids[request.prefix_offset:], skip_special_tokens)

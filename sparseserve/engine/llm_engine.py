@@ -32,7 +32,7 @@ from ..step_types import RunnerOutput, SchedulerOutput
 from ..validation import ModelLimits, parse_prompt
 from ..worker.model_runner import LaunchedStep, ModelRunner, RunnerOptions
 from . import isolation, spec_async
-from .detokenizer import detokenize_incrementally
+from .detokenizer import detokenize_incrementally, fast_decode
 from .graph_audit import audit_graph_replays
 from .startup_report import audit_mode, log_startup
 from .kv_cache import KVCacheManager, KVPlan, plan_kv
@@ -82,10 +82,9 @@ class LLMEngine:
                 config.quantization, config.use_tqdm_on_load)
         self.load_s = time.perf_counter() - loading  # the workers load their own shards
         hf = self.model_config.hf_config
-        self.tokenizer = None
-        if not config.skip_tokenizer_init:  # before the state is allocated
-            self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_dir,
-                                            explicit=config.tokenizer is not None)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(  # before the state is allocated
+            Path(config.tokenizer) if config.tokenizer else model_dir, explicit=config.tokenizer is not None)
+        self._decode = fast_decode(self.tokenizer) if self.tokenizer is not None else None  # per-token detokenizing
         self.vocab_size = hf.vocab_size
         self.max_model_len = check_model_limits(config, hf)
         if config.max_num_batched_tokens is not None:
@@ -509,8 +508,8 @@ class LLMEngine:
             entry[sampled.token_id] = Logprob(sampled.logprob, sampled.rank, self._decode_token(sampled.token_id))
             req.logprobs.append(entry)
             req.cumulative_logprob += sampled.logprob
-        if req.params.detokenize and self.tokenizer is not None:
-            return detokenize_incrementally(self.tokenizer, req, req.params.skip_special_tokens)
+        if req.params.detokenize and self._decode is not None:
+            return detokenize_incrementally(self._decode, req, req.params.skip_special_tokens)
         return ""
 
     def _check_stop(self, req: Request, new_text_len: int) -> bool:

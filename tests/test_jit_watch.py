@@ -38,6 +38,17 @@ def test_counts_builds_inside_only():
     assert empty.count == 0
 
 
+def test_new_builds_name_what_sets_them_apart():
+    """A build the warm-up missed is reported with the key fields that differ from the nearest earlier
+    build (here an integer argument newly divisible by 16)."""
+    kern = fake_kernel("_mix")
+    kern.device_caches[0][0]["[('*bf16', 'D'), ('i32', '')]{'num_warps': 4}"] = "compiled"
+    with TritonBuilds(lambda: [kern]) as builds:
+        kern.device_caches[0][0]["[('*bf16', 'D'), ('i32', 'D')]{'num_warps': 4}"] = "compiled"
+    assert builds.kernels == ["_mix"]
+    assert builds.new_keys == [("_mix", "'D')]{'num_warps': 4} (was '')]{'num_warps': 4})")]
+
+
 def test_installs_no_post_compile_hook():
     """Under triton 3.6 any jit_post_compile_hook makes Gluon kernels with layout constexprs fail to build
     (Triton serialises their constexprs to JSON for it): the watch must not install one."""

@@ -36,10 +36,16 @@ def test_length_buckets_reach_every_power_of_two_width():
 @pytest.mark.parametrize("tokens, model_len", [(8192, 65536), (2048, 1024), (512, 4096)])
 def test_plan_covers_every_bucket_within_the_limits(tokens, model_len):
     plan = warmup_plan(tokens, model_len, max_num_seqs=64)
-    limit = min(tokens, model_len)
-    assert all(1 <= s.num_tokens <= limit and s.num_tokens <= s.end <= model_len for s in plan)
-    prefills = {s.num_tokens for s in plan if s.num_seqs == 1 and s.end == s.num_tokens}
+    limit = min(tokens, model_len * 64)
+    assert all(1 <= s.num_tokens <= limit and s.end <= model_len and s.num_seqs <= 64 for s in plan)
+    assert all(s.num_tokens <= s.end for s in plan if not s.packed)
+    prefills = {s.num_tokens for s in plan if (s.num_seqs == 1 and s.end == s.num_tokens) or s.packed}
     assert prefills == set(token_buckets(limit)) - {1}  # one token is a decode graph's
+    # a step of more tokens than one sequence holds: whole prompts, every chunk within max_model_len
+    for step in (s for s in plan if s.packed):
+        chunks = step.chunks(block_size=64, num_blocks=10**6)
+        assert sum(len(c.token_ids) for c in chunks) == step.num_tokens and len(chunks) == step.num_seqs
+        assert all(c.start_pos == 0 and 1 <= len(c.token_ids) <= model_len for c in chunks)
     # every power-of-two step of the length sweep at every power-of-two length (and the longest)
     cross = {(s.num_tokens, s.end) for s in plan if s.num_seqs == 1}
     for length in length_buckets(model_len):
@@ -59,6 +65,19 @@ def test_plan_without_graphs_has_decode_steps_of_every_bucket():
     chunks = WarmupStep(24, 1024, 8, 3).chunks(block_size=128, num_blocks=4)
     assert [len(c.token_ids) for c in chunks] == [3] * 8 and {c.want_logits for c in chunks} == {"all"}
     assert chunks[0].block_ids == [0, 1, 2, 3]  # capped by the cache's blocks
+
+
+def test_steps_above_the_model_length_pack_several_prompts():
+    """With max_num_batched_tokens above max_model_len a step holds several prompts: its token count
+    picks the large-M tiles (the mixes above 2,048 tokens, the quantized GEMMs above 1,024)."""
+    plan = warmup_plan(8192, 1024, max_num_seqs=16)
+    packed = {s.num_tokens: s for s in plan if s.packed}
+    assert {1025, 2049, 4097, 8192} <= set(packed) and max(s.num_tokens for s in plan) == 8192
+    assert packed[2049].num_seqs == 3 and packed[8192].num_seqs == 8 and packed[8192].end == 1024
+    assert max(s.num_tokens for s in warmup_plan(8192, 1024, max_num_seqs=2)) == 2048  # two slots at most
+    fitted = fit_to_cache(plan, cache_tokens=512)
+    assert all(s.end <= 512 for s in fitted) and max(s.num_tokens for s in fitted) == 4096
+    assert max(s.num_seqs for s in fitted) == 8
 
 
 def test_mixed_step_chunks_fit_the_step():

@@ -45,6 +45,26 @@ def built_count(kernel) -> int:
     return sum(len(entry[0]) for entry in list(getattr(kernel, "device_caches", {}).values()))
 
 
+def built_keys(kernel) -> set[str]:
+    """The cache keys of `kernel`'s compiled specialisations (argument types, their 1 / divisible-by-16
+    specialisations, constexpr values and launch options), over its devices."""
+    return {str(key) for entry in list(getattr(kernel, "device_caches", {}).values()) for key in list(entry[0])}
+
+
+def key_difference(new: str, known: set[str]) -> str:
+    """What sets key `new` apart from the nearest of `known`: the differing comma-separated fields."""
+    fields = new.split(", ")
+    best: list[str] | None = None
+    for other in known:
+        other_fields = other.split(", ")
+        diff = [f"{a} (was {b})" for a, b in zip(fields, other_fields) if a != b]
+        if len(fields) != len(other_fields):
+            diff.append(f"{len(fields)} fields (was {len(other_fields)})")
+        if best is None or len(diff) < len(best):
+            best = diff
+    return "no earlier build" if best is None else "; ".join(best)
+
+
 def _kernel_name(kernel) -> str:
     return str(getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", kernel))
 
@@ -55,17 +75,23 @@ class TritonBuilds:
 
     def __init__(self, kernels: Callable[[], Iterable] = engine_kernels) -> None:
         self._find = kernels
-        self._before: list[tuple[object, int]] = []
+        self._before: list[tuple[object, int, set[str]]] = []
         self.kernels: list[str] = []
+        self.new_keys: list[tuple[str, str]] = []  # (kernel, what sets its new build apart from earlier ones)
 
     def __enter__(self) -> "TritonBuilds":
-        self.kernels = []
-        self._before = [(kernel, built_count(kernel)) for kernel in self._find()]
+        self.kernels, self.new_keys = [], []
+        self._before = [(kernel, built_count(kernel), built_keys(kernel)) for kernel in self._find()]
         return self
 
     def __exit__(self, *exc) -> bool:
-        for kernel, before in self._before:
-            self.kernels += [_kernel_name(kernel)] * max(0, built_count(kernel) - before)
+        for kernel, before, keys in self._before:
+            added = built_count(kernel) - before
+            if added <= 0:
+                continue
+            name = _kernel_name(kernel)
+            self.kernels += [name] * added
+            self.new_keys += [(name, key_difference(key, keys)) for key in sorted(built_keys(kernel) - keys)]
         self._before = []
         return False
 

@@ -13,7 +13,8 @@ top-k plans, `rows._tiles`). Those choices are step functions with thresholds at
 fixed sizes below 16), so the plan runs:
 
 - a token sweep: one prefill of T tokens from position 0 for every T in `token_buckets` (1 to 16,
-  then each power of two p with p + 1 and 3p/2) up to `max_num_batched_tokens`;
+  then each power of two p with p + 1 and 3p/2) up to `max_num_batched_tokens` (above
+  `max_model_len`, several prompts of `max_model_len` tokens: the large-M tiles of the GEMMs and mixes);
 - a length sweep: steps of T tokens ending at every power of two from `MIN_LENGTH` and at
   `max_model_len`, where the choices that depend on both sizes change (row splits, scan widths,
   indexer tiles: their thresholds are powers of two of the row widths, which are the length over a
@@ -59,6 +60,7 @@ class WarmupStep:
     end: int
     num_seqs: int = 1
     query_len: int = 0  # > 0: a decode-shaped step, every sequence of this many tokens
+    packed: bool = False  # prompts from position 0, `end` tokens each but the last (more tokens than one sequence)
 
     def chunks(self, block_size: int, num_blocks: int) -> list[SequenceChunk]:
         blocks = list(range(min(num_blocks, -(-self.end // block_size))))
@@ -66,6 +68,9 @@ class WarmupStep:
             q = self.query_len
             return [SequenceChunk(i, self.end - q, [1] * q, blocks, "last" if q == 1 else "all")
                     for i in range(self.num_seqs)]
+        if self.packed:
+            sizes = [self.end] * (self.num_seqs - 1) + [self.num_tokens - self.end * (self.num_seqs - 1)]
+            return [SequenceChunk(i, 0, [1] * n, blocks, "last") for i, n in enumerate(sizes)]
         first = self.num_tokens - (self.num_seqs - 1)
         chunks = [SequenceChunk(0, self.end - first, [1] * first, blocks, "last")]
         for i in range(1, self.num_seqs):  # decode rows of other sequences, shorter than the first
@@ -154,18 +159,28 @@ class JointProfile:
         return tuple(key)
 
 
+def packed_step(num_tokens: int, length: int) -> WarmupStep:
+    """A prefill of `num_tokens` tokens over as few prompts of at most `length` tokens as hold them."""
+    if num_tokens <= length:
+        return WarmupStep(num_tokens, num_tokens)
+    return WarmupStep(num_tokens, length, -(-num_tokens // length), packed=True)
+
+
 def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int, decode_graphs: bool = True,
                 eager_decode: dict[int, list[int]] | None = None, profile: JointProfile | None = None
                 ) -> list[WarmupStep]:
-    """The eager steps start-up runs (see the module's docstring). With `decode_graphs` a step of one
-    token is a decode graph's (its kernels are built by the capture), so none is planned.
-    `eager_decode` (query length -> batch buckets): without graphs, decode-shaped steps run eagerly,
-    padded to these buckets, so each bucket gets a step."""
-    max_tokens = min(max_num_batched_tokens, max_model_len)
+    """The eager steps start-up runs (see the module's docstring). A step holds up to
+    `max_num_batched_tokens` tokens, from several prompts where one sequence cannot hold them. With
+    `decode_graphs` a step of one token is a decode graph's (its kernels are built by the capture), so
+    none is planned. `eager_decode` (query length -> batch buckets): without graphs, decode-shaped steps
+    run eagerly, padded to these buckets, so each bucket gets a step."""
+    max_tokens = min(max_num_batched_tokens, max_model_len * max_num_seqs)
     steps: set[WarmupStep] = set()
 
     def add(step: WarmupStep) -> bool:
-        if step.num_tokens > max_tokens or step.end > max_model_len or step.end < step.num_tokens:
+        if step.num_tokens > max_tokens or step.end > max_model_len or step.num_seqs > max_num_seqs:
+            return False
+        if step.end < step.num_tokens and not step.packed:
             return False
         if decode_graphs and step.num_tokens == 1 and not step.query_len:
             return False
@@ -173,7 +188,7 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: i
         return True
 
     for t in token_buckets(max_tokens):
-        add(WarmupStep(t, t))
+        add(packed_step(t, max_model_len))
     sweep = [n for n in length_buckets(max_model_len) if n & (n - 1) == 0 or n == max_model_len]
     cross = [t for t in token_buckets(min(max_tokens, CROSS_MAX_TOKENS)) if t & (t - 1) == 0]
     for length in sweep:  # the 3/2 lengths only in the steps below
@@ -189,7 +204,7 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: i
                     for key, known in zip(keys, seen):
                         known.add(key)
     for t in token_buckets(max_tokens):  # larger steps at the longest length and at 3/2 lengths
-        if t > CROSS_MAX_TOKENS and t & (t - 1) == 0:
+        if CROSS_MAX_TOKENS < t <= max_model_len and t & (t - 1) == 0:
             add(WarmupStep(t, max_model_len))
     for length in length_buckets(max_model_len):
         if length & (length - 1):
@@ -230,8 +245,10 @@ class WarmupReport:
 
 def fit_to_cache(plan: list[WarmupStep], cache_tokens: int) -> list[WarmupStep]:
     """The plan for a cache that holds `cache_tokens` tokens of one sequence: a longer step cannot be
-    scheduled (its rows would have no block), so it ends at the cache's length instead."""
+    scheduled (its rows would have no block), so it ends at the cache's length instead (a packed step keeps
+    its prompt count, so its slots stay within the engine's)."""
     fitted = {step if step.end <= cache_tokens else
+              packed_step(min(step.num_tokens, cache_tokens * step.num_seqs), cache_tokens) if step.packed else
               replace(step, end=cache_tokens, num_tokens=min(step.num_tokens, cache_tokens))
               for step in plan}
     return sorted((s for s in fitted if s.num_tokens >= max(s.num_seqs, 1) * max(s.query_len, 1)),

@@ -41,6 +41,14 @@ def weight_floor_bytes(llm: LLM, batch: int) -> int:
             total += p.numel() // hf.n_routed_experts * touched * p.element_size()
             continue
         total += p.numel() * p.element_size()
+    touched = min(hf.n_routed_experts, batch * hf.num_experts_per_tok)
+    for module in model.modules():  # quantized execution: the held FP8/FP4 codes and scales
+        if getattr(module, "qweight", None) is not None:
+            total += module.qweight.nbytes
+        for name in ("q_gate_up", "q_down"):
+            held = getattr(module, name, None)
+            if held is not None:
+                total += held.nbytes // hf.n_routed_experts * touched
     return total
 
 
@@ -62,12 +70,13 @@ def engine_with_requests(model: str, batch: int, enforce_eager: bool, steps: int
 
 
 def measure(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len: int, spec_k: int = 0,
-            kv_cache_bytes: int = 8 * 1024**3) -> dict:
+            kv_cache_bytes: int = 8 * 1024**3, **engine_kwargs) -> dict:
     # adaptive=False: every step verifies spec_k drafts (the verify + draft step is what is timed).
     spec = ({"speculative_config": {"method": "mtp", "num_speculative_tokens": spec_k, "adaptive": False}}
             if spec_k else {})
     # Synchronous steps: "step" is one whole engine step (async scheduling would overlap two).
-    llm = engine_with_requests(model, batch, enforce_eager, steps, prompt_len, kv_cache_bytes, False, **spec)
+    llm = engine_with_requests(model, batch, enforce_eager, steps, prompt_len, kv_cache_bytes, False, **spec,
+                               **engine_kwargs)
     engine = llm.llm_engine
     device = engine.device
     sync = lambda: synchronize(device)  # noqa: E731
@@ -145,12 +154,12 @@ def replay_back_to_back_ms(graph, replay, reps: int = 20) -> float:
 
 
 def measure_async(model: str, batch: int, enforce_eager: bool, steps: int, prompt_len: int,
-                  kv_cache_bytes: int = 8 * 1024**3) -> dict:
+                  kv_cache_bytes: int = 8 * 1024**3, **engine_kwargs) -> dict:
     """Decode steps as a server runs them: async scheduling (the host prepares step n + 1 while the
     GPU runs step n) and no per-step sync. The interval between successive `step()` returns, median
     over the steady-state decode steps, is the time per generated token of each sequence: it is the
     larger of the host's and the GPU's share, whichever bounds decode throughput."""
-    llm = engine_with_requests(model, batch, enforce_eager, steps, prompt_len, kv_cache_bytes, True)
+    llm = engine_with_requests(model, batch, enforce_eager, steps, prompt_len, kv_cache_bytes, True, **engine_kwargs)
     engine = llm.llm_engine
     for _ in range(3):  # the prefill, then the pipeline fills
         engine.step()
@@ -192,6 +201,9 @@ def main() -> None:
                         "e.g. 1,2 (dummy weights: the drafts are almost never accepted, so every step pays "
                         "the whole verify + draft cost)")
     parser.add_argument("--no-eager", action="store_true", help="graphs only")
+    parser.add_argument("--quantization", default="none",
+                        help="the engine's quantization: 'auto' holds the preset's FP8 linears and FP4 experts as the "
+                             "release stores them (dummy weights encoded at load)")
     parser.add_argument("--async-steps", action="store_true",
                         help="also time plain decode steps with async scheduling and no per-step sync (a "
                              "server's step interval: decode throughput), in another engine per batch and mode")
@@ -204,14 +216,16 @@ def main() -> None:
     for batch in [int(b) for b in args.batches.split(",")]:
         for eager in ((False,) if args.no_eager else (True, False)):
             for k in [0] + spec_ks:
-                row = measure(args.model, batch, eager, args.steps, args.prompt_len, k)
+                row = measure(args.model, batch, eager, args.steps, args.prompt_len, k, quantization=args.quantization)
                 if args.async_steps and k == 0:
-                    row.update(measure_async(args.model, batch, eager, args.steps, args.prompt_len))
+                    row.update(measure_async(args.model, batch, eager, args.steps, args.prompt_len,
+                                             quantization=args.quantization))
                 row["floor_ms"] = 1e3 * row["weight_bytes"] / bw
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-              "model": args.model, "hbm_bytes_per_s": bw, "prompt_len": args.prompt_len, "rows": rows}
+              "model": args.model, "quantization": args.quantization, "hbm_bytes_per_s": bw,
+              "prompt_len": args.prompt_len, "rows": rows}
     print(f"{'batch':>6}{'mode':>7}{'k':>3}{'step ms':>10}{'fwd ms':>9}{'replay ms':>11}{'b2b ms':>9}{'async ms':>10}"
           f"{'floor ms':>10}{'fwd/floor':>10}{'async/floor':>12}")
     for r in rows:

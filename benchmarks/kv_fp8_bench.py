@@ -77,9 +77,9 @@ def _fp8_resources(cfg_key: str, before: dict[str, object]) -> dict:
 
 
 def _fp8_alternatives(cfg: AttnConfig) -> list[AttnConfig]:
-    """Neighbours of the selected FP8 config, timed beside it (data for the selection table's FP8 rows): 64-row
-    tiles, three stages, and no row splits where it splits."""
-    alts = [replace(cfg, block_n=64), replace(cfg, num_stages=3)]
+    """Neighbours of the selected FP8 config, timed beside it (data for the selection table's FP8 rows): the other
+    tile height (32 or 64 rows), three stages, and no row splits where it splits."""
+    alts = [replace(cfg, block_n=32 if cfg.block_n == 64 else 64), replace(cfg, num_stages=3)]
     if cfg.num_splits > 1:
         alts.append(replace(cfg, num_splits=1))
     return alts

@@ -45,11 +45,11 @@ def test_hopper_attention_compiles_for_sm90():
 
 def test_fp8_attention_fits_the_sm():
     """The attention kernel reading packed FP8 KV rows, at the configs the selection launches (stages included),
-    compiles for sm_90a, fits one block's shared memory and keeps its registers: a few hundred bytes of spills at
-    the 64-head blocks (the bf16 64-head variants spill as much: the [64, 512] fp32 accumulator), never the
+    compiles for sm_90a, fits one block's shared memory and keeps its registers: under 1 KB of spills at the
+    64-head, 64-row blocks (the bf16 64-head variants spill a few hundred bytes: the [64, 512] fp32 accumulator), never the
     kilobytes of a register allocation that gave up (the 16-head, 64-row, one-stage FP8 launch compiled to 32
     registers and 6,880 B of stack under Triton 3.6)."""
     rows = _compile_report("--fp8-engine")
     assert {row["config"].split("block_h=")[1].split(",")[0] for row in rows} == {"64", "16"}
     for row in rows:
-        assert row["fits"] and row["spill_stack"] <= 512 and row["registers"] > 128, row
+        assert row["fits"] and row["spill_stack"] <= 1024 and row["registers"] > 128, row

@@ -19,14 +19,15 @@ only, `hopper_supported` is False for them): the portable Triton kernel, which d
 
 | row | when (FP8 rows)   | kernel | heads/program | rows/tile | warps, stages | row splits                                 |
 |-----|-------------------|--------|---------------|-----------|---------------|--------------------------------------------|
-| F1  | heads >= 64       | triton | 64            | 32        | 8, 2          | fill one wave, <= 16, >= 64 rows each      |
+| F1  | heads >= 64       | triton | 64            | 64        | 8, 2          | fill one wave, <= 16, >= 64 rows each      |
 | F2  | otherwise         | triton | 16            | 32        | 4, 2          | fill one wave, <= 16, >= 64 rows each      |
 
 Why: a tile is dequantized once per program, so all 64 heads share one program (with 16-head blocks each of a
 token's four programs converted the same tile); the row splits then fill the chip at small batches instead.
-32-row tiles in two stages keep the codes and rope gathers pipelined within the shared memory of one block (147 KB
-at 64 heads, D = 512) and the registers held: 0-8 B of spills under Triton 3.6, a few hundred under 3.9 (as the
-bf16 64-head variants: the [64, 512] fp32 accumulator takes half the registers); `tools/kernel_resources.py
+At 64 heads, 64-row tiles in two stages beat 32-row tiles (two or three stages) by 15-20% on every decode cell of
+`benchmarks/kv_fp8_bench.py` (batch 64 and 256, 32K and 128K context, CSA and HCA) at the same error; the 16-head
+form keeps 32-row tiles. Registers: a few hundred bytes of spills at 64 heads under Triton 3.9 (as the bf16
+64-head variants: the [64, 512] fp32 accumulator takes half the registers); `tools/kernel_resources.py
 --fp8-engine` reports each launched form.
 
 The Hopper kernel is two Gluon kernels sharing `hopper_common.py`: unsplit calls (prefill, decode batches that fill
@@ -109,7 +110,7 @@ def fp8_attention_config(num_tokens: int, num_heads: int, num_rows: int, num_sms
     programs = num_tokens * _cdiv(num_heads, block_h)
     splits = _splits(programs, num_rows, FP8_SPLIT_MAX, FP8_SPLIT_MIN_ROWS, num_sms)
     if block_h == 64:
-        return AttnConfig("triton", 64, 32, 8, 2, splits, band_prepass=True)
+        return AttnConfig("triton", 64, 64, 8, 2, splits, band_prepass=True)
     return AttnConfig("triton", 16, 32, 4, 2, splits)
 
 

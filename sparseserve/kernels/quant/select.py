@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 DOT_FP8 = 0  # float8e4nv x float8e4nv tensor-core dot (Hopper)
 DOT_BF16 = 1  # e4m3 codes and scaled e2m1 values as bf16 (exact), bf16 dot
 DOT_FP32 = 2  # fp32 dot: the Triton interpreter (its 16-bit dot is wrong)
+DOT_FP16 = 3  # linear only: e4m3 codes as fp16 (exact; one packed conversion), fp16 dot; benchmarked, no table row
 STREAM_MAX_M = 16
 
 
@@ -77,6 +78,20 @@ def linear_config(m: int, n: int, k: int, num_sms: int = 132, interpret: bool = 
     return cfg
 
 
+def linear_variants(m: int, n: int, k: int, num_sms: int = 132, interpret: bool = False
+                    ) -> dict[str, GemmConfig]:
+    """The table's config ("table") and, in the streaming row, the alternatives benchmarks/quant_gemm.py
+    times beside it: the fp16 dot (e4m3 -> fp16 is one packed conversion, e4m3 -> bf16 goes through fp16),
+    8 warps (the in-kernel activation quantization and the weight conversion spread over twice the
+    threads), and both. Under the interpreter the fp16 dot is replaced by the fp32 one, like the bf16 dot."""
+    cfg = linear_config(m, n, k, num_sms, interpret)
+    if not cfg.quant_a:
+        return {"table": cfg}
+    fp16 = DOT_FP32 if interpret else DOT_FP16
+    return {"table": cfg, "fp16_dot": replace(cfg, dot=fp16), "warps_8": replace(cfg, num_warps=8),
+            "fp16_dot_warps_8": replace(cfg, dot=fp16, num_warps=8)}
+
+
 @dataclass(frozen=True)
 class MoeQuantConfig:
     """One call of the quantized routed experts. out_quant: the gate-up epilogue writes e4m3 act codes and
@@ -93,6 +108,7 @@ class MoeQuantConfig:
     out_quant: bool
     x_quant: bool
     dot: int
+    fp4_scaled_dot: bool = True  # FP4 with ue8m0 scales: tl.dot_scaled (else the scalar nibble decode)
 
 
 def moe_quant_config(num_tokens: int, top_k: int, num_experts: int, fmt: str, interpret: bool = False
@@ -112,3 +128,25 @@ def moe_quant_config(num_tokens: int, top_k: int, num_experts: int, fmt: str, in
     if interpret and cfg.dot == DOT_BF16:
         cfg = replace(cfg, dot=DOT_FP32)
     return cfg
+
+
+def moe_quant_variants(num_tokens: int, top_k: int, num_experts: int, fmt: str, interpret: bool = False
+                       ) -> dict[str, MoeQuantConfig]:
+    """The table's config ("table") and, for FP4, the alternatives benchmarks/quant_gemm.py times beside it
+    (tools/quant_kernel_resources.py compiles them): the other FP4 partial form; in the decode rows x
+    quantized by act_quant first (the gate-up loop then skips the per-program quantization of its rows), and
+    where the row runs 8 warps, 4 (a 64-column half is one warpgroup's tile: compiled for sm_90, the second
+    warpgroup repeats the FP4 conversion); in the prefill rows 128-row tiles."""
+    cfg = moe_quant_config(num_tokens, top_k, num_experts, fmt, interpret)
+    out = {"table": cfg}
+    if fmt != "fp4":
+        return out
+    other = "fp4_decode" if cfg.fp4_scaled_dot else "fp4_scaled_dot"
+    out[other] = replace(cfg, fp4_scaled_dot=not cfg.fp4_scaled_dot)
+    if not cfg.x_quant:
+        out["x_act_quant"] = replace(cfg, x_quant=True)
+        if cfg.gu_warps == 8:
+            out["warps_4"] = replace(cfg, gu_warps=4, dn_warps=4)
+    elif cfg.block_m != 128:
+        out["block_m_128"] = replace(cfg, block_m=128)
+    return out

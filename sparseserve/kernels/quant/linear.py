@@ -8,7 +8,7 @@ One kernel, two forms (select.py's table picks by M):
     release's kernel does, keeps the tensor core's short accumulation to 128 products.
   * weight-streaming form (M <= 16): one M tile, so W is read once; 16-bit x rows are quantized inside the
     kernel per group (the same codes and scales act_quant gives, no extra launch) and multiplied through the
-    bf16 mma (e4m3 codes are exact in bf16).
+    bf16 mma (e4m3 codes are exact in bf16; the fp16 mma, DOT_FP16, is a benchmarked alternative).
 Both compute sum_g (q_x[m, g] . q_W[n, g]) s_x[m, g] s_W[n / 128, g] in fp32; they differ from the
 reference only in the order of the fp32 sums.
 

@@ -13,9 +13,17 @@ decode-sized calls quantize the rows inside the GEMMs (no launch of its own: x's
 the bf16 activation in the down GEMM); prefill-sized ones quantize x once with act_quant and the activation in
 the gate-up epilogue (its 128 columns are one group), so both GEMMs read e4m3 codes.
 
-FP4 weights are decoded in the kernel: each byte's two nibbles to e2m1 values times their ue8m0 scale, exact
-in bf16, for the bf16 mma (Hopper has no FP4 tensor cores). FP8 weights use the fp8 tensor-core dot in the
-prefill rows of the table and the bf16 mma (exact e4m3 values) at decode.
+FP4 weights are multiplied as exact bf16 values (e2m1 x 2^e; Hopper has no FP4 tensor cores) in one of two
+forms, the constexpr FP4_SCALED_DOT (MoeQuantConfig.fp4_scaled_dot, True in every row of the table):
+`tl.dot_scaled` on the packed bytes, loaded K-major by pointer arithmetic, and their ue8m0 scale bytes (Triton's
+MX upcast: on sm_90 a packed e2m1 -> bf16 conversion, the scale multiply and the bf16 mma); or each byte's two
+nibbles decoded with scalar ops, times their scale, for the bf16 mma (the form fp32-scaled FP4 always takes).
+Where K is a multiple of 128 (EVEN_K) the FP4 loads are masked by row only and the dot_scaled form reads each
+row's 4 scale bytes of a group as one int32 word, which sm_90's software pipeliner copies ahead with the
+weight (as bytes, 2 a thread at 64 rows, they would be a synchronous load in the loop). The activation side is
+the same in both: e4m3-grid values, exact in bf16, their per-group scale applied to the fp32 partial. FP8
+weights use the fp8 tensor-core dot in the prefill rows of the table and the bf16 mma (exact e4m3 values) at
+decode.
 
 Roofline (T tokens, top-k, E_t distinct experts touched, D hidden, I intermediate): bytes = E_t * 3 I D *
 (1 for fp8, 1/2 + 1/32 for fp4) + scales + activations; FLOPs = 6 T k D I.

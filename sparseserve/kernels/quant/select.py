@@ -26,15 +26,25 @@ Routed experts (``moe_quant_config``; by mean assignments per expert, like kerne
 | 3   | <= 48; FP4 above | 64      | 128                        | e4m3 act + scales    | 128          | codes + scales |
 | 4   | larger (FP8)     | 128     | 128                        | e4m3 act + scales    | 128          | codes + scales |
 
-Rows 3-4 run 8 warps and 3 stages. Compiled for sm_90a (`tools/quant_kernel_resources.py`), the FP4 gate-up
-tile of 128 rows needs more than 255 registers a thread (the decoded weight tiles beside two accumulators), so
-FP4 keeps 64-row tiles at every prefill size.
+Rows 3-4 run 8 warps and 3 stages; row 2 runs 8 warps for FP4, 4 for FP8.
 
 Rows 3-4 quantize the activation in the gate-up epilogue (its 128 columns are one group), so the down GEMM
 reads e4m3 codes; x is quantized once by act_quant before the gate-up GEMM there. FP8 expert weights use the
-fp8 dot in rows 3-4; FP4 weights are decoded to bf16 (scaled, exact) and use the bf16 dot everywhere (Hopper
-has no FP4 tensor cores, and e2m1 x 2^e scaled to fp8 is exact only within 8 binades of the group's largest
-scale). Under the Triton interpreter every dot runs in fp32 unless a test asks for the fp8 dot.
+fp8 dot in rows 3-4. FP4 weights multiply exact bf16 values (e2m1 x 2^e) in one of two forms
+(``MoeQuantConfig.fp4_scaled_dot``, every row True): ``tl.dot_scaled`` on the packed bytes and their ue8m0
+scale bytes (Triton's MX upcast: on sm_90 a packed e2m1 -> bf16 conversion, the scale multiply and the bf16
+mma), or the scalar nibble decode, which fp32-scaled FP4 always takes. Compiled for sm_90a
+(`tools/quant_kernel_resources.py`), the dot_scaled form's main loop has about half the instructions of the
+decode form in every row; with 128-row FP4 tiles the gate-up kernel spills hundreds of bytes in either form
+(two [128, 128] fp32 accumulators beside the weight tiles), so FP4 keeps 64-row tiles at every prefill size.
+Hopper has no FP4 tensor cores, and e2m1 x 2^e scaled to fp8 is exact only within 8 binades of the group's
+largest scale, so FP4 never takes the fp8 dot. Under the Triton interpreter every dot runs in fp32 unless a
+test asks for the fp8 dot; an interpreter without ``tl.dot_scaled`` (triton 3.6's) takes the decode form.
+
+``linear_variants`` and ``moe_quant_variants`` name the alternatives `benchmarks/quant_gemm.py` times beside
+each size's table row (no row uses them until a run picks them): the other FP4 form, x through act_quant in
+the decode rows, 4 warps in FP4's row 2, 128-row FP4 tiles at prefill, and in the linear's streaming row the
+fp16 dot (``DOT_FP16``: e4m3 -> fp16 is one packed conversion, e4m3 -> bf16 goes through fp16) and 8 warps.
 """
 from __future__ import annotations
 
@@ -119,7 +129,7 @@ def moe_quant_config(num_tokens: int, top_k: int, num_experts: int, fmt: str, in
     if avg <= 4:
         cfg = MoeQuantConfig(16, 64, 4, 4, 128, 4, 4, False, False, DOT_BF16)
     elif avg <= 24:
-        warps = 8 if fmt == "fp4" else 4  # the decoded FP4 tiles need the registers of 8 warps
+        warps = 8 if fmt == "fp4" else 4  # the decode form's FP4 tiles need 8 warps' registers (4: benchmarked)
         cfg = MoeQuantConfig(32, 64, warps, 4, 128, warps, 4, False, False, DOT_BF16)
     elif avg <= 48 or fmt == "fp4":
         cfg = MoeQuantConfig(64, 128, 8, 3, 128, 8, 3, True, True, big_dot)

@@ -6,8 +6,10 @@ fp32 -> float8e4nv cast: the Triton interpreter's cast mis-rounds values whose m
 (31.3 -> 16 instead of 32, triton 3.6 and 3.9), and the bit rounding gives the same codes on the GPU. A value on
 the e4m3 grid then converts exactly to float8e4nv, bf16 or fp32.
 
-Dot modes (constexpr DOT, named in select.py): 0 = float8e4nv x float8e4nv tensor-core dot (Hopper), 1 = bf16 dot (e4m3 and scaled
-e2m1 values are exact in bf16), 2 = fp32 dot (the interpreter, whose 16-bit dot is wrong).
+Dot modes (constexpr DOT, named in select.py): 0 = float8e4nv x float8e4nv tensor-core dot (Hopper), 1 = bf16 dot
+(e4m3 and scaled e2m1 values are exact in bf16), 2 = fp32 dot (the interpreter, whose 16-bit dot is wrong),
+3 = fp16 dot (e4m3 values are exact in fp16 and convert from e4m3 in one packed step; the linear only: scaled
+e2m1 values can leave fp16's range).
 
 FP4 partials come in two forms (constexpr SCALED_DOT, select.MoeQuantConfig.fp4_scaled_dot): `fp4_scaled_partial`
 hands the packed bytes and their ue8m0 scale bytes to `tl.dot_scaled` (Triton's MX upcast: on Hopper the compiler

@@ -4,7 +4,7 @@
 2^-100 to 2^100 (ragged rows, a partial group and the whole-group word loads of the scales), the full experts at
 T = 1, 3, 64 with ragged expert loads, sizes not multiples of 128 and scales spread over many binades, the
 launches (grid and constexprs) independent of the routing, the config table's choices and its benchmarked
-alternatives; on a GPU both forms at V4-Flash expert shapes with CUDA-graph replay, and the linear's alternatives.
+alternatives; on a GPU every alternative at V4-Flash expert shapes with CUDA-graph replay, and the linear's.
 
 CPU runs use the Triton interpreter (conftest.py sets TRITON_INTERPRET=1); its dots run in fp32 (select.py), and
 an interpreter without tl.dot_scaled (triton 3.6's) skips the dot_scaled cases."""
@@ -89,8 +89,9 @@ def test_one_group_gives_the_weight_values_over_a_wide_scale_range(form, k):
 
 E, TOP_K, LIMIT = 8, 3, 1.5
 SHAPES = {"ragged": (96, 160), "even": (256, 128)}  # (D, I): not multiples of 128 / multiples (scale words)
-PATHS = {  # the two activation paths of select.py's table, at tiny tiles
+PATHS = {  # the two activation paths of select.py's table and the decode rows' x_act_quant, at tiny tiles
     "decode": MoeQuantConfig(16, 64, 4, 2, 64, 4, 2, False, False, EXACT_DOT),
+    "decode_x_act_quant": MoeQuantConfig(16, 64, 4, 2, 64, 4, 2, False, True, EXACT_DOT),
     "prefill": MoeQuantConfig(32, 128, 4, 2, 64, 4, 2, True, True, EXACT_DOT),
 }
 
@@ -214,26 +215,29 @@ def test_table_takes_dot_scaled_and_names_its_alternatives():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("num_tokens", [1, 8, 512, 2048])
-def test_gpu_both_fp4_forms_at_v4_flash_expert_shapes_and_graph_replay(form, num_tokens):
-    """D 4096, I 2048 (the scale-word loads), 32 experts, top-6, each table row's tiles with either form."""
+def test_gpu_fp4_alternatives_at_v4_flash_expert_shapes_and_graph_replay(num_tokens):
+    """D 4096, I 2048 (the scale-word loads), 32 experts, top-6: the table's config and every alternative
+    select.moe_quant_variants names (both FP4 forms, x_act_quant, 4 warps, 128-row tiles) against the
+    reference; each replayed from a CUDA graph gives the same bits as eager."""
     hidden, inter, experts, top_k = 4096, 2048, 32, 6
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
     w_gu = ref.quantize_fp4(torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * hidden ** -0.5)
     w_dn = ref.quantize_fp4(torch.randn(experts, hidden, inter, device="cuda", generator=gen) * inter ** -0.5)
     weights, ids = torch.rand(num_tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1)
-    cfg = replace(moe_quant_config(num_tokens, top_k, experts, "fp4"), fp4_scaled_dot=FORMS[form])
-    y = fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, 10.0, config=cfg)
     want = ref.fused_moe_quant_ref(x, w_gu, w_dn, weights, ids, 10.0).float()
-    assert ((y.float() - want).norm() / want.norm()).item() < 2e-2
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_graph = fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, 10.0, config=cfg)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y_graph, y)
+    variants = moe_quant_variants(num_tokens, top_k, experts, "fp4")
+    assert "fp4_decode" in variants
+    for name, cfg in variants.items():
+        y = fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, 10.0, config=cfg)
+        assert ((y.float() - want).norm() / want.norm()).item() < 2e-2, name
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_graph = fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, 10.0, config=cfg)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_graph, y), name
 
 
 @pytest.mark.gpu

@@ -208,7 +208,9 @@ def test_table_takes_dot_scaled_and_names_its_alternatives():
     streaming = linear_variants(1, 4096, 4096)
     assert streaming["table"] == linear_config(1, 4096, 4096) and streaming["fp16_dot"].dot == DOT_FP16
     assert streaming["fp16_dot_warps_8"].num_warps == 8 and list(linear_variants(512, 4096, 4096)) == ["table"]
-    assert linear_variants(1, 4096, 4096, interpret=True)["fp16_dot"].dot == DOT_FP32
+    assert streaming["hw_round"].hw_round and not streaming["table"].hw_round
+    interpreted = linear_variants(1, 4096, 4096, interpret=True)
+    assert interpreted["fp16_dot"].dot == DOT_FP32 and not any(c.hw_round for c in interpreted.values())
 
 
 # ------------------------------------------------------------------ GPU
@@ -243,7 +245,8 @@ def test_gpu_fp4_alternatives_at_v4_flash_expert_shapes_and_graph_replay(num_tok
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16])
 def test_gpu_linear_streaming_alternatives_match_the_reference(m):
-    """The streaming row's benchmarked alternatives (fp16 dot, 8 warps) at q_b and o_b shapes."""
+    """The streaming row's benchmarked alternatives (fp16 dot, 8 warps, hardware e4m3 rounding) at q_b and o_b
+    shapes."""
     from sparseserve.kernels.quant.linear import quant_linear_triton
 
     for n, k in ((32768, 1024), (4096, 8192)):
@@ -251,8 +254,13 @@ def test_gpu_linear_streaming_alternatives_match_the_reference(m):
         x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
         w = ref.quantize_fp8_block(torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5)
         want = ref.quant_linear_ref(x, w, out_dtype=torch.float32)
-        table = quant_linear_triton(x, w).float()
-        for name, cfg in linear_variants(m, n, k).items():
-            y = quant_linear_triton(x, w, config=cfg).float()
-            assert ((y - want).norm() / want.norm()).item() < 4e-3, name
-            assert ((y - table).abs() <= 2.0 ** -7 * table.abs() + 1e-6).all(), name  # bf16 rounding of one sum
+        table = quant_linear_triton(x, w)
+        variants = linear_variants(m, n, k)
+        assert {"fp16_dot", "warps_8", "hw_round"} <= set(variants)
+        for name, cfg in variants.items():
+            y = quant_linear_triton(x, w, config=cfg)
+            assert ((y.float() - want).norm() / want.norm()).item() < 4e-3, name
+            tol = 2.0 ** -7 * table.float().abs() + 1e-6  # one bf16 unit: the fp32 sums' order may differ
+            assert ((y.float() - table.float()).abs() <= tol).all(), name
+        # The hardware e4m3 conversion gives the bit rounding's codes: the same dot, the same bits.
+        assert torch.equal(quant_linear_triton(x, w, config=variants["hw_round"]), table)

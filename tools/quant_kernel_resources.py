@@ -55,7 +55,7 @@ def linear_rows() -> list[dict]:
             ptrs = {"a_ptr": "*bf16" if cfg.quant_a else "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                     "ws_ptr": "*u8", "c_ptr": "*bf16"}
             cx = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "GROUP_M": cfg.group_m, "QUANT_A": cfg.quant_a,
-                  "UE8M0": True, "W_E8M0": True, "DOT": cfg.dot, "K_STEP": cfg.k_step}
+                  "UE8M0": True, "W_E8M0": True, "DOT": cfg.dot, "K_STEP": cfg.k_step, "HW_ROUND": cfg.hw_round}
             rows.append({"kernel": "linear", "m": m, "n": n, "k": k, "variant": variant,
                          "config": list(cfg.__dict__.values()),
                          **_compile(linear._fp8_linear_kernel, ptrs, cx, cfg.num_warps, cfg.num_stages)})

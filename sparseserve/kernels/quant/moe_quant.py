@@ -109,7 +109,7 @@ if HAS_TRITON:
         for g in range(0, (hidden + 127) // 128):
             k_ok = g * 128 + offs_k < hidden
             a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g, row_ok[:, None] & k_ok[None, :], row_ok,
-                                        QUANT_A, UE8M0, DOT)
+                                        QUANT_A, UE8M0, DOT, False)
             acc_g += weight_group_partial(a_op, g, w_gate, ws_gate, 0, offs_n, n_ok, hidden, stride_wn,
                                           stride_wsn, FP4, W_E8M0, DOT, FP4_SCALED_DOT, EVEN_K) * sa[:, None]
             acc_u += weight_group_partial(a_op, g, w_up, ws_up, up_row0, offs_n, n_ok, hidden, stride_wn,
@@ -157,7 +157,7 @@ if HAS_TRITON:
         for g in range(0, (inter + 127) // 128):
             k_ok = g * 128 + offs_k < inter
             a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g, row_ok[:, None] & k_ok[None, :], row_ok,
-                                        QUANT_A, UE8M0, DOT)
+                                        QUANT_A, UE8M0, DOT, False)
             acc += weight_group_partial(a_op, g, w_e, ws_e, 0, offs_n, n_ok, inter, stride_wn, stride_wsn,
                                         FP4, W_E8M0, DOT, FP4_SCALED_DOT, EVEN_K) * sa[:, None]
         y_ptrs = y_ptr + ids[:, None].to(tl.int64) * stride_ym + offs_n[None, :]

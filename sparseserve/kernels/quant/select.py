@@ -44,7 +44,8 @@ test asks for the fp8 dot; an interpreter without ``tl.dot_scaled`` (triton 3.6'
 ``linear_variants`` and ``moe_quant_variants`` name the alternatives `benchmarks/quant_gemm.py` times beside
 each size's table row (no row uses them until a run picks them): the other FP4 form, x through act_quant in
 the decode rows, 4 warps in FP4's row 2, 128-row FP4 tiles at prefill, and in the linear's streaming row the
-fp16 dot (``DOT_FP16``: e4m3 -> fp16 is one packed conversion, e4m3 -> bf16 goes through fp16) and 8 warps.
+fp16 dot (``DOT_FP16``: e4m3 -> fp16 is one packed conversion, e4m3 -> bf16 goes through fp16), 8 warps and
+the hardware e4m3 conversion of the activation codes (``GemmConfig.hw_round``).
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class GemmConfig:
     dot: int
     group_m: int = 8  # M tiles per L2 swizzle group
     k_step: int = 1  # 128-column groups of K per loop iteration (pipeline stage)
+    hw_round: bool = False  # quant_a: e4m3 codes by the hardware conversion (compiled kernels only)
 
 
 def linear_config(m: int, n: int, k: int, num_sms: int = 132, interpret: bool = False) -> GemmConfig:
@@ -92,14 +94,20 @@ def linear_variants(m: int, n: int, k: int, num_sms: int = 132, interpret: bool 
                     ) -> dict[str, GemmConfig]:
     """The table's config ("table") and, in the streaming row, the alternatives benchmarks/quant_gemm.py
     times beside it: the fp16 dot (e4m3 -> fp16 is one packed conversion, e4m3 -> bf16 goes through fp16),
-    8 warps (the in-kernel activation quantization and the weight conversion spread over twice the
-    threads), and both. Under the interpreter the fp16 dot is replaced by the fp32 one, like the bf16 dot."""
+    8 warps (the in-kernel activation quantization spread over twice the threads), both, and on compiled
+    kernels the activation codes from the hardware e4m3 conversion (hw_round) alone and with the other two.
+    Under the interpreter the fp16 dot is replaced by the fp32 one, like the bf16 dot, and hw_round is left
+    out (its conversion mis-rounds)."""
     cfg = linear_config(m, n, k, num_sms, interpret)
     if not cfg.quant_a:
         return {"table": cfg}
     fp16 = DOT_FP32 if interpret else DOT_FP16
-    return {"table": cfg, "fp16_dot": replace(cfg, dot=fp16), "warps_8": replace(cfg, num_warps=8),
-            "fp16_dot_warps_8": replace(cfg, dot=fp16, num_warps=8)}
+    out = {"table": cfg, "fp16_dot": replace(cfg, dot=fp16), "warps_8": replace(cfg, num_warps=8),
+           "fp16_dot_warps_8": replace(cfg, dot=fp16, num_warps=8)}
+    if not interpret:
+        out["hw_round"] = replace(cfg, hw_round=True)
+        out["hw_round_fp16_dot_warps_8"] = replace(cfg, dot=DOT_FP16, num_warps=8, hw_round=True)
+    return out
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,13 @@ def pow2_ceil(s):
 def quant_group(x, UE8M0: tl.constexpr):
     """One 128-column group of activation rows x [BM, 128] (fp32, masked columns 0) -> (codes on the e4m3
     grid as fp32 [BM, 128], scales [BM]) as the release's act_quant computes them."""
+    q, s = scale_group(x, UE8M0)
+    return round_e4m3(q), s
+
+
+@triton.jit
+def scale_group(x, UE8M0: tl.constexpr):
+    """quant_group before the rounding: (x / s clamped to [-448, 448] as fp32, scales [BM])."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
     s = amax * INV_FP8_MAX
     if UE8M0:
@@ -85,7 +92,7 @@ def quant_group(x, UE8M0: tl.constexpr):
     else:
         q = x / s[:, None]
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    return round_e4m3(q), s
+    return q, s
 
 
 @triton.jit
@@ -112,13 +119,26 @@ def as_dot_operand(v, DOT: tl.constexpr):
 
 @triton.jit
 def activation_group(a_ptrs, as_ptrs, mask, row_mask, QUANT_A: tl.constexpr, UE8M0: tl.constexpr,
-                     DOT: tl.constexpr):
+                     DOT: tl.constexpr, HW_ROUND: tl.constexpr):
     """One K group of the A operand -> (dot operand [BM, 128], scales [BM]).
 
     QUANT_A: a_ptrs point at 16-bit activations, quantized here (the decode path: no separate launch);
-    else at e4m3 codes with their fp32 scales at as_ptrs (from act_quant or a quantizing epilogue)."""
+    else at e4m3 codes with their fp32 scales at as_ptrs (from act_quant or a quantizing epilogue).
+    HW_ROUND (QUANT_A, compiled kernels only): the codes from the fp32 -> float8e4nv conversion (on sm_90 one
+    packed round-to-nearest-even instruction for two values, F2FP.SATFINITE.E4M3.F32; the values are clamped
+    to +-448 first) instead of round_e4m3's dozen scalar ops per value; the interpreter's conversion
+    mis-rounds (module docstring)."""
     if QUANT_A:
         a = tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if HW_ROUND:
+            q, sa = scale_group(a, UE8M0)
+            q8 = q.to(tl.float8e4nv)
+            if DOT == 0:
+                return q8, sa
+            elif DOT == 3:
+                return q8.to(tl.float16), sa
+            else:
+                return as_dot_operand(q8.to(tl.float32), DOT), sa
         q, sa = quant_group(a, UE8M0)
         return as_dot_operand(q, DOT), sa
     else:

@@ -15,6 +15,12 @@ routings (so every call reads its weights from HBM, not L2):
     to 16 where it needs it);
   * bf16 cuBLAS (`torch.matmul`) at the same shape; for experts, the bf16 Triton grouped kernel (kernels/moe.py);
   * a read of the kernel's weight bytes (`read_sum`), the HBM ceiling a read of that size reaches.
+Beside the table's config, each case times the alternatives select.py names for its size (`linear_variants`:
+in the streaming row the fp16 dot and 8 warps; `moe_quant_variants`, FP4: the other FP4 partial form, i.e.
+tl.dot_scaled or the scalar nibble decode, x through act_quant first and 4 warps in the decode rows, 128-row
+tiles in the prefill rows), each checked against the reference (or the table's output where the reference
+would be slow): the case's line ends with their times and the fastest correct one, its JSON row has them under
+`variants` and `fastest_variant`; a wrong or failing alternative fails the run.
 Floors: bytes / copy bandwidth (measured) and FLOPs / the FP8 ceiling's rate at the same shape; `floor_us` is
 the larger. Output: a line per case, the JSON file (one per run), and `quant_gemm.png` beside it when matplotlib
 is installed. A case that fails records its error and the run goes on; cases past the time budget are skipped.
@@ -23,6 +29,7 @@ is installed. A case that fails records its error and the run goes on; cases pas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -39,6 +46,7 @@ from sparseserve.kernels.quant import reference as ref  # noqa: E402
 from sparseserve.kernels.quant.formats import QuantWeight  # noqa: E402
 from sparseserve.kernels.quant.linear import quant_linear_triton  # noqa: E402
 from sparseserve.kernels.quant.moe_quant import fused_moe_quant_triton  # noqa: E402
+from sparseserve.kernels.quant.select import linear_variants, moe_quant_variants  # noqa: E402
 
 LINEAR_SHAPES = [("q_a", 1024, 4096), ("q_b (64 x 512)", 32768, 1024), ("kv", 512, 4096), ("o_b", 4096, 8192),
                  ("shared gate+up", 4096, 4096), ("shared down", 4096, 2048)]
@@ -110,6 +118,11 @@ def linear_case(timer: Timer, name: str, m: int, n: int, k: int, bw: float, devi
     rel_err = ((got.float() - want).norm() / want.norm()).item()
     row = {"case": name, "m": m, "n": n, "k": k, "rel_err": rel_err, "correct": rel_err < 4e-3}
     row["kernel_us"] = timer.us(lambda: [quant_linear_triton(x, wc) for wc in ws], len(ws))
+    configs = linear_variants(m, n, k, 132 if timer.smoke else torch.cuda.get_device_properties(0).multi_processor_count,
+                              interpret=timer.smoke)
+    row["variants"] = time_variants(timer, configs, row["kernel_us"], want, 4e-3,
+                                    lambda cfg: quant_linear_triton(x, w, config=cfg),
+                                    lambda cfg: [quant_linear_triton(x, wc, config=cfg) for wc in ws], len(ws))
     wb = [ref.dequant_weight(wc).bfloat16() for wc in ws[: copies_for(n * k * 2, timer.smoke)]]
     row["bf16_cublas_us"] = timer.us(lambda: [torch.matmul(x, wc.t()) for wc in wb], len(wb))
     del wb
@@ -129,8 +142,44 @@ def linear_case(timer: Timer, name: str, m: int, n: int, k: int, bw: float, devi
     log(f"linear {name:<16} M={m:<5} kernel {row['kernel_us']:8.1f} us ({row['kernel_tflops']:6.1f} TFLOP/s, "
         f"{row['kernel_tb_s']:.2f} TB/s) | fp8 ceiling {_fmt(row['fp8_ceiling_us'])} | bf16 {row['bf16_cublas_us']:8.1f}"
         f" | read {_fmt(row['weight_read_us'])} | floor {row['floor_us']:7.1f} | x{row['speedup_vs_bf16']:.2f} vs bf16"
-        f" | err {rel_err:.1e}")
+        f" | err {rel_err:.1e}{_variants_text(row['variants'])}")
     return row
+
+
+def time_variants(timer: Timer, configs: dict, table_us: float, want: torch.Tensor, tol: float,
+                  one, body, calls: int) -> dict:
+    """Each alternative config (select.py's *_variants) timed like the table's and checked against `want` (the
+    reference, or for large expert batches the table's output): {name: {"kernel_us", "rel_err", "correct",
+    "config"}}; a failure is recorded in its entry and the others go on."""
+    out = {}
+    for name, cfg in configs.items():
+        entry: dict = {"config": dataclasses.asdict(cfg)}
+        try:
+            if name == "table":
+                entry["kernel_us"] = table_us
+            else:
+                got = one(cfg)
+                entry["rel_err"] = ((got.float() - want).norm() / want.norm()).item()
+                entry["correct"] = entry["rel_err"] < tol
+                entry["kernel_us"] = timer.us(lambda: body(cfg), calls)
+        except Exception as exc:  # one config must not cost the case
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        out[name] = entry
+    return out
+
+
+def _variants_text(variants: dict) -> str:
+    if len(variants) < 2:
+        return ""
+    parts = [f"{name} {'FAILED' if 'error' in v else format(v['kernel_us'], '.1f')}" for name, v in variants.items()]
+    timed = {name: v["kernel_us"] for name, v in variants.items() if "kernel_us" in v and v.get("correct", True)}
+    best = min(timed, key=timed.get) if timed else "-"
+    return f" | variants (us): {', '.join(parts)}; fastest {best}"
+
+
+def fastest_variant(variants: dict) -> str | None:
+    timed = {name: v["kernel_us"] for name, v in variants.items() if "kernel_us" in v and v.get("correct", True)}
+    return min(timed, key=timed.get) if timed else None
 
 
 def make_experts(fmt: str, experts: int, rows: int, cols: int, device, gen) -> QuantWeight:
@@ -160,6 +209,7 @@ def moe_case(timer: Timer, fmt: str, num_tokens: int, shape: tuple[int, int, int
     touched = int(torch.unique(ids).numel())
     row = {"case": f"experts {fmt}", "tokens": num_tokens, "experts": experts, "top_k": top_k, "hidden": hidden,
            "inter": inter, "experts_touched": touched}
+    want = got.float()  # the alternatives are checked against the table's output where there is no reference
     if num_tokens <= 64 or timer.smoke:  # the reference loops over experts: only where it is quick
         want = ref.fused_moe_quant_ref(x, q_gu, q_dn, weights, ids, 10.0).float()
         row["rel_err"] = ((got.float() - want).norm() / want.norm()).item()
@@ -170,6 +220,12 @@ def moe_case(timer: Timer, fmt: str, num_tokens: int, shape: tuple[int, int, int
     row["calls_per_graph"] = len(routes)
     row["kernel_us"] = timer.us(lambda: [fused_moe_quant_triton(x, q_gu, q_dn, weights, r, 10.0) for r in routes],
                                 len(routes))
+    row["variants"] = time_variants(
+        timer, moe_quant_variants(num_tokens, top_k, experts, fmt, interpret=timer.smoke), row["kernel_us"],
+        want, 2e-2,
+        lambda cfg: fused_moe_quant_triton(x, q_gu, q_dn, weights, ids, 10.0, config=cfg),
+        lambda cfg: [fused_moe_quant_triton(x, q_gu, q_dn, weights, r, 10.0, config=cfg) for r in routes],
+        len(routes))
     bf_gu, bf_dn = bf16_experts(q_gu), bf16_experts(q_dn)
     row["bf16_triton_us"] = timer.us(lambda: [moe.fused_moe_triton(x, bf_gu, bf_dn, weights, r, 10.0) for r in routes],
                                      len(routes))
@@ -184,7 +240,8 @@ def moe_case(timer: Timer, fmt: str, num_tokens: int, shape: tuple[int, int, int
     row["speedup_vs_bf16"] = row["bf16_triton_us"] / row["kernel_us"]
     log(f"experts {fmt:<9} T={num_tokens:<5} kernel {row['kernel_us']:8.1f} us ({row['kernel_tflops']:6.1f} TFLOP/s, "
         f"{row['kernel_tb_s']:.2f} TB/s) | bf16 Triton {row['bf16_triton_us']:8.1f} | weight-read floor "
-        f"{row['floor_us']:7.1f} | x{row['speedup_vs_bf16']:.2f} vs bf16 | err {_fmt(row.get('rel_err'), '.1e')}")
+        f"{row['floor_us']:7.1f} | x{row['speedup_vs_bf16']:.2f} vs bf16 | err {_fmt(row.get('rel_err'), '.1e')}"
+        f"{_variants_text(row['variants'])}")
     return row
 
 
@@ -272,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # record it and go on: one shape must not cost the whole run
             row = {"case": list(case), "error": f"{type(exc).__name__}: {exc}"[:500]}
             log(f"{case}: FAILED {row['error']}")
+        if "variants" in row:
+            row["fastest_variant"] = fastest_variant(row["variants"])
+            row["variants_ok"] = all("error" not in v and v.get("correct", True) for v in row["variants"].values())
         result["cases"].append(row)
         if not smoke:
             torch.cuda.empty_cache()
@@ -285,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         png = plot(result, os.path.splitext(args.out)[0] + ".png")
         if png:
             log(f"wrote {png}")
-    bad = [r for r in result["cases"] if "error" in r or r.get("correct") is False]
+    bad = [r for r in result["cases"] if "error" in r or r.get("correct") is False or r.get("variants_ok") is False]
     return 1 if bad else 0
 
 

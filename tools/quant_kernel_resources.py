@@ -3,13 +3,16 @@ V4-Flash shapes, compiled for sm_90a offline (no GPU needed; tools/kernel_resour
 
     TRITON_INTERPRET=0 python tools/quant_kernel_resources.py [--only linear,moe]
 
-One JSON line per kernel and config: registers, spill stack (bytes), shared memory, whether the dots became
-wgmma (Hopper's warpgroup MMA) or mma, and `fits` (shared memory within the 232,448 bytes of an sm_90 SM).
+One JSON line per kernel and config (the table's, "variant": "table", and the alternatives
+benchmarks/quant_gemm.py times, select.linear_variants / moe_quant_variants): registers, spill stack (bytes),
+shared memory, whether the dots became wgmma (Hopper's warpgroup MMA) or mma, and `fits` (shared memory within
+the 232,448 bytes of an sm_90 SM).
 Exits 1 if a config does not fit. Diagnostic: run it under each Triton the engine supports.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -20,9 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import triton.language as tl  # noqa: E402
 from kernel_resources import SM90_SHARED_LIMIT, _usage, compile_sm90  # noqa: E402
 
-from sparseserve.kernels.quant import act_quant, linear, moe_quant  # noqa: E402
-from sparseserve.kernels.quant.select import DOT_FP8, linear_config, moe_quant_config  # noqa: E402
+from sparseserve.kernels.quant import linear, moe_quant  # noqa: E402
+from sparseserve.kernels.quant.select import DOT_FP8, linear_variants, moe_quant_variants  # noqa: E402
 
+act_quant = importlib.import_module("sparseserve.kernels.quant.act_quant")  # the package exports a function so named
 NOT_ALIGNED = {"M", "num_assign", "top_k", "num_m_blocks"}  # runtime values, not specialised
 
 
@@ -47,39 +51,45 @@ def linear_rows() -> list[dict]:
                                                                              "s_ptr": "*fp32"},
                                                {"BLOCK_M": act_quant.ACT_BLOCK_M, "UE8M0": True}, 4, 1)}]
     for m, n, k in ((1, 4096, 4096), (1, 32768, 1024), (64, 4096, 4096), (512, 4096, 4096), (2048, 4096, 4096)):
-        cfg = linear_config(m, n, k)
-        ptrs = {"a_ptr": "*bf16" if cfg.quant_a else "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv",
-                "ws_ptr": "*u8", "c_ptr": "*bf16"}
-        cx = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "GROUP_M": cfg.group_m, "QUANT_A": cfg.quant_a,
-              "UE8M0": True, "W_E8M0": True, "DOT": cfg.dot, "K_STEP": cfg.k_step}
-        rows.append({"kernel": "linear", "m": m, "n": n, "k": k, "config": list(cfg.__dict__.values()),
-                     **_compile(linear._fp8_linear_kernel, ptrs, cx, cfg.num_warps, cfg.num_stages)})
+        for variant, cfg in linear_variants(m, n, k).items():
+            ptrs = {"a_ptr": "*bf16" if cfg.quant_a else "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                    "ws_ptr": "*u8", "c_ptr": "*bf16"}
+            cx = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "GROUP_M": cfg.group_m, "QUANT_A": cfg.quant_a,
+                  "UE8M0": True, "W_E8M0": True, "DOT": cfg.dot, "K_STEP": cfg.k_step, "HW_ROUND": cfg.hw_round}
+            rows.append({"kernel": "linear", "m": m, "n": n, "k": k, "variant": variant,
+                         "config": list(cfg.__dict__.values()),
+                         **_compile(linear._fp8_linear_kernel, ptrs, cx, cfg.num_warps, cfg.num_stages)})
     return rows
+
+
+def _moe_row(fmt: str, tokens: int, variant: str, cfg) -> list[dict]:
+    w = "*u8" if fmt == "fp4" else "*fp8e4nv"
+    a16 = "*bf16"
+    gu_ptrs = {"x_ptr": "*fp8e4nv" if cfg.x_quant else a16, "xs_ptr": "*fp32", "w_ptr": w, "ws_ptr": "*u8",
+               "out_ptr": "*fp8e4nv" if cfg.out_quant else a16, "outs_ptr": "*fp32",
+               "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32"}
+    scaled = fmt == "fp4" and cfg.fp4_scaled_dot
+    common = {"FP4": fmt == "fp4", "UE8M0": True, "W_E8M0": True, "DOT": cfg.dot, "M_FASTEST": False,
+              "FP4_SCALED_DOT": scaled, "EVEN_K": True}  # V4-Flash: D and I multiples of 128
+    gu = _compile(moe_quant._moe_q_gate_up_kernel, gu_ptrs,
+                  {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.gu_block_n, "QUANT_A": not cfg.x_quant,
+                   "OUT_QUANT": cfg.out_quant, "ACT_DTYPE": tl.bfloat16, **common},
+                  cfg.gu_warps, cfg.gu_stages, floats=("limit",))
+    dn_ptrs = {"a_ptr": "*fp8e4nv" if cfg.out_quant else a16, "as_ptr": "*fp32", "w_ptr": w, "ws_ptr": "*u8",
+               "y_ptr": a16, "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
+    dn = _compile(moe_quant._moe_q_down_kernel, dn_ptrs,
+                  {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.dn_block_n, "QUANT_A": not cfg.out_quant, **common},
+                  cfg.dn_warps, cfg.dn_stages)
+    tag = {"fmt": fmt, "tokens": tokens, "variant": variant, "block_m": cfg.block_m, "fp4_scaled_dot": scaled,
+           "fp8_dot": cfg.dot == DOT_FP8}
+    return [{"kernel": "moe_gate_up", **tag, **gu}, {"kernel": "moe_down", **tag, **dn}]
 
 
 def moe_rows() -> list[dict]:
-    rows = []
-    for fmt in ("fp4", "fp8_block"):
-        for tokens in (1, 512, 2048, 8192):
-            cfg = moe_quant_config(tokens, 6, 256, fmt)
-            w = "*u8" if fmt == "fp4" else "*fp8e4nv"
-            a16 = "*bf16"
-            gu_ptrs = {"x_ptr": "*fp8e4nv" if cfg.x_quant else a16, "xs_ptr": "*fp32", "w_ptr": w, "ws_ptr": "*u8",
-                       "out_ptr": "*fp8e4nv" if cfg.out_quant else a16, "outs_ptr": "*fp32",
-                       "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32"}
-            common = {"FP4": fmt == "fp4", "UE8M0": True, "W_E8M0": True, "DOT": cfg.dot, "M_FASTEST": False}
-            gu = _compile(moe_quant._moe_q_gate_up_kernel, gu_ptrs,
-                          {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.gu_block_n, "QUANT_A": not cfg.x_quant,
-                           "OUT_QUANT": cfg.out_quant, "ACT_DTYPE": tl.bfloat16, **common},
-                          cfg.gu_warps, cfg.gu_stages, floats=("limit",))
-            rows.append({"kernel": "moe_gate_up", "fmt": fmt, "tokens": tokens, "fp8_dot": cfg.dot == DOT_FP8, **gu})
-            dn_ptrs = {"a_ptr": "*fp8e4nv" if cfg.out_quant else a16, "as_ptr": "*fp32", "w_ptr": w, "ws_ptr": "*u8",
-                       "y_ptr": a16, "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
-            dn = _compile(moe_quant._moe_q_down_kernel, dn_ptrs,
-                          {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.dn_block_n, "QUANT_A": not cfg.out_quant, **common},
-                          cfg.dn_warps, cfg.dn_stages)
-            rows.append({"kernel": "moe_down", "fmt": fmt, "tokens": tokens, "fp8_dot": cfg.dot == DOT_FP8, **dn})
-    return rows
+    """The table's config and its benchmarked alternatives (select.moe_quant_variants) per format and size."""
+    return [row for fmt in ("fp4", "fp8_block") for tokens in (1, 512, 2048, 8192)
+            for variant, cfg in moe_quant_variants(tokens, 6, 256, fmt).items()
+            for row in _moe_row(fmt, tokens, variant, cfg)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,9 @@ One kernel, two forms (select.py's table picks by M):
     release's kernel does, keeps the tensor core's short accumulation to 128 products.
   * weight-streaming form (M <= 16): one M tile, so W is read once; 16-bit x rows are quantized inside the
     kernel per group (the same codes and scales act_quant gives, no extra launch) and multiplied through the
-    bf16 mma (e4m3 codes are exact in bf16).
+    bf16 mma (e4m3 codes are exact in bf16). Benchmarked alternatives (select.linear_variants): the fp16 mma
+    (DOT_FP16), 8 warps, and GemmConfig.hw_round: the codes from the hardware fp32 -> e4m3 conversion (round
+    to nearest even, like the bit rounding) on compiled kernels; the interpreter keeps the bit rounding.
 Both compute sum_g (q_x[m, g] . q_W[n, g]) s_x[m, g] s_W[n / 128, g] in fp32; they differ from the
 reference only in the order of the fp32 sums.
 
@@ -50,7 +52,7 @@ if HAS_TRITON:
         stride_am, stride_asm, stride_wn, stride_wsn, stride_cm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
         QUANT_A: tl.constexpr, UE8M0: tl.constexpr, W_E8M0: tl.constexpr, DOT: tl.constexpr,
-        K_STEP: tl.constexpr, PDL: tl.constexpr,
+        K_STEP: tl.constexpr, HW_ROUND: tl.constexpr, PDL: tl.constexpr,
     ):
         wait_for_prior_grid(PDL)
         pid = tl.program_id(0)
@@ -82,7 +84,7 @@ if HAS_TRITON:
                 g_scale = tl.minimum(g, num_groups - 1)  # a group past K: loads masked, its partial 0
                 k_ok = g * 128 + offs_k < K
                 a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g_scale, m_ok[:, None] & k_ok[None, :],
-                                            m_ok, QUANT_A, UE8M0, DOT)
+                                            m_ok, QUANT_A, UE8M0, DOT, HW_ROUND)
                 part = fp8_weight_partial(a_op, w_ptrs + g * 128, k_ok[:, None] & n_ok[None, :], DOT)
                 sb = load_scale(ws_ptrs + g_scale, n_ok, W_E8M0)
                 acc += part * (sa[:, None] * sb[None, :])
@@ -123,7 +125,8 @@ def quant_linear_triton(x: torch.Tensor, w: QuantWeight, scale_fmt: str | None =
         a.stride(0), a_s.stride(0), w.data.stride(0), w.scale.stride(0), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
         QUANT_A=cfg.quant_a, UE8M0=scale_fmt == "ue8m0", W_E8M0=w.scale_is_e8m0, DOT=cfg.dot,
-        K_STEP=cfg.k_step, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
+        K_STEP=cfg.k_step, HW_ROUND=cfg.hw_round and cfg.quant_a and not _INTERPRET, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_args(x.device))
     return y
 
 

@@ -13,9 +13,17 @@ decode-sized calls quantize the rows inside the GEMMs (no launch of its own: x's
 the bf16 activation in the down GEMM); prefill-sized ones quantize x once with act_quant and the activation in
 the gate-up epilogue (its 128 columns are one group), so both GEMMs read e4m3 codes.
 
-FP4 weights are decoded in the kernel: each byte's two nibbles to e2m1 values times their ue8m0 scale, exact
-in bf16, for the bf16 mma (Hopper has no FP4 tensor cores). FP8 weights use the fp8 tensor-core dot in the
-prefill rows of the table and the bf16 mma (exact e4m3 values) at decode.
+FP4 weights are multiplied as exact bf16 values (e2m1 x 2^e; Hopper has no FP4 tensor cores) in one of two
+forms, the constexpr FP4_SCALED_DOT (MoeQuantConfig.fp4_scaled_dot, True in every row of the table):
+`tl.dot_scaled` on the packed bytes, loaded K-major by pointer arithmetic, and their ue8m0 scale bytes (Triton's
+MX upcast: on sm_90 a packed e2m1 -> bf16 conversion, the scale multiply and the bf16 mma); or each byte's two
+nibbles decoded with scalar ops, times their scale, for the bf16 mma (the form fp32-scaled FP4 always takes).
+Where K is a multiple of 128 (EVEN_K) the FP4 loads are masked by row only and the dot_scaled form reads each
+row's 4 scale bytes of a group as one int32 word, which sm_90's software pipeliner copies ahead with the
+weight (as bytes, 2 a thread at 64 rows, they would be a synchronous load in the loop). The activation side is
+the same in both: e4m3-grid values, exact in bf16, their per-group scale applied to the fp32 partial. FP8
+weights use the fp8 tensor-core dot in the prefill rows of the table and the bf16 mma (exact e4m3 values) at
+decode.
 
 Roofline (T tokens, top-k, E_t distinct experts touched, D hidden, I intermediate): bytes = E_t * 3 I D *
 (1 for fp8, 1/2 + 1/32 for fp4) + scales + activations; FLOPs = 6 T k D I.
@@ -24,6 +32,7 @@ Graph-safe: shapes and the grid depend only on T, k, E (never on the routing); n
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -69,7 +78,8 @@ if HAS_TRITON:
         limit,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP4: tl.constexpr, QUANT_A: tl.constexpr,
         OUT_QUANT: tl.constexpr, UE8M0: tl.constexpr, W_E8M0: tl.constexpr, DOT: tl.constexpr,
-        ACT_DTYPE: tl.constexpr, M_FASTEST: tl.constexpr, PDL: tl.constexpr,
+        FP4_SCALED_DOT: tl.constexpr, EVEN_K: tl.constexpr, ACT_DTYPE: tl.constexpr, M_FASTEST: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         wait_for_prior_grid(PDL)
         pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(inter, BLOCK_N), M_FASTEST)
@@ -99,11 +109,11 @@ if HAS_TRITON:
         for g in range(0, (hidden + 127) // 128):
             k_ok = g * 128 + offs_k < hidden
             a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g, row_ok[:, None] & k_ok[None, :], row_ok,
-                                        QUANT_A, UE8M0, DOT)
+                                        QUANT_A, UE8M0, DOT, False)
             acc_g += weight_group_partial(a_op, g, w_gate, ws_gate, 0, offs_n, n_ok, hidden, stride_wn,
-                                          stride_wsn, FP4, W_E8M0, DOT) * sa[:, None]
+                                          stride_wsn, FP4, W_E8M0, DOT, FP4_SCALED_DOT, EVEN_K) * sa[:, None]
             acc_u += weight_group_partial(a_op, g, w_up, ws_up, up_row0, offs_n, n_ok, hidden, stride_wn,
-                                          stride_wsn, FP4, W_E8M0, DOT) * sa[:, None]
+                                          stride_wsn, FP4, W_E8M0, DOT, FP4_SCALED_DOT, EVEN_K) * sa[:, None]
         # The release: each GEMM's output in the activation dtype, then fp32: clamps, silu, routing weight.
         gate = tl.minimum(round_to(acc_g, ACT_DTYPE), limit)
         up = tl.minimum(tl.maximum(round_to(acc_u, ACT_DTYPE), -limit), limit)
@@ -124,8 +134,8 @@ if HAS_TRITON:
         num_assign, hidden, inter, num_m_blocks,
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP4: tl.constexpr, QUANT_A: tl.constexpr,
-        UE8M0: tl.constexpr, W_E8M0: tl.constexpr, DOT: tl.constexpr, M_FASTEST: tl.constexpr,
-        PDL: tl.constexpr,
+        UE8M0: tl.constexpr, W_E8M0: tl.constexpr, DOT: tl.constexpr, FP4_SCALED_DOT: tl.constexpr,
+        EVEN_K: tl.constexpr, M_FASTEST: tl.constexpr, PDL: tl.constexpr,
     ):
         wait_for_prior_grid(PDL)
         pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(hidden, BLOCK_N), M_FASTEST)
@@ -147,11 +157,36 @@ if HAS_TRITON:
         for g in range(0, (inter + 127) // 128):
             k_ok = g * 128 + offs_k < inter
             a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g, row_ok[:, None] & k_ok[None, :], row_ok,
-                                        QUANT_A, UE8M0, DOT)
+                                        QUANT_A, UE8M0, DOT, False)
             acc += weight_group_partial(a_op, g, w_e, ws_e, 0, offs_n, n_ok, inter, stride_wn, stride_wsn,
-                                        FP4, W_E8M0, DOT) * sa[:, None]
+                                        FP4, W_E8M0, DOT, FP4_SCALED_DOT, EVEN_K) * sa[:, None]
         y_ptrs = y_ptr + ids[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def interpreter_has_dot_scaled() -> bool:
+    """Whether this Triton's interpreter runs tl.dot_scaled (3.9's does, 3.6's does not); compiled kernels
+    have it on both."""
+    if not HAS_TRITON:
+        return False
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    return hasattr(InterpreterBuilder, "create_dot_scaled")
+
+
+def _scaled_dot(cfg: MoeQuantConfig, w: QuantWeight) -> bool:
+    """The dot_scaled FP4 form where the config asks for it and the weight's scales are ue8m0 (it reads
+    exponent bytes); fp32-scaled FP4 and FP8 weights take the decoding form."""
+    return cfg.fp4_scaled_dot and w.fmt == "fp4" and w.scale_is_e8m0
+
+
+def _even_k(w: QuantWeight, k: int) -> bool:
+    """The kernels' EVEN_K: K a multiple of 128 and, for FP4, scale rows and base 4-byte aligned (the
+    dot_scaled form reads each group's 4 scale bytes of a row as one int32 word)."""
+    if k % BLOCK:
+        return False
+    s = w.scale_bits
+    return not w.scale_is_e8m0 or (s.stride(0) % 4 == 0 and s.stride(1) % 4 == 0 and s.data_ptr() % 4 == 0)
 
 
 def _check_moe(x: torch.Tensor, w_gate_up: QuantWeight, w_down: QuantWeight, topk_ids: torch.Tensor) -> None:
@@ -197,6 +232,11 @@ def fused_moe_quant_triton(
     if num_tokens == 0:
         return torch.empty_like(x) if shared is None else (shared() if callable(shared) else shared).clone()
     cfg = config or moe_quant_config(num_tokens, top_k, num_experts, w_gate_up.fmt, _INTERPRET)
+    if _INTERPRET and cfg.fp4_scaled_dot and not interpreter_has_dot_scaled():
+        if config is not None and _scaled_dot(cfg, w_gate_up):
+            raise QuantFormatError("MoeQuantConfig.fp4_scaled_dot: this Triton's interpreter has no "
+                                   "tl.dot_scaled; pass fp4_scaled_dot=False")
+        cfg = replace(cfg, fp4_scaled_dot=False)
     if cfg.out_quant and cfg.gu_block_n != BLOCK:
         raise QuantFormatError(f"MoeQuantConfig.out_quant needs gu_block_n = {BLOCK}, got {cfg.gu_block_n}")
     fp4 = w_gate_up.fmt == "fp4"
@@ -219,7 +259,8 @@ def fused_moe_quant_triton(
         w_gate_up.scale.stride(0), w_gate_up.scale.stride(1), act.stride(0), act_s.stride(0),
         float(swiglu_limit),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, FP4=fp4, QUANT_A=not cfg.x_quant, OUT_QUANT=cfg.out_quant,
-        UE8M0=ue8m0, W_E8M0=w_gate_up.scale_is_e8m0, DOT=cfg.dot, ACT_DTYPE=_TL_DTYPES[x.dtype], M_FASTEST=False,
+        UE8M0=ue8m0, W_E8M0=w_gate_up.scale_is_e8m0, DOT=cfg.dot, FP4_SCALED_DOT=_scaled_dot(cfg, w_gate_up),
+        EVEN_K=_even_k(w_gate_up, hidden), ACT_DTYPE=_TL_DTYPES[x.dtype], M_FASTEST=False,
         num_warps=cfg.gu_warps, num_stages=cfg.gu_stages, **pdl_args(x.device))
     y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _moe_q_down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.dn_block_n),)](
@@ -228,7 +269,8 @@ def fused_moe_quant_triton(
         act.stride(0), act_s.stride(0), w_down.data.stride(0), w_down.data.stride(1),
         w_down.scale.stride(0), w_down.scale.stride(1), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, FP4=fp4, QUANT_A=not cfg.out_quant, UE8M0=ue8m0,
-        W_E8M0=w_down.scale_is_e8m0, DOT=cfg.dot, M_FASTEST=False,
+        W_E8M0=w_down.scale_is_e8m0, DOT=cfg.dot, FP4_SCALED_DOT=_scaled_dot(cfg, w_down),
+        EVEN_K=_even_k(w_down, inter), M_FASTEST=False,
         num_warps=cfg.dn_warps, num_stages=cfg.dn_stages, **pdl_args(x.device))
     return moe_combine(y, top_k, shared() if callable(shared) else shared)
 

@@ -6,8 +6,15 @@ fp32 -> float8e4nv cast: the Triton interpreter's cast mis-rounds values whose m
 (31.3 -> 16 instead of 32, triton 3.6 and 3.9), and the bit rounding gives the same codes on the GPU. A value on
 the e4m3 grid then converts exactly to float8e4nv, bf16 or fp32.
 
-Dot modes (constexpr DOT, named in select.py): 0 = float8e4nv x float8e4nv tensor-core dot (Hopper), 1 = bf16 dot (e4m3 and scaled
-e2m1 values are exact in bf16), 2 = fp32 dot (the interpreter, whose 16-bit dot is wrong).
+Dot modes (constexpr DOT, named in select.py): 0 = float8e4nv x float8e4nv tensor-core dot (Hopper), 1 = bf16 dot
+(e4m3 and scaled e2m1 values are exact in bf16), 2 = fp32 dot (the interpreter, whose 16-bit dot is wrong),
+3 = fp16 dot (e4m3 values are exact in fp16 and convert from e4m3 in one packed step; the linear only: scaled
+e2m1 values can leave fp16's range).
+
+FP4 partials come in two forms (constexpr SCALED_DOT, select.MoeQuantConfig.fp4_scaled_dot): `fp4_scaled_partial`
+hands the packed bytes and their ue8m0 scale bytes to `tl.dot_scaled` (Triton's MX upcast: on Hopper the compiler
+turns it into a packed e2m1 -> bf16 conversion, the scale multiply and the bf16 mma), `fp4_weight_partial`
+decodes each nibble with scalar ops and works for fp32 scales too. Both multiply exact bf16 values.
 """
 from __future__ import annotations
 
@@ -69,6 +76,13 @@ def pow2_ceil(s):
 def quant_group(x, UE8M0: tl.constexpr):
     """One 128-column group of activation rows x [BM, 128] (fp32, masked columns 0) -> (codes on the e4m3
     grid as fp32 [BM, 128], scales [BM]) as the release's act_quant computes them."""
+    q, s = scale_group(x, UE8M0)
+    return round_e4m3(q), s
+
+
+@triton.jit
+def scale_group(x, UE8M0: tl.constexpr):
+    """quant_group before the rounding: (x / s clamped to [-448, 448] as fp32, scales [BM])."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
     s = amax * INV_FP8_MAX
     if UE8M0:
@@ -78,7 +92,7 @@ def quant_group(x, UE8M0: tl.constexpr):
     else:
         q = x / s[:, None]
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    return round_e4m3(q), s
+    return q, s
 
 
 @triton.jit
@@ -97,19 +111,34 @@ def as_dot_operand(v, DOT: tl.constexpr):
         return v.to(tl.float8e4nv)
     elif DOT == 1:
         return v.to(tl.bfloat16)
+    elif DOT == 3:
+        return v.to(tl.float16)
     else:
         return v.to(tl.float32)
 
 
 @triton.jit
 def activation_group(a_ptrs, as_ptrs, mask, row_mask, QUANT_A: tl.constexpr, UE8M0: tl.constexpr,
-                     DOT: tl.constexpr):
+                     DOT: tl.constexpr, HW_ROUND: tl.constexpr):
     """One K group of the A operand -> (dot operand [BM, 128], scales [BM]).
 
     QUANT_A: a_ptrs point at 16-bit activations, quantized here (the decode path: no separate launch);
-    else at e4m3 codes with their fp32 scales at as_ptrs (from act_quant or a quantizing epilogue)."""
+    else at e4m3 codes with their fp32 scales at as_ptrs (from act_quant or a quantizing epilogue).
+    HW_ROUND (QUANT_A, compiled kernels only): the codes from the fp32 -> float8e4nv conversion (on sm_90 one
+    packed round-to-nearest-even instruction for two values, F2FP.SATFINITE.E4M3.F32; the values are clamped
+    to +-448 first) instead of round_e4m3's dozen scalar ops per value; the interpreter's conversion
+    mis-rounds (module docstring)."""
     if QUANT_A:
         a = tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if HW_ROUND:
+            q, sa = scale_group(a, UE8M0)
+            q8 = q.to(tl.float8e4nv)
+            if DOT == 0:
+                return q8, sa
+            elif DOT == 3:
+                return q8.to(tl.float16), sa
+            else:
+                return as_dot_operand(q8.to(tl.float32), DOT), sa
         q, sa = quant_group(a, UE8M0)
         return as_dot_operand(q, DOT), sa
     else:
@@ -126,7 +155,9 @@ def fp8_weight_partial(a_op, w_ptrs, w_mask, DOT: tl.constexpr):
     """a_op [BM, 128] times one K group of an e4m3 weight, w_ptrs [128, BN] (W^T) -> fp32 [BM, BN]
     (scales not applied)."""
     w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-    if DOT != 0:
+    if DOT == 3:
+        w = w.to(tl.float16)
+    elif DOT != 0:
         w = as_dot_operand(w.to(tl.float32), DOT)
     return tl.dot(a_op, w)
 
@@ -149,18 +180,60 @@ def fp4_weight_partial(a_op, w_ptrs, ws_ptrs, w_mask, W_E8M0: tl.constexpr, DOT:
 
 
 @triton.jit
+def e8m0_bytes_of_words(word):
+    """int32 words [BN] holding 4 consecutive ue8m0 scale bytes (little-endian) -> uint8 [BN, 4]."""
+    return ((word[:, None] >> (tl.arange(0, 4) * 8)[None, :]) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def fp4_scaled_partial(a_op, b, bs):
+    """a_op [BM, 128] times one K group of a packed e2m1 weight through tl.dot_scaled -> fp32 [BM, BN], the
+    weight's ue8m0 scales applied, the activation's not.
+
+    b [64, BN] uint8: the group's bytes K-major (dot_scaled takes rhs packed along K as [K/2, N], the low
+    nibble the even element, as formats.py stores it); bs [BN, 4] uint8: the group's scale exponents per
+    output row (rhs_scale is [N, K/32], not transposed). a_op holds e4m3-grid values (fp8, bf16 or fp32 by
+    DOT), exact in bf16, so every product is exact and the sum fp32. Scale bytes 0 (2^-127) and 255 (NaN)
+    are outside what this form is tested on."""
+    return tl.dot_scaled(a_op.to(tl.bfloat16), None, "bf16", b, bs, "e2m1")
+
+
+@triton.jit
 def weight_group_partial(a_op, g, w_base, ws_base, ws_row0, offs_n, n_ok, K, stride_wn, stride_wsn,
-                         FP4: tl.constexpr, W_E8M0: tl.constexpr, DOT: tl.constexpr):
+                         FP4: tl.constexpr, W_E8M0: tl.constexpr, DOT: tl.constexpr, SCALED_DOT: tl.constexpr,
+                         EVEN_K: tl.constexpr):
     """a_op [BM, 128] (K group g of the activation) times group g of the weight rows offs_n -> fp32
     [BM, BN] with the weight's scales applied. w_base/ws_base: the weight's and its scales' first row (an
-    expert's, or its up half's); fp8_block scales of row n are in block row ws_row0 + n // 128."""
+    expert's, or its up half's); fp8_block scales of row n are in block row ws_row0 + n // 128.
+    SCALED_DOT (FP4 with ue8m0 scales only): the tl.dot_scaled form, else the scalar decode.
+    EVEN_K (FP4: K a multiple of 128, scale rows and base 4-byte aligned): loads masked by row only, and the
+    dot_scaled form reads a group's 4 scale bytes of a row as one int32 word. Loaded as [BN, 4] bytes
+    (BN = 64: 2 bytes a thread), the scales stay a synchronous load inside the loop on sm_90 (Triton's
+    pipeliner copies ahead only loads of >= 4 bytes a thread); as words they are copied ahead with the weight."""
     rows = offs_n.to(tl.int64)
     if FP4:
         j = g * 64 + tl.arange(0, 64)
-        mask = n_ok[:, None] & (j[None, :] < K // 2)
-        w_ptrs = w_base + rows[:, None] * stride_wn + j[None, :]
-        ws_ptrs = ws_base + rows[:, None] * stride_wsn + (j // 16)[None, :]
-        return fp4_weight_partial(a_op, w_ptrs, ws_ptrs, mask, W_E8M0, DOT)
+        ks = g * 4 + tl.arange(0, 4)
+        w_mask = n_ok[:, None]  # [BN, 1]: broadcast by the loads
+        ws_mask = n_ok[:, None]
+        if not EVEN_K:  # K is a multiple of 32, so K // 2 one of 16: written so, 16-byte vectors stay provable
+            w_mask = w_mask & (j[None, :] < (K // 32) * 16)
+            ws_mask = ws_mask & (ks[None, :] < K // 32)
+        if SCALED_DOT:
+            tl.static_assert(W_E8M0, "the dot_scaled FP4 form needs ue8m0 weight scales")
+            # The transpose of the [N, K/2] rows by pointer arithmetic: dot_scaled's rhs is [K/2, N].
+            b = tl.load(w_base + rows[None, :] * stride_wn + j[:, None], mask=tl.trans(w_mask), other=0)
+            if EVEN_K:  # the group's 4 scale bytes of a row as one word: the pipeliner copies them ahead
+                words = ws_base.to(tl.pointer_type(tl.int32)) + rows * (stride_wsn // 4) + g
+                bs = e8m0_bytes_of_words(tl.load(words, mask=n_ok, other=0x7F7F7F7F))
+            else:  # masked scales are 2^0
+                bs = tl.load(ws_base + rows[:, None] * stride_wsn + ks[None, :], mask=ws_mask, other=127)
+            return fp4_scaled_partial(a_op, b, bs)
+        else:
+            mask = w_mask
+            w_ptrs = w_base + rows[:, None] * stride_wn + j[None, :]
+            ws_ptrs = ws_base + rows[:, None] * stride_wsn + (j // 16)[None, :]
+            return fp4_weight_partial(a_op, w_ptrs, ws_ptrs, mask, W_E8M0, DOT)
     else:
         offs_k = g * 128 + tl.arange(0, 128)
         mask = (offs_k[:, None] < K) & n_ok[None, :]

@@ -1,0 +1,266 @@
+"""The two FP4 partial-product forms of the routed-expert kernels (kernels/quant/triton_common.py): tl.dot_scaled
+(the table's default for ue8m0 scales) and the scalar nibble decode, both against the reference
+(kernels/quant/reference.py): one K group read back through an identity activation with e8m0 exponents from
+2^-100 to 2^100 (ragged rows, a partial group and the whole-group word loads of the scales), the full experts at
+T = 1, 3, 64 with ragged expert loads, sizes not multiples of 128 and scales spread over many binades, the
+launches (grid and constexprs) independent of the routing, the config table's choices and its benchmarked
+alternatives; on a GPU every alternative at V4-Flash expert shapes with CUDA-graph replay, and the linear's.
+
+CPU runs use the Triton interpreter (conftest.py sets TRITON_INTERPRET=1); its dots run in fp32 (select.py), and
+an interpreter without tl.dot_scaled (triton 3.6's) skips the dot_scaled cases."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from sparseserve.kernels.quant import moe_quant
+from sparseserve.kernels.quant import reference as ref
+from sparseserve.kernels.quant.formats import QuantFormatError, QuantWeight
+from sparseserve.kernels.quant.moe_quant import HAS_TRITON, fused_moe_quant_triton, interpreter_has_dot_scaled
+from sparseserve.kernels.quant.select import (DOT_BF16, DOT_FP16, DOT_FP32, MoeQuantConfig, linear_config,
+                                              linear_variants, moe_quant_config, moe_quant_variants)
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+EXACT_DOT = DOT_BF16 if CUDA else DOT_FP32
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernels = pytest.mark.skipif(not HAS_TRITON or not (CUDA or INTERPRET),
+                                   reason="runs the Triton kernels (CUDA, or TRITON_INTERPRET=1 on the CPU)")
+FORMS = {"scaled_dot": True, "decode": False}
+
+
+def skip_unless_form_runs(scaled: bool) -> None:
+    if scaled and not CUDA and not interpreter_has_dot_scaled():
+        pytest.skip("this Triton's interpreter has no tl.dot_scaled")
+
+
+def random_fp4(gen: torch.Generator, shape: tuple[int, ...], lo: int, hi: int) -> QuantWeight:
+    """Random e2m1 bytes [..., N, K/2] (every code, never an all-zero tensor) and e8m0 exponent bytes in
+    [lo, hi] [..., N, K/32]."""
+    *lead, n, k = shape
+    data = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, generator=gen)
+    exps = torch.randint(lo, hi + 1, (*lead, n, k // 32), dtype=torch.uint8, generator=gen)
+    return QuantWeight(data.to(DEVICE), exps.view(torch.float8_e8m0fnu).to(DEVICE), "fp4")
+
+
+# ------------------------------------------------------------------ one K group through an identity
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from sparseserve.kernels.quant.triton_common import as_dot_operand, weight_group_partial
+
+    @triton.jit
+    def _group_probe_kernel(w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_wsn, SCALED_DOT: tl.constexpr,
+                            EVEN_K: tl.constexpr, DOT: tl.constexpr):
+        """The identity [128, 128] times K group 0 of 16 weight rows (N of them real): out [128, 16] = W^T."""
+        r = tl.arange(0, 128)
+        eye = as_dot_operand(tl.where(r[:, None] == r[None, :], 1.0, 0.0), DOT)
+        offs_n = tl.arange(0, 16)
+        part = weight_group_partial(eye, 0, w_ptr, ws_ptr, 0, offs_n, offs_n < N, K, stride_wn, stride_wsn,
+                                    True, True, DOT, SCALED_DOT, EVEN_K)
+        tl.store(out_ptr + r[:, None] * 16 + offs_n[None, :], part)
+
+
+@needs_kernels
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("k", [128, 96, 32])
+def test_one_group_gives_the_weight_values_over_a_wide_scale_range(form, k):
+    """Exponent bytes 27..227 (2^-100 .. 2^100), every e2m1 code, 13 of 16 rows real, K of one whole or one
+    partial group (the whole one through the scale-word loads): the partial is W's values exactly, zero past
+    K and in the masked rows."""
+    scaled = FORMS[form]
+    skip_unless_form_runs(scaled)
+    gen = torch.Generator().manual_seed(k + scaled)
+    w = random_fp4(gen, (13, k), 27, 227)
+    out = torch.full((128, 16), float("nan"), device=DEVICE)
+    _group_probe_kernel[(1,)](w.codes, w.scale_bits, out, 13, k, w.data.stride(0), w.scale.stride(0),
+                              SCALED_DOT=scaled, EVEN_K=k % 128 == 0, DOT=EXACT_DOT)
+    want = torch.zeros(128, 16)
+    want[:k, :13] = ref.dequant_weight(QuantWeight(w.data.cpu(), w.scale.cpu(), "fp4")).t()
+    assert torch.equal(out.cpu(), want)
+
+
+# ------------------------------------------------------------------ the experts, both forms
+
+E, TOP_K, LIMIT = 8, 3, 1.5
+SHAPES = {"ragged": (96, 160), "even": (256, 128)}  # (D, I): not multiples of 128 / multiples (scale words)
+PATHS = {  # the two activation paths of select.py's table and the decode rows' x_act_quant, at tiny tiles
+    "decode": MoeQuantConfig(16, 64, 4, 2, 64, 4, 2, False, False, EXACT_DOT),
+    "decode_x_act_quant": MoeQuantConfig(16, 64, 4, 2, 64, 4, 2, False, True, EXACT_DOT),
+    "prefill": MoeQuantConfig(32, 128, 4, 2, 64, 4, 2, True, True, EXACT_DOT),
+}
+
+
+def _experts_case(num_tokens: int, shape: str, skewed: bool = True):
+    """Random FP4 experts with exponents spread over 25 (gate-up) and 61 (down) binades, x rows over 15;
+    skewed: expert 0 takes every token and experts 6, 7 none; else a uniform random routing."""
+    hidden, inter = SHAPES[shape]
+    gen = torch.Generator().manual_seed(num_tokens * 31 + hidden)
+    x = torch.randn(num_tokens, hidden, generator=gen) * torch.exp2(
+        torch.randint(-8, 7, (num_tokens, 1), generator=gen).float())
+    w_gu = random_fp4(gen, (E, 2 * inter, hidden), 127 - 22, 127 + 2)
+    w_dn = random_fp4(gen, (E, hidden, inter), 127 - 30, 127 + 30)
+    if skewed:
+        others = torch.stack([torch.randperm(5, generator=gen)[: TOP_K - 1] + 1 for _ in range(num_tokens)])
+        ids = torch.cat([torch.zeros(num_tokens, 1, dtype=torch.long), others], dim=1)
+    else:
+        ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, TOP_K, generator=gen) + 0.1
+    return x.to(DEVICE), w_gu, w_dn, weights.to(DEVICE), ids.to(DEVICE)
+
+
+def assert_moe_close(y: torch.Tensor, want: torch.Tensor) -> None:
+    """Each row to fp32 summation order, except rare rows where a one-ulp difference before a re-quantization
+    moved one activation code by an e4m3 step (at most 1% of rows, and 1e-4 in norm)."""
+    assert torch.isfinite(y).all()
+    y, want = y.float().cpu(), want.float().cpu()
+    tol = 2.0 ** -18 * want.abs().amax(dim=-1, keepdim=True)
+    bad_rows = ((y - want).abs() > tol).any(dim=1).sum().item()
+    assert bad_rows <= max(1, y.shape[0] // 100), f"{bad_rows} of {y.shape[0]} rows differ"
+    assert ((y - want).norm() / want.norm()).item() < 1e-4
+
+
+@needs_kernels
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 3, 64])
+def test_both_fp4_forms_match_the_reference(form, path, shape, num_tokens):
+    skip_unless_form_runs(FORMS[form])
+    x, w_gu, w_dn, weights, ids = _experts_case(num_tokens, shape)
+    cfg = replace(PATHS[path], fp4_scaled_dot=FORMS[form])
+    y = fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, LIMIT, config=cfg)
+    assert_moe_close(y, ref.fused_moe_quant_ref(x, w_gu, w_dn, weights, ids, LIMIT))
+
+
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: records each launch's grid and constexprs (upper-case keywords), then
+    launches the kernel."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((tuple(grid), tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper()))))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@needs_kernels
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("num_tokens", [3, 64])
+def test_launches_depend_on_static_shapes_only(form, num_tokens, monkeypatch):
+    """Graph safety: the grids and constexprs are the same for a skewed and a uniform routing (and for scales
+    of another exponent range); FP4_SCALED_DOT follows the config for ue8m0 scales, never fp32 ones."""
+    scaled = FORMS[form]
+    skip_unless_form_runs(scaled)
+    gate_up = _LaunchRecorder(moe_quant._moe_q_gate_up_kernel)
+    down = _LaunchRecorder(moe_quant._moe_q_down_kernel)
+    monkeypatch.setattr(moe_quant, "_moe_q_gate_up_kernel", gate_up)
+    monkeypatch.setattr(moe_quant, "_moe_q_down_kernel", down)
+    cfg = replace(moe_quant_config(num_tokens, TOP_K, E, "fp4", interpret=not CUDA), fp4_scaled_dot=scaled)
+    for skewed in (True, False):
+        x, w_gu, w_dn, weights, ids = _experts_case(num_tokens, "even", skewed)
+        fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, LIMIT, config=cfg)
+    assert len(gate_up.launches) == len(down.launches) == 2
+    assert gate_up.launches[0] == gate_up.launches[1] and down.launches[0] == down.launches[1]
+    for launches in (gate_up.launches, down.launches):
+        assert dict(launches[0][1])["FP4_SCALED_DOT"] is scaled and dict(launches[0][1])["EVEN_K"] is True
+    w32 = [QuantWeight(w.data, ref.scale_to_float(w.scale), "fp4") for w in (w_gu, w_dn)]
+    fused_moe_quant_triton(x, w32[0], w32[1], weights, ids, LIMIT, config=cfg)
+    assert dict(gate_up.launches[-1][1])["FP4_SCALED_DOT"] is False
+    assert gate_up.launches[-1][0] == gate_up.launches[0][0]
+
+
+@needs_kernels
+def test_an_interpreter_without_dot_scaled_takes_the_decode_form(monkeypatch):
+    """The table's default falls back to the decode form; a config that asks for dot_scaled is refused."""
+    if CUDA or not INTERPRET:
+        pytest.skip("the interpreter's fallback")
+    monkeypatch.setattr(moe_quant, "interpreter_has_dot_scaled", lambda: False)
+    x, w_gu, w_dn, weights, ids = _experts_case(3, "ragged")
+    y = fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, LIMIT)
+    assert_moe_close(y, ref.fused_moe_quant_ref(x, w_gu, w_dn, weights, ids, LIMIT))
+    with pytest.raises(QuantFormatError, match="fp4_scaled_dot"):
+        fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, LIMIT, config=PATHS["decode"])
+
+
+# ------------------------------------------------------------------ the table and its alternatives
+
+
+def test_table_takes_dot_scaled_and_names_its_alternatives():
+    for tokens in (1, 8, 64, 512, 2048, 8192):
+        assert moe_quant_config(tokens, 6, 256, "fp4").fp4_scaled_dot
+        variants = moe_quant_variants(tokens, 6, 256, "fp4")
+        assert variants["table"] == moe_quant_config(tokens, 6, 256, "fp4")
+        assert variants["fp4_decode"] == replace(variants["table"], fp4_scaled_dot=False)
+        assert ("x_act_quant" in variants) == (not variants["table"].x_quant)
+        assert ("block_m_128" in variants) == variants["table"].out_quant
+    assert moe_quant_variants(512, 6, 256, "fp4")["warps_4"].gu_warps == 4
+    assert moe_quant_variants(2048, 6, 256, "fp4")["block_m_128"].block_m == 128
+    assert list(moe_quant_variants(2048, 6, 256, "fp8_block")) == ["table"]
+    streaming = linear_variants(1, 4096, 4096)
+    assert streaming["table"] == linear_config(1, 4096, 4096) and streaming["fp16_dot"].dot == DOT_FP16
+    assert streaming["fp16_dot_warps_8"].num_warps == 8 and list(linear_variants(512, 4096, 4096)) == ["table"]
+    assert streaming["hw_round"].hw_round and not streaming["table"].hw_round
+    interpreted = linear_variants(1, 4096, 4096, interpret=True)
+    assert interpreted["fp16_dot"].dot == DOT_FP32 and not any(c.hw_round for c in interpreted.values())
+
+
+# ------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 512, 2048])
+def test_gpu_fp4_alternatives_at_v4_flash_expert_shapes_and_graph_replay(num_tokens):
+    """D 4096, I 2048 (the scale-word loads), 32 experts, top-6: the table's config and every alternative
+    select.moe_quant_variants names (both FP4 forms, x_act_quant, 4 warps, 128-row tiles) against the
+    reference; each replayed from a CUDA graph gives the same bits as eager."""
+    hidden, inter, experts, top_k = 4096, 2048, 32, 6
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
+    w_gu = ref.quantize_fp4(torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * hidden ** -0.5)
+    w_dn = ref.quantize_fp4(torch.randn(experts, hidden, inter, device="cuda", generator=gen) * inter ** -0.5)
+    weights, ids = torch.rand(num_tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1)
+    want = ref.fused_moe_quant_ref(x, w_gu, w_dn, weights, ids, 10.0).float()
+    variants = moe_quant_variants(num_tokens, top_k, experts, "fp4")
+    assert "fp4_decode" in variants
+    for name, cfg in variants.items():
+        y = fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, 10.0, config=cfg)
+        assert ((y.float() - want).norm() / want.norm()).item() < 2e-2, name
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_graph = fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, 10.0, config=cfg)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_graph, y), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_linear_streaming_alternatives_match_the_reference(m):
+    """The streaming row's benchmarked alternatives (fp16 dot, 8 warps, hardware e4m3 rounding) at q_b and o_b
+    shapes."""
+    from sparseserve.kernels.quant.linear import quant_linear_triton
+
+    for n, k in ((32768, 1024), (4096, 8192)):
+        gen = torch.Generator(device="cuda").manual_seed(m + n)
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        w = ref.quantize_fp8_block(torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5)
+        want = ref.quant_linear_ref(x, w, out_dtype=torch.float32)
+        table = quant_linear_triton(x, w)
+        variants = linear_variants(m, n, k)
+        assert {"fp16_dot", "warps_8", "hw_round"} <= set(variants)
+        for name, cfg in variants.items():
+            y = quant_linear_triton(x, w, config=cfg)
+            assert ((y.float() - want).norm() / want.norm()).item() < 4e-3, name
+            tol = 2.0 ** -7 * table.float().abs() + 1e-6  # one bf16 unit: the fp32 sums' order may differ
+            assert ((y.float() - table.float()).abs() <= tol).all(), name
+        # The hardware e4m3 conversion gives the bit rounding's codes: the same dot, the same bits.
+        assert torch.equal(quant_linear_triton(x, w, config=variants["hw_round"]), table)

@@ -11,8 +11,13 @@ known acceptance buys, and adaptive speculation against plain decoding.
    target's own greedy continuation (from the plain engine's run of the same prompts) with
    probability p per draft and a wrong token otherwise. It runs the MTP drafter first (its cost is
    paid) and only replaces the tokens, so the drafts go through the same verify path; expected
-   tokens per step are (1 - p^(d+1)) / (1 - p) (i.i.d.). The measured acceptance is reported too:
-   a continuation that the verify step's numerics tip elsewhere makes later drafts wrong.
+   tokens per step are (1 - p^(d+1)) / (1 - p) (i.i.d.). Dummy weights give near-flat logits, whose
+   greedy continuation the verify step's numerics would tip at the first token; so, in both engines,
+   the target's logits carry a large bias on one token (`force_greedy_token`, patched into this
+   process's `compute_logits`: one small kernel in every step of both), which makes the continuation
+   that token, repeated, whatever the numerics, and the measured acceptance p. The MTP layer's own
+   logits are not biased (its drafts stay wrong: the adaptive "mtp" sweep). `--no-force` leaves the
+   logits alone. A constant token routes every hash-MoE layer's tokens to the same experts.
 3. Adaptive speculation (the engine's policy, step costs timed at start-up) against plain
    decoding at batch 1..256, with the oracle drafter at p and with the MTP layer's own drafts
    (dummy weights: almost never accepted, so the policy should fall back to plain steps).
@@ -24,6 +29,7 @@ Writes benchmarks/results/spec_bench.json (or --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -36,6 +42,31 @@ from sparseserve.model.host_copy import to_device
 from sparseserve.model.loader import CONFIGS_DIR
 from sparseserve.spec_decode.adaptive import expected_tokens
 from sparseserve.spec_decode.mtp_proposer import MTPProposer
+
+
+FORCED_TOKEN = 17
+FORCE_MARGIN = 1.0e4
+
+
+@contextlib.contextmanager
+def force_greedy_token(token: int = FORCED_TOKEN, margin: float = FORCE_MARGIN):
+    """Within the block, every target forward's logits get `margin` added at `token`, so greedy
+    decoding emits `token` whatever the numerics. Build the engines inside it: their captured graphs
+    record the addition."""
+    from sparseserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+
+    original = DeepseekV4ForCausalLM.compute_logits
+
+    def compute_logits(self, streams: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = original(self, streams, out)
+        logits[:, token] += margin
+        return logits
+
+    DeepseekV4ForCausalLM.compute_logits = compute_logits
+    try:
+        yield
+    finally:
+        DeepseekV4ForCausalLM.compute_logits = original
 
 
 class OracleDrafter(MTPProposer):
@@ -157,6 +188,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-bytes", type=int, default=8 * 1024**3)
     parser.add_argument("--async", dest="async_scheduling", action="store_true",
                         help="async scheduling in both engines (default: synchronous steps)")
+    parser.add_argument("--no-force", dest="force", action="store_false",
+                        help="leave the target's logits alone (dummy weights: the oracle's continuation tips)")
     parser.add_argument("--budget-s", type=float, default=400.0, help="skip cells that would start past this")
     parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint on the CPU, a few steps")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/spec_bench.json")
@@ -167,6 +200,11 @@ def main() -> None:
         args.steps, args.warmup, args.prompt_len, args.max_model_len = 2, 1, 8, 128
         args.kv_cache_bytes = 64 * 1024**2
     started = time.perf_counter()
+    with force_greedy_token() if args.force else contextlib.nullcontext():
+        run(args, started)
+
+
+def run(args, started: float) -> None:
     ks = [int(k) for k in args.ks.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     sweep = [int(b) for b in args.sweep.split(",")]
@@ -253,6 +291,7 @@ def main() -> None:
                   f"drafts chosen {row['drafts_chosen']}", flush=True)
     costs = getattr(engine.runner, "step_costs", None) or (policy.costs if policy is not None else None)
     report = {"card": card, "torch": torch.__version__, "model": args.model, "p": args.p,
+              "forced_token": FORCED_TOKEN if args.force else None,
               "async_scheduling": args.async_scheduling, "prompt_len": args.prompt_len, "steps": args.steps,
               "step_costs": costs.as_dict() if costs is not None else None,
               "policy_drafts_by_bucket": ({str(a): policy.table(a) for a in (0.0, 0.5, args.p, 0.9)}

@@ -213,10 +213,10 @@ def test_selection_without_the_hopper_kernel(tokens, heads, rows, head_dim, expe
 
 
 @pytest.mark.parametrize("tokens,heads,rows,expect", [
-    (64, 64, 640, AttnConfig("triton", 64, 32, 8, 2, 2, band_prepass=True)),  # 64 programs: 2 splits fill a wave
-    (256, 64, 1152, AttnConfig("triton", 64, 32, 8, 2, 1, band_prepass=True)),
-    (1, 64, 640, AttnConfig("triton", 64, 32, 8, 2, 8, band_prepass=True)),  # >= 64 rows per split
-    (1, 64, 100, AttnConfig("triton", 64, 32, 8, 2, 1, band_prepass=True)),
+    (64, 64, 640, AttnConfig("triton", 64, 64, 8, 2, 2, band_prepass=True)),  # 64 programs: 2 splits fill a wave
+    (256, 64, 1152, AttnConfig("triton", 64, 64, 8, 2, 1, band_prepass=True)),
+    (1, 64, 640, AttnConfig("triton", 64, 64, 8, 2, 8, band_prepass=True)),  # >= 64 rows per split
+    (1, 64, 100, AttnConfig("triton", 64, 64, 8, 2, 1, band_prepass=True)),
     (4, 16, 640, AttnConfig("triton", 16, 32, 4, 2, 8)),
 ])
 def test_selection_for_fp8_rows(tokens, heads, rows, expect):

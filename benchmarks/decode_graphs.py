@@ -31,17 +31,16 @@ from sparseserve.benchmarks.throughput import free_device_memory, synchronize
 def weight_floor_bytes(llm: LLM, batch: int) -> int:
     model = llm.llm_engine.model
     hf = llm.llm_engine.model_config.hf_config
+    touched = min(hf.n_routed_experts, batch * hf.num_experts_per_tok)  # the experts a batch can reach
     total = 0
     for name, p in model.named_parameters():
         if name.endswith("embed_tokens.weight"):
             total += p.shape[1] * p.element_size() * batch  # only the rows looked up
             continue
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            touched = min(hf.n_routed_experts, batch * hf.num_experts_per_tok)
             total += p.numel() // hf.n_routed_experts * touched * p.element_size()
             continue
         total += p.numel() * p.element_size()
-    touched = min(hf.n_routed_experts, batch * hf.num_experts_per_tok)
     for module in model.modules():  # quantized execution: the held FP8/FP4 codes and scales
         if getattr(module, "qweight", None) is not None:
             total += module.qweight.nbytes

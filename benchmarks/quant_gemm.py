@@ -46,6 +46,7 @@ from sparseserve.kernels.quant import reference as ref  # noqa: E402
 from sparseserve.kernels.quant.formats import QuantWeight  # noqa: E402
 from sparseserve.kernels.quant.linear import quant_linear_triton  # noqa: E402
 from sparseserve.kernels.quant.moe_quant import fused_moe_quant_triton  # noqa: E402
+from sparseserve.kernels.dispatch import num_sms  # noqa: E402
 from sparseserve.kernels.quant.select import linear_variants, moe_quant_variants  # noqa: E402
 
 LINEAR_SHAPES = [("q_a", 1024, 4096), ("q_b (64 x 512)", 32768, 1024), ("kv", 512, 4096), ("o_b", 4096, 8192),
@@ -118,8 +119,7 @@ def linear_case(timer: Timer, name: str, m: int, n: int, k: int, bw: float, devi
     rel_err = ((got.float() - want).norm() / want.norm()).item()
     row = {"case": name, "m": m, "n": n, "k": k, "rel_err": rel_err, "correct": rel_err < 4e-3}
     row["kernel_us"] = timer.us(lambda: [quant_linear_triton(x, wc) for wc in ws], len(ws))
-    configs = linear_variants(m, n, k, 132 if timer.smoke else torch.cuda.get_device_properties(0).multi_processor_count,
-                              interpret=timer.smoke)
+    configs = linear_variants(m, n, k, num_sms(x.device), interpret=timer.smoke)
     row["variants"] = time_variants(timer, configs, row["kernel_us"], want, 4e-3,
                                     lambda cfg: quant_linear_triton(x, w, config=cfg),
                                     lambda cfg: [quant_linear_triton(x, wc, config=cfg) for wc in ws], len(ws))
@@ -172,9 +172,7 @@ def _variants_text(variants: dict) -> str:
     if len(variants) < 2:
         return ""
     parts = [f"{name} {'FAILED' if 'error' in v else format(v['kernel_us'], '.1f')}" for name, v in variants.items()]
-    timed = {name: v["kernel_us"] for name, v in variants.items() if "kernel_us" in v and v.get("correct", True)}
-    best = min(timed, key=timed.get) if timed else "-"
-    return f" | variants (us): {', '.join(parts)}; fastest {best}"
+    return f" | variants (us): {', '.join(parts)}; fastest {fastest_variant(variants) or '-'}"
 
 
 def fastest_variant(variants: dict) -> str | None:

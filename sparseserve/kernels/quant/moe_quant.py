@@ -185,7 +185,7 @@ def _even_k(w: QuantWeight, k: int) -> bool:
     dot_scaled form reads each group's 4 scale bytes of a row as one int32 word)."""
     if k % BLOCK:
         return False
-    s = w.scale_bits
+    s = w.scale  # e8m0: one byte an element, so its strides are the exponent bytes' (no uint8 view needed)
     return not w.scale_is_e8m0 or (s.stride(0) % 4 == 0 and s.stride(1) % 4 == 0 and s.data_ptr() % 4 == 0)
 
 

@@ -230,10 +230,9 @@ def weight_group_partial(a_op, g, w_base, ws_base, ws_row0, offs_n, n_ok, K, str
                 bs = tl.load(ws_base + rows[:, None] * stride_wsn + ks[None, :], mask=ws_mask, other=127)
             return fp4_scaled_partial(a_op, b, bs)
         else:
-            mask = w_mask
             w_ptrs = w_base + rows[:, None] * stride_wn + j[None, :]
             ws_ptrs = ws_base + rows[:, None] * stride_wsn + (j // 16)[None, :]
-            return fp4_weight_partial(a_op, w_ptrs, ws_ptrs, mask, W_E8M0, DOT)
+            return fp4_weight_partial(a_op, w_ptrs, ws_ptrs, w_mask, W_E8M0, DOT)
     else:
         offs_k = g * 128 + tl.arange(0, 128)
         mask = (offs_k[:, None] < K) & n_ok[None, :]

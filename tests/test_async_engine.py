@@ -60,7 +60,7 @@ def test_slow_readers_get_merged_outputs_and_one_wakeup_per_step():
             return original(callback, *args, **kwargs)
 
         loop.call_soon_threadsafe = counting
-        return await asyncio.gather(*(read(i, p, 0.05 if i % 2 else 0.0) for i, p in enumerate(PROMPTS)))
+        return await asyncio.gather(*(read(i, p, 0.25 if i % 2 else 0.0) for i, p in enumerate(PROMPTS)))
 
     engine.start()
     try:

@@ -233,12 +233,15 @@ def assert_moe_close(y: torch.Tensor, want: torch.Tensor) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_block"])
-@pytest.mark.parametrize("path", sorted(MOE_CONFIGS))
+@pytest.mark.parametrize("path", sorted(MOE_CONFIGS) + ["table"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 64])
 def test_moe_kernels_match_the_reference(fmt, path, num_tokens):
+    """The two activation paths at tiny tiles, and the table's own config (act_quant launches, fp8 dots, FP4's
+    fp8-mma form) at its sizes."""
     for dtype in (torch.float32, torch.bfloat16) if num_tokens <= 3 else (torch.float32,):
         x, w_gu, w_dn, weights, ids = _moe_case(fmt, num_tokens, dtype)
-        y = fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, LIMIT, config=MOE_CONFIGS[path])
+        cfg = moe_quant_config(num_tokens, TOP_K, E, fmt, interpret=not CUDA) if path == "table" else MOE_CONFIGS[path]
+        y = fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, LIMIT, config=cfg)
         want = ref.fused_moe_quant_ref(x, w_gu, w_dn, weights, ids, LIMIT).float()
         if dtype == torch.float32:
             assert_moe_close(y, want)
@@ -253,7 +256,7 @@ def test_moe_kernels_at_300_tokens_with_fp8_dot_and_shared(fmt):
     """The table's prefill row (fp8 dot for fp8 weights), fp32 weight scales, the shared expert's rows added."""
     x, w_gu, w_dn, weights, ids = _moe_case(fmt, 300, torch.float32, e8m0=False)
     cfg = moe_quant_config(300, TOP_K, E, fmt, interpret=not CUDA)
-    assert cfg.out_quant and cfg.dot == (DOT_FP8 if fmt == "fp8_block" else EXACT_DOT)
+    assert cfg.out_quant and cfg.dot == DOT_FP8 and cfg.fp4_fp8_mma == (fmt == "fp4")
     shared = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     y = fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, LIMIT, shared=lambda: shared)
     want = ref.fused_moe_quant_ref(x, w_gu, w_dn, weights, ids, LIMIT) + shared
@@ -310,21 +313,26 @@ def test_fp4_nibble_order_inside_the_kernel():
 
 
 def test_linear_table_rows():
-    assert linear_config(1, 4096, 4096).quant_a and linear_config(16, 4096, 4096).block_m == 16
-    assert linear_config(1, 4096, 4096).block_n == 32 and linear_config(1, 40960, 1024).block_n == 64
+    stream = linear_config(1, 4096, 4096)
+    assert not stream.quant_a and stream.dot == DOT_FP8 and linear_config(16, 4096, 4096).block_m == 16
+    assert stream.block_n == 32 and linear_config(1, 40960, 1024).block_n == 64 and stream.k_step == 4
     assert linear_config(17, 4096, 4096) == GemmConfig(64, 64, 4, 4, False, DOT_FP8)
     assert linear_config(1024, 4096, 4096).block_n == 128 and linear_config(1025, 4096, 4096).block_m == 128
-    assert linear_config(8, 4096, 4096, interpret=True).dot == DOT_FP32
+    assert linear_config(8, 4096, 4096, interpret=True) == stream
     assert linear_config(8192, 4096, 4096, interpret=True).dot == DOT_FP8
 
 
 def test_moe_table_rows():
-    decode = moe_quant_config(1, 6, 256, "fp4")
-    assert (decode.block_m, decode.out_quant, decode.x_quant, decode.dot) == (16, False, False, DOT_BF16)
+    for fmt in ("fp4", "fp8_block"):
+        decode = moe_quant_config(1, 6, 256, fmt)
+        assert (decode.block_m, decode.out_quant, decode.x_quant, decode.down_act_quant, decode.dot) == (
+            16, False, True, True, DOT_FP8)
+        assert decode.fp4_fp8_mma == (fmt == "fp4")
     assert moe_quant_config(1024, 6, 256, "fp8_block").block_m == 32
     mid = moe_quant_config(2048, 6, 256, "fp8_block")
     assert (mid.block_m, mid.gu_block_n, mid.out_quant, mid.dot) == (64, 128, True, DOT_FP8)
-    assert moe_quant_config(8192, 6, 256, "fp4").dot == DOT_BF16
+    big = moe_quant_config(8192, 6, 256, "fp4")
+    assert big.fp4_fp8_mma and big.block_m == 64 and moe_quant_config(8192, 6, 256, "fp8_block").block_m == 128
 
 
 # ------------------------------------------------------------------ GPU

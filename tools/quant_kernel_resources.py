@@ -68,20 +68,23 @@ def _moe_row(fmt: str, tokens: int, variant: str, cfg) -> list[dict]:
     gu_ptrs = {"x_ptr": "*fp8e4nv" if cfg.x_quant else a16, "xs_ptr": "*fp32", "w_ptr": w, "ws_ptr": "*u8",
                "out_ptr": "*fp8e4nv" if cfg.out_quant else a16, "outs_ptr": "*fp32",
                "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32"}
-    scaled = fmt == "fp4" and cfg.fp4_scaled_dot
+    mma = fmt == "fp4" and cfg.fp4_fp8_mma
+    scaled = fmt == "fp4" and cfg.fp4_scaled_dot and not mma
+    codes_down = cfg.out_quant or cfg.down_act_quant
     common = {"FP4": fmt == "fp4", "UE8M0": True, "W_E8M0": True, "DOT": cfg.dot, "M_FASTEST": False,
-              "FP4_SCALED_DOT": scaled, "EVEN_K": True}  # V4-Flash: D and I multiples of 128
+              "FP4_SCALED_DOT": scaled, "EVEN_K": True,  # V4-Flash: D and I multiples of 128
+              "FP4_FP8": mma, "INTERPRET": False}
     gu = _compile(moe_quant._moe_q_gate_up_kernel, gu_ptrs,
                   {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.gu_block_n, "QUANT_A": not cfg.x_quant,
                    "OUT_QUANT": cfg.out_quant, "ACT_DTYPE": tl.bfloat16, **common},
                   cfg.gu_warps, cfg.gu_stages, floats=("limit",))
-    dn_ptrs = {"a_ptr": "*fp8e4nv" if cfg.out_quant else a16, "as_ptr": "*fp32", "w_ptr": w, "ws_ptr": "*u8",
+    dn_ptrs = {"a_ptr": "*fp8e4nv" if codes_down else a16, "as_ptr": "*fp32", "w_ptr": w, "ws_ptr": "*u8",
                "y_ptr": a16, "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
     dn = _compile(moe_quant._moe_q_down_kernel, dn_ptrs,
-                  {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.dn_block_n, "QUANT_A": not cfg.out_quant, **common},
+                  {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.dn_block_n, "QUANT_A": not codes_down, **common},
                   cfg.dn_warps, cfg.dn_stages)
     tag = {"fmt": fmt, "tokens": tokens, "variant": variant, "block_m": cfg.block_m, "fp4_scaled_dot": scaled,
-           "fp8_dot": cfg.dot == DOT_FP8}
+           "fp4_fp8_mma": mma, "fp8_dot": cfg.dot == DOT_FP8}
     return [{"kernel": "moe_gate_up", **tag, **gu}, {"kernel": "moe_down", **tag, **dn}]
 
 

@@ -1,21 +1,21 @@
 """The block-scaled FP8 linear: y [M, N] = act_quant(x) @ dequant(W)^T, W e4m3 [N, K] with a scale per
 128 x 128 block (formats.py), fp32 accumulation, the output in x's dtype.
 
-One kernel, two forms (select.py's table picks by M):
-  * tensor-core form (prefill-sized M): x goes through act_quant (its own launch), then each program computes
-    a BLOCK_M x BLOCK_N tile: per 128-column group of K one fp8 x fp8 dot into a fresh fp32 partial, added to
-    the fp32 accumulator times (x scale per row) x (W scale per column's block). Promoting every group, as the
-    release's kernel does, keeps the tensor core's short accumulation to 128 products.
-  * weight-streaming form (M <= 16): one M tile, so W is read once; 16-bit x rows are quantized inside the
-    kernel per group (the same codes and scales act_quant gives, no extra launch) and multiplied through the
-    bf16 mma (e4m3 codes are exact in bf16). Benchmarked alternatives (select.linear_variants): the fp16 mma
-    (DOT_FP16), 8 warps, and GemmConfig.hw_round: the codes from the hardware fp32 -> e4m3 conversion (round
-    to nearest even, like the bit rounding) on compiled kernels; the interpreter keeps the bit rounding.
+One kernel, two forms (select.py's table picks by M); x goes through act_quant (its own launch) in both:
+  * tensor-core form (prefill-sized M): each program computes a BLOCK_M x BLOCK_N tile: per 128-column group
+    of K one fp8 x fp8 dot into a fresh fp32 partial, added to the fp32 accumulator times (x scale per row) x
+    (W scale per column's block). Promoting every group, as the release's kernel does, keeps the tensor
+    core's short accumulation to 128 products.
+  * weight-streaming form (M <= 16): one 16-row M tile, so W is read once, narrow N tiles and four groups a
+    pipeline stage. Benchmarked alternatives (select.linear_variants): 8 warps, and QUANT_A: 16-bit x rows
+    quantized inside the kernel per group (act_quant's codes and scales, no launch, but every N tile
+    quantizes the row again) through the bf16 or fp16 mma (e4m3 codes are exact in both), or the fp8 mma
+    on the codes of the hardware fp32 -> e4m3 conversion (GemmConfig.hw_round, compiled kernels only).
 Both compute sum_g (q_x[m, g] . q_W[n, g]) s_x[m, g] s_W[n / 128, g] in fp32; they differ from the
 reference only in the order of the fp32 sums.
 
-Roofline: bytes = N K (codes) + 4 ceil(N/128) ceil(K/128) (scales) + M K (2 bytes streamed, 1 + act_quant's
-3 otherwise) + 2 M N; FLOPs = 2 M N K (fp8 tensor cores in the tensor form).
+Roofline: bytes = N K (codes) + 4 ceil(N/128) ceil(K/128) (scales) + M K (2 bytes quantized in-kernel, 1 + act_quant's
+3 otherwise) + 2 M N; FLOPs = 2 M N K (fp8 tensor cores).
 
 Graph-safe: no host sync, the grid depends on shapes only; M is not a specialisation key.
 """

@@ -8,22 +8,22 @@ weighs the activation before w2); the down GEMM writes one row per assignment; `
 token's rows in fp32 (+ the shared expert). Only the weight arguments change: `QuantWeight`s
 (formats.py) of shapes [E, 2I, D] and [E, D, I].
 
-Activations are quantized per token and 128 columns as the release does, in one of two places (select.py):
-decode-sized calls quantize the rows inside the GEMMs (no launch of its own: x's rows in the gate-up GEMM,
-the bf16 activation in the down GEMM); prefill-sized ones quantize x once with act_quant and the activation in
-the gate-up epilogue (its 128 columns are one group), so both GEMMs read e4m3 codes.
+Activations are quantized per token and 128 columns as the release does: x once by act_quant before the
+gate-up GEMM (every row of select.py's table; the benchmarked alternative quantizes x's rows inside each
+gate-up program); the activation either in the gate-up epilogue (prefill rows: its 128 columns are one group,
+the down GEMM reads e4m3 codes) or by act_quant on the bf16 act between the two GEMMs (decode rows; the
+alternative quantizes it inside each down program).
 
-FP4 weights are multiplied as exact bf16 values (e2m1 x 2^e; Hopper has no FP4 tensor cores) in one of two
-forms, the constexpr FP4_SCALED_DOT (MoeQuantConfig.fp4_scaled_dot, True in every row of the table):
-`tl.dot_scaled` on the packed bytes, loaded K-major by pointer arithmetic, and their ue8m0 scale bytes (Triton's
-MX upcast: on sm_90 a packed e2m1 -> bf16 conversion, the scale multiply and the bf16 mma); or each byte's two
-nibbles decoded with scalar ops, times their scale, for the bf16 mma (the form fp32-scaled FP4 always takes).
-Where K is a multiple of 128 (EVEN_K) the FP4 loads are masked by row only and the dot_scaled form reads each
-row's 4 scale bytes of a group as one int32 word, which sm_90's software pipeliner copies ahead with the
-weight (as bytes, 2 a thread at 64 rows, they would be a synchronous load in the loop). The activation side is
-the same in both: e4m3-grid values, exact in bf16, their per-group scale applied to the fp32 partial. FP8
-weights use the fp8 tensor-core dot in the prefill rows of the table and the bf16 mma (exact e4m3 values) at
-decode.
+FP4 weights (Hopper has no FP4 tensor cores) take one of three forms. The table's is the fp8-mma form
+(constexpr FP4_FP8, MoeQuantConfig.fp4_fp8_mma; fp4_fp8.py): each e2m1 code moved bit-wise to the e4m3 code
+of value x 2^-6, four K = 32 fp8 dots per 128-column group, each partial times its per-32 scale (x 2^6) in
+fp32. The two benchmarked alternatives multiply exact bf16 values (e2m1 x 2^e) through the bf16 mma
+(constexpr FP4_SCALED_DOT): `tl.dot_scaled` on the packed bytes and their ue8m0 scale bytes (Triton's MX
+upcast), or each byte's two nibbles decoded with scalar ops, times their scale. Where K is a multiple of 128
+(EVEN_K) the FP4 loads are masked by row only and each row's 4 scale bytes of a group are read as one int32
+word, which sm_90's software pipeliner copies ahead with the weight. In every form the activation side is
+e4m3 codes, their per-group scale applied to the fp32 partial, so every product is exact. FP8 weights use the
+fp8 tensor-core dot in every row.
 
 Roofline (T tokens, top-k, E_t distinct experts touched, D hidden, I intermediate): bytes = E_t * 3 I D *
 (1 for fp8, 1/2 + 1/32 for fp4) + scales + activations; FLOPs = 6 T k D I.
@@ -50,6 +50,7 @@ try:  # Triton is optional: without it every path is the reference.
     import triton
     import triton.language as tl
 
+    from .fp4_fp8 import act_group_scale, act_subgroup, fp4_fp8_group_partial
     from .triton_common import activation_group, quant_group, round_to, weight_group_partial
 
     HAS_TRITON = True
@@ -79,7 +80,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP4: tl.constexpr, QUANT_A: tl.constexpr,
         OUT_QUANT: tl.constexpr, UE8M0: tl.constexpr, W_E8M0: tl.constexpr, DOT: tl.constexpr,
         FP4_SCALED_DOT: tl.constexpr, EVEN_K: tl.constexpr, ACT_DTYPE: tl.constexpr, M_FASTEST: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, FP4_FP8: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     ):
         wait_for_prior_grid(PDL)
         pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(inter, BLOCK_N), M_FASTEST)
@@ -93,7 +94,8 @@ if HAS_TRITON:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < inter
         offs_k = tl.arange(0, 128)
-        a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
+        a_row = x_ptr + tokens[:, None] * stride_xm
+        a_ptrs = a_row + offs_k[None, :]
         as_ptrs = xs_ptr + tokens * stride_xsm
         w_gate = w_ptr + expert * stride_we
         ws_gate = ws_ptr + expert * stride_wse
@@ -107,13 +109,24 @@ if HAS_TRITON:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for g in range(0, (hidden + 127) // 128):
-            k_ok = g * 128 + offs_k < hidden
-            a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g, row_ok[:, None] & k_ok[None, :], row_ok,
-                                        QUANT_A, UE8M0, DOT, False)
-            acc_g += weight_group_partial(a_op, g, w_gate, ws_gate, 0, offs_n, n_ok, hidden, stride_wn,
-                                          stride_wsn, FP4, W_E8M0, DOT, FP4_SCALED_DOT, EVEN_K) * sa[:, None]
-            acc_u += weight_group_partial(a_op, g, w_up, ws_up, up_row0, offs_n, n_ok, hidden, stride_wn,
-                                          stride_wsn, FP4, W_E8M0, DOT, FP4_SCALED_DOT, EVEN_K) * sa[:, None]
+            if FP4_FP8:  # four K = 32 fp8 dots a group, both halves on the same activation codes
+                sa, inv = act_group_scale(a_row, g, row_ok, as_ptrs, hidden, QUANT_A, UE8M0)
+                a0 = act_subgroup(a_row, g * 128, row_ok, hidden, inv, sa, QUANT_A, UE8M0, INTERPRET)
+                a1 = act_subgroup(a_row, g * 128 + 32, row_ok, hidden, inv, sa, QUANT_A, UE8M0, INTERPRET)
+                a2 = act_subgroup(a_row, g * 128 + 64, row_ok, hidden, inv, sa, QUANT_A, UE8M0, INTERPRET)
+                a3 = act_subgroup(a_row, g * 128 + 96, row_ok, hidden, inv, sa, QUANT_A, UE8M0, INTERPRET)
+                acc_g += fp4_fp8_group_partial(a0, a1, a2, a3, g, w_gate, ws_gate, offs_n, n_ok, hidden, stride_wn,
+                                               stride_wsn, W_E8M0, EVEN_K, not INTERPRET, INTERPRET) * sa[:, None]
+                acc_u += fp4_fp8_group_partial(a0, a1, a2, a3, g, w_up, ws_up, offs_n, n_ok, hidden, stride_wn,
+                                               stride_wsn, W_E8M0, EVEN_K, not INTERPRET, INTERPRET) * sa[:, None]
+            else:
+                k_ok = g * 128 + offs_k < hidden
+                a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g, row_ok[:, None] & k_ok[None, :],
+                                            row_ok, QUANT_A, UE8M0, DOT, False)
+                acc_g += weight_group_partial(a_op, g, w_gate, ws_gate, 0, offs_n, n_ok, hidden, stride_wn,
+                                              stride_wsn, FP4, W_E8M0, DOT, FP4_SCALED_DOT, EVEN_K) * sa[:, None]
+                acc_u += weight_group_partial(a_op, g, w_up, ws_up, up_row0, offs_n, n_ok, hidden, stride_wn,
+                                              stride_wsn, FP4, W_E8M0, DOT, FP4_SCALED_DOT, EVEN_K) * sa[:, None]
         # The release: each GEMM's output in the activation dtype, then fp32: clamps, silu, routing weight.
         gate = tl.minimum(round_to(acc_g, ACT_DTYPE), limit)
         up = tl.minimum(tl.maximum(round_to(acc_u, ACT_DTYPE), -limit), limit)
@@ -135,7 +148,8 @@ if HAS_TRITON:
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP4: tl.constexpr, QUANT_A: tl.constexpr,
         UE8M0: tl.constexpr, W_E8M0: tl.constexpr, DOT: tl.constexpr, FP4_SCALED_DOT: tl.constexpr,
-        EVEN_K: tl.constexpr, M_FASTEST: tl.constexpr, PDL: tl.constexpr,
+        EVEN_K: tl.constexpr, M_FASTEST: tl.constexpr, PDL: tl.constexpr, FP4_FP8: tl.constexpr = False,
+        INTERPRET: tl.constexpr = False,
     ):
         wait_for_prior_grid(PDL)
         pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(hidden, BLOCK_N), M_FASTEST)
@@ -149,17 +163,27 @@ if HAS_TRITON:
         n_ok = offs_n < hidden
         offs_k = tl.arange(0, 128)
         rows = offs_m.to(tl.int64)
-        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        a_row = a_ptr + rows[:, None] * stride_am
+        a_ptrs = a_row + offs_k[None, :]
         as_ptrs = as_ptr + rows * stride_asm
         w_e = w_ptr + expert * stride_we
         ws_e = ws_ptr + expert * stride_wse
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for g in range(0, (inter + 127) // 128):
-            k_ok = g * 128 + offs_k < inter
-            a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g, row_ok[:, None] & k_ok[None, :], row_ok,
-                                        QUANT_A, UE8M0, DOT, False)
-            acc += weight_group_partial(a_op, g, w_e, ws_e, 0, offs_n, n_ok, inter, stride_wn, stride_wsn,
-                                        FP4, W_E8M0, DOT, FP4_SCALED_DOT, EVEN_K) * sa[:, None]
+            if FP4_FP8:
+                sa, inv = act_group_scale(a_row, g, row_ok, as_ptrs, inter, QUANT_A, UE8M0)
+                a0 = act_subgroup(a_row, g * 128, row_ok, inter, inv, sa, QUANT_A, UE8M0, INTERPRET)
+                a1 = act_subgroup(a_row, g * 128 + 32, row_ok, inter, inv, sa, QUANT_A, UE8M0, INTERPRET)
+                a2 = act_subgroup(a_row, g * 128 + 64, row_ok, inter, inv, sa, QUANT_A, UE8M0, INTERPRET)
+                a3 = act_subgroup(a_row, g * 128 + 96, row_ok, inter, inv, sa, QUANT_A, UE8M0, INTERPRET)
+                acc += fp4_fp8_group_partial(a0, a1, a2, a3, g, w_e, ws_e, offs_n, n_ok, inter, stride_wn,
+                                             stride_wsn, W_E8M0, EVEN_K, not INTERPRET, INTERPRET) * sa[:, None]
+            else:
+                k_ok = g * 128 + offs_k < inter
+                a_op, sa = activation_group(a_ptrs + g * 128, as_ptrs + g, row_ok[:, None] & k_ok[None, :],
+                                            row_ok, QUANT_A, UE8M0, DOT, False)
+                acc += weight_group_partial(a_op, g, w_e, ws_e, 0, offs_n, n_ok, inter, stride_wn, stride_wsn,
+                                            FP4, W_E8M0, DOT, FP4_SCALED_DOT, EVEN_K) * sa[:, None]
         y_ptrs = y_ptr + ids[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -177,7 +201,7 @@ def interpreter_has_dot_scaled() -> bool:
 def _scaled_dot(cfg: MoeQuantConfig, w: QuantWeight) -> bool:
     """The dot_scaled FP4 form where the config asks for it and the weight's scales are ue8m0 (it reads
     exponent bytes); fp32-scaled FP4 and FP8 weights take the decoding form."""
-    return cfg.fp4_scaled_dot and w.fmt == "fp4" and w.scale_is_e8m0
+    return cfg.fp4_scaled_dot and not cfg.fp4_fp8_mma and w.fmt == "fp4" and w.scale_is_e8m0
 
 
 def _even_k(w: QuantWeight, k: int) -> bool:
@@ -261,16 +285,20 @@ def fused_moe_quant_triton(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, FP4=fp4, QUANT_A=not cfg.x_quant, OUT_QUANT=cfg.out_quant,
         UE8M0=ue8m0, W_E8M0=w_gate_up.scale_is_e8m0, DOT=cfg.dot, FP4_SCALED_DOT=_scaled_dot(cfg, w_gate_up),
         EVEN_K=_even_k(w_gate_up, hidden), ACT_DTYPE=_TL_DTYPES[x.dtype], M_FASTEST=False,
-        num_warps=cfg.gu_warps, num_stages=cfg.gu_stages, **pdl_args(x.device))
+        FP4_FP8=fp4 and cfg.fp4_fp8_mma, INTERPRET=_INTERPRET, num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
+        **pdl_args(x.device))
+    codes_down = cfg.out_quant or cfg.down_act_quant
+    if codes_down and not cfg.out_quant:
+        act, act_s = act_quant_triton(act, scale_fmt)
     y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _moe_q_down_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.dn_block_n),)](
         act, act_s, w_down.codes, w_down.scale_bits, y, sorted_ids, block_expert,
         num_tokens * top_k, hidden, inter, num_m_blocks,
         act.stride(0), act_s.stride(0), w_down.data.stride(0), w_down.data.stride(1),
         w_down.scale.stride(0), w_down.scale.stride(1), y.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, FP4=fp4, QUANT_A=not cfg.out_quant, UE8M0=ue8m0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, FP4=fp4, QUANT_A=not codes_down, UE8M0=ue8m0,
         W_E8M0=w_down.scale_is_e8m0, DOT=cfg.dot, FP4_SCALED_DOT=_scaled_dot(cfg, w_down),
-        EVEN_K=_even_k(w_down, inter), M_FASTEST=False,
+        EVEN_K=_even_k(w_down, inter), M_FASTEST=False, FP4_FP8=fp4 and cfg.fp4_fp8_mma, INTERPRET=_INTERPRET,
         num_warps=cfg.dn_warps, num_stages=cfg.dn_stages, **pdl_args(x.device))
     return moe_combine(y, top_k, shared() if callable(shared) else shared)
 

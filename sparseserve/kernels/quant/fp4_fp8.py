@@ -102,6 +102,19 @@ def act_group_scale(a_row, g, row_ok, as_ptrs, K, QUANT_A: tl.constexpr, UE8M0: 
 
 
 @triton.jit
+def act_group_operands(a_row, g, row_ok, as_ptrs, K, QUANT_A: tl.constexpr, UE8M0: tl.constexpr,
+                       FP32: tl.constexpr):
+    """Group g of the activation rows as its scale per row [BM] and its four sub-groups' dot operands
+    a0..a3 [BM, 32] (act_group_scale, act_subgroup)."""
+    sa, inv = act_group_scale(a_row, g, row_ok, as_ptrs, K, QUANT_A, UE8M0)
+    a0 = act_subgroup(a_row, g * 128, row_ok, K, inv, sa, QUANT_A, UE8M0, FP32)
+    a1 = act_subgroup(a_row, g * 128 + 32, row_ok, K, inv, sa, QUANT_A, UE8M0, FP32)
+    a2 = act_subgroup(a_row, g * 128 + 64, row_ok, K, inv, sa, QUANT_A, UE8M0, FP32)
+    a3 = act_subgroup(a_row, g * 128 + 96, row_ok, K, inv, sa, QUANT_A, UE8M0, FP32)
+    return sa, a0, a1, a2, a3
+
+
+@triton.jit
 def _sub_scale(ws_row, word, g, q: tl.constexpr, n_ok, K, W_E8M0: tl.constexpr, EVEN_K: tl.constexpr):
     """Scale of sub-group q of group g per weight row, times 2^6 (the e4m3 codes' offset), fp32 [BN]."""
     sub = g * 4 + q + tl.zeros_like(n_ok.to(tl.int32))  # [BN]: the mask stays a tensor

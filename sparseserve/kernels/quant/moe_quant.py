@@ -50,7 +50,7 @@ try:  # Triton is optional: without it every path is the reference.
     import triton
     import triton.language as tl
 
-    from .fp4_fp8 import act_group_scale, act_subgroup, fp4_fp8_group_partial
+    from .fp4_fp8 import act_group_operands, fp4_fp8_group_partial
     from .triton_common import activation_group, quant_group, round_to, weight_group_partial
 
     HAS_TRITON = True
@@ -110,11 +110,7 @@ if HAS_TRITON:
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for g in range(0, (hidden + 127) // 128):
             if FP4_FP8:  # four K = 32 fp8 dots a group, both halves on the same activation codes
-                sa, inv = act_group_scale(a_row, g, row_ok, as_ptrs, hidden, QUANT_A, UE8M0)
-                a0 = act_subgroup(a_row, g * 128, row_ok, hidden, inv, sa, QUANT_A, UE8M0, INTERPRET)
-                a1 = act_subgroup(a_row, g * 128 + 32, row_ok, hidden, inv, sa, QUANT_A, UE8M0, INTERPRET)
-                a2 = act_subgroup(a_row, g * 128 + 64, row_ok, hidden, inv, sa, QUANT_A, UE8M0, INTERPRET)
-                a3 = act_subgroup(a_row, g * 128 + 96, row_ok, hidden, inv, sa, QUANT_A, UE8M0, INTERPRET)
+                sa, a0, a1, a2, a3 = act_group_operands(a_row, g, row_ok, as_ptrs, hidden, QUANT_A, UE8M0, INTERPRET)
                 acc_g += fp4_fp8_group_partial(a0, a1, a2, a3, g, w_gate, ws_gate, offs_n, n_ok, hidden, stride_wn,
                                                stride_wsn, W_E8M0, EVEN_K, not INTERPRET, INTERPRET) * sa[:, None]
                 acc_u += fp4_fp8_group_partial(a0, a1, a2, a3, g, w_up, ws_up, offs_n, n_ok, hidden, stride_wn,
@@ -171,11 +167,7 @@ if HAS_TRITON:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for g in range(0, (inter + 127) // 128):
             if FP4_FP8:
-                sa, inv = act_group_scale(a_row, g, row_ok, as_ptrs, inter, QUANT_A, UE8M0)
-                a0 = act_subgroup(a_row, g * 128, row_ok, inter, inv, sa, QUANT_A, UE8M0, INTERPRET)
-                a1 = act_subgroup(a_row, g * 128 + 32, row_ok, inter, inv, sa, QUANT_A, UE8M0, INTERPRET)
-                a2 = act_subgroup(a_row, g * 128 + 64, row_ok, inter, inv, sa, QUANT_A, UE8M0, INTERPRET)
-                a3 = act_subgroup(a_row, g * 128 + 96, row_ok, inter, inv, sa, QUANT_A, UE8M0, INTERPRET)
+                sa, a0, a1, a2, a3 = act_group_operands(a_row, g, row_ok, as_ptrs, inter, QUANT_A, UE8M0, INTERPRET)
                 acc += fp4_fp8_group_partial(a0, a1, a2, a3, g, w_e, ws_e, offs_n, n_ok, inter, stride_wn,
                                              stride_wsn, W_E8M0, EVEN_K, not INTERPRET, INTERPRET) * sa[:, None]
             else:

@@ -130,7 +130,8 @@ class MoeQuantConfig:
 
 def moe_quant_config(num_tokens: int, top_k: int, num_experts: int, fmt: str, interpret: bool = False
                      ) -> MoeQuantConfig:
-    """The experts' table above: static shapes only, never the routing."""
+    """The experts' table above: static shapes only, never the routing (`interpret` changes no row: every
+    row's dot is the fp8 one, which the interpreter runs as it is; kept for the callers)."""
     avg = num_tokens * top_k / num_experts
     fp4 = fmt == "fp4"
     if avg <= 4:

@@ -22,7 +22,9 @@ known acceptance buys, and adaptive speculation against plain decoding.
    decoding at batch 1..256, with the oracle drafter at p and with the MTP layer's own drafts
    (dummy weights: almost never accepted, so the policy should fall back to plain steps).
 
-Steps are synchronous in both engines (`--async` for async scheduling in both). Cells that would
+Steps are synchronous in both engines (`--async` for async scheduling in both). `--side-stream`
+sets both engines' `side_stream` (default "auto": the plain engine's graphs use the side stream, the
+speculative engine's do not, docs/architecture.md). Cells that would
 start past `--budget-s` are skipped and listed. `--smoke`: the tiny checkpoint on the CPU, in seconds.
 Writes benchmarks/results/spec_bench.json (or --out).
 """
@@ -39,6 +41,7 @@ from benchmarks import result_file, write_result
 from sparseserve import LLM, RequestOutputKind, SamplingParams
 from sparseserve.benchmarks.throughput import free_device_memory, synchronize
 from sparseserve.model.host_copy import to_device
+from sparseserve.names import SIDE_STREAM_MODES
 from sparseserve.model.loader import CONFIGS_DIR
 from sparseserve.spec_decode.adaptive import expected_tokens
 from sparseserve.spec_decode.mtp_proposer import MTPProposer
@@ -171,7 +174,7 @@ def make_engine(args, batches: list[int], spec_k: int) -> LLM:
     return LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max(batches),
                cuda_graph_sizes=None if args.smoke else sorted(set(batches)),
                kv_cache_memory_bytes=args.kv_cache_bytes, async_scheduling=args.async_scheduling,
-               use_tqdm_on_load=False, **kw)
+               side_stream=args.side_stream, use_tqdm_on_load=False, **kw)
 
 
 def main() -> None:
@@ -188,6 +191,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-bytes", type=int, default=8 * 1024**3)
     parser.add_argument("--async", dest="async_scheduling", action="store_true",
                         help="async scheduling in both engines (default: synchronous steps)")
+    parser.add_argument("--side-stream", default="auto", choices=SIDE_STREAM_MODES,
+                        help="both engines' side_stream (auto: plain graphs on the side stream, speculative not)")
     parser.add_argument("--no-force", dest="force", action="store_false",
                         help="leave the target's logits alone (dummy weights: the oracle's continuation tips)")
     parser.add_argument("--budget-s", type=float, default=400.0, help="skip cells that would start past this")
@@ -292,7 +297,7 @@ def run(args, started: float) -> None:
     costs = getattr(engine.runner, "step_costs", None) or (policy.costs if policy is not None else None)
     report = {"card": card, "torch": torch.__version__, "model": args.model, "p": args.p,
               "forced_token": FORCED_TOKEN if args.force else None,
-              "async_scheduling": args.async_scheduling, "prompt_len": args.prompt_len, "steps": args.steps,
+              "async_scheduling": args.async_scheduling, "side_stream": args.side_stream, "prompt_len": args.prompt_len, "steps": args.steps,
               "step_costs": costs.as_dict() if costs is not None else None,
               "policy_drafts_by_bucket": ({str(a): policy.table(a) for a in (0.0, 0.5, args.p, 0.9)}
                                           if policy is not None else None),

@@ -154,3 +154,30 @@ def test_historical_topk_bug_patch_sees_the_host_lengths(historical_topk_bug):
     decode_batch(pad_chunks([], 2, 1, dummy_slot=5, dummy_len=2), [4], "cpu", max_blocks=2, num_entries={4: 16})
     assert historical_topk_bug.host_max_len == 2
     assert historical_topk_bug.skips_reset(k=2) and not historical_topk_bug.skips_reset(k=1)
+
+
+def test_a_catch_up_graph_takes_the_target_graphs_metadata_on_the_device():
+    """`StaticBatch.fill_like`: the drafter's catch-up graph (no compress rates) copies the metadata of
+    the target graph (the model's rates) that just ran the same chunks, and gets what a host build of
+    those chunks would give it; a bucket of another size copies nothing."""
+    import torch
+
+    from sparseserve.model.batch import INT64_FIELDS, build_batch
+    from sparseserve.worker.cuda_graph import StaticBatch
+
+    def static(batch_size: int, rates: list[int]) -> StaticBatch:
+        template = decode_batch(pad_chunks([], batch_size, 1, 5, 2), rates, "cpu", 8, {r: 256 // r for r in rates})
+        return StaticBatch(template)
+
+    real = [SequenceChunk(0, 40, [7], [3, 4, 5]), SequenceChunk(2, 9, [8], [6]), SequenceChunk(1, 70, [9], [1, 2])]
+    padded = pad_chunks(real, 4, 1, dummy_slot=5)
+    target, catch_up, by_host = static(4, [4, 16]), static(4, []), static(4, [])
+    target.fill(build_batch(padded, [4, 16], "cpu", max_blocks=8, num_entries={4: 64, 16: 16}))
+    by_host.fill(build_batch(padded, [], "cpu", max_blocks=8, num_entries={}))
+    assert catch_up.fill_like(target)
+    for name in INT64_FIELDS + ("block_table",):
+        assert torch.equal(getattr(catch_up.batch, name), getattr(by_host.batch, name)), name
+    assert catch_up.batch.positions[:3].tolist() == [40, 9, 70]
+    other = static(8, [])
+    before = other.flat.clone()
+    assert not other.fill_like(target) and torch.equal(other.flat, before)

@@ -165,6 +165,57 @@ def test_adaptive_speculation_graphs_equal_eager_and_costs_are_timed():
     assert results[True] == results[False]
 
 
+def test_state_only_catch_up_graphs_equal_eager_under_adaptive_speculation():
+    """Adaptive speculation's plain steps (d = 0) catch the drafter up through its state-only graph
+    (query length 1), which takes the plain target graph's metadata (copied on the device) and
+    streams (in place): with the drafts per step mostly 0, graph and padded eager engines give the
+    same tokens and acceptance (the drafts read the state the catch-ups wrote)."""
+    import itertools
+
+    k, results = 2, {}
+    for eager in (True, False):
+        llm = LLM(TINY, enforce_eager=eager, **COMMON, **spec_config(k, adaptive=True))
+        engine, runner = llm.llm_engine, llm.llm_engine.runner
+        replays = []
+        if eager:
+            runner.pad_like_graphs = True
+            assert not runner.mtp_state_graphs
+        else:
+            assert sorted(runner.mtp_state_graphs) == [1]
+            assert runner.mtp_state_graphs[1].hidden is runner.graphs[1].outputs[1]
+            catch_up = runner.mtp_state_graphs[1]
+            original = catch_up.run
+
+            def run(chunks, *args, **kw):
+                replays.append(kw.get("like") is not None)
+                return original(chunks, *args, **kw)
+
+            catch_up.run = run
+        cycle = itertools.cycle([0, 0, 1, 0, 2, 0, 0])
+        engine.scheduler.draft_limit = lambda batch: next(cycle)
+        outs = llm.generate(prompt_set(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                            use_tqdm=False)
+        m = engine.spec_metrics
+        results[eager] = ([o.outputs[0].token_ids for o in outs], m.num_draft_tokens, m.num_accepted_tokens)
+        assert m.num_verify_steps > 0 and engine.all_cache_free()
+        if not eager:
+            assert any(replays)  # plain steps' catch-ups replayed, with the target graph's metadata
+        del llm, engine, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert results[True] == results[False]
+
+
+def test_audit_passes_with_adaptive_speculation():
+    """The replay audit covers the state-only catch-up graphs: the KV rows each replay writes equal
+    the eager catch-up's."""
+    llm = LLM(TINY, cudagraph_audit_replay=True, cuda_graph_sizes=[1, 4, 8], **COMMON, **spec_config(2, adaptive=True))
+    assert sorted(llm.llm_engine.runner.mtp_state_graphs) == [1]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_with_speculation_equals_without_on_gpu(k):
     """fp32 on the GPU (reference kernels, eager, steps padded as graphs would be): speculation is

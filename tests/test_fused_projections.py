@@ -283,3 +283,34 @@ def test_packed_equals_unpacked_on_gpu_at_flash_shapes(monkeypatch):
     agree = float((packed.argmax(-1) == plain.argmax(-1)).float().mean())
     print(f"packed vs unpacked: rel {rel:.2e}, top-1 agreement {agree:.4f}")
     assert rel < 0.02 and agree >= 0.97
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_rows_of_a_pack_compute_those_linears_alone(quantized):
+    """`PackedWeight.rows(i, j)`: a view of linears i..j-1's rows (and block scales), whose GEMM gives
+    those linears' columns of the whole group's GEMM, bit for bit (the attention's state-only
+    projections use it)."""
+    from sparseserve.kernels.quant import reference as quant_ref
+
+    gen = torch.Generator().manual_seed(5)
+    rows = (128, 256, 128, 384)
+    linears = [nn.Linear(256, r, bias=False) for r in rows]
+    for lin in linears:
+        w = torch.randn(lin.out_features, 256, generator=gen) * 0.05
+        if quantized:
+            lin.qweight = quant_ref.quantize_fp8_block(w)
+            lin.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        else:
+            lin.weight = nn.Parameter(w, requires_grad=False)
+    packed = PackedWeight.pack(linears)
+    sub = packed.rows(1, 3)
+    assert sub.bounds == [0, 256, 384]
+    data = sub.quant.data if quantized else sub.weight
+    whole = packed.quant.data if quantized else packed.weight
+    assert data.data_ptr() == whole[128:].data_ptr() and data.shape[0] == 384
+    x = torch.randn(7, 256, generator=gen)
+    with torch.no_grad():
+        want = shared_input_linear(x, linears, packed, [(1, 2), (2, 3)])
+        got = shared_input_linear(x, linears[1:3], sub, [(0, 1), (1, 2)])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert [t.shape[-1] for t in got] == [256, 128]

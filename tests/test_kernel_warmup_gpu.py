@@ -71,6 +71,11 @@ CASES = {
     # speculation (MTP, 2 drafts): verify and drafter graphs, the drafter's eager catch-up over prompts
     "tiny-mtp": ("tiny", dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=2 * 1024**3,
                               speculative_config={"method": "mtp", "num_speculative_tokens": 2}), 25),
+    # adaptive speculation: graphs of every 1 + d, the drafter's state-only catch-up (graphs and eager prompts)
+    "tiny-mtp-adaptive": ("tiny", dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16,
+                                       kv_cache_memory_bytes=2 * 1024**3,
+                                       speculative_config={"method": "mtp", "num_speculative_tokens": 2,
+                                                           "adaptive": True}), 25),
     # no graphs: decode steps run eagerly, padded to their buckets
     "tiny-eager": ("tiny", dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, enforce_eager=True,
                                 kv_cache_memory_bytes=2 * 1024**3), 25),

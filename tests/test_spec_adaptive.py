@@ -242,8 +242,9 @@ def test_adaptive_with_tensor_parallelism_is_refused():
 
 def test_graph_costs_compose_a_d_draft_step(monkeypatch):
     """step_costs.measure_graph_costs: a d-draft step is the target graph of 1 + d, the drafter's
-    catch-up graph of 1 + d, d - 1 single-token draft graphs and d draft heads; a bucket without
-    a graph of some length has no entry for that d (replay timing stubbed: each replay returns its time)."""
+    catch-up graph of 1 + d, d - 1 single-token draft graphs and d draft heads (d = 0: its state-only
+    catch-up graph where there is one); a bucket without a graph of some length has no entry for that d
+    (replay timing stubbed: each replay returns its time)."""
     from types import SimpleNamespace
 
     from sparseserve.spec_decode import step_costs
@@ -267,3 +268,10 @@ def test_graph_costs_compose_a_d_draft_step(monkeypatch):
     assert costs.seconds[(8, 1)] == pytest.approx(2.4 + 0.25 + 0.08)
     assert (8, 2) not in costs.seconds and policy(costs, k=2).best(8, 0.99) in (0, 1)
     assert step_costs.measure_graph_costs({}, {}, lambda h: None, k=2) is None
+    # The drafter's state-only catch-up graphs price d = 0 where they hold the bucket; d > 0 is unchanged.
+    lean = step_costs.measure_graph_costs(target, mtp, lambda h: 0.01 * h.shape[0], k=2,
+                                          catch_up_graphs={1: runner({1: 0.03})})
+    assert lean.seconds[(1, 0)] == pytest.approx(1.0 + 0.03)
+    assert lean.seconds[(8, 0)] == pytest.approx(2.0 + 0.2)  # no state-only graph at 8: the full catch-up
+    assert {key: v for key, v in lean.seconds.items() if key[1]} == {key: v for key, v in costs.seconds.items()
+                                                                      if key[1]}

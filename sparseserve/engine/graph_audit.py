@@ -1,5 +1,6 @@
 """Replay half of the graph audit: every captured graph, replayed on random realistic
-decode (and speculative verify) batches, must give the eager step's logits. It lives with
+decode (and speculative verify) batches, must give the eager step's logits (the drafter's
+graphs: its streams; its state-only catch-up graphs: the state they write). It lives with
 the engine because it takes its batches' blocks and slots from the engine's cache manager.
 
 Lengths are spread over [2, max_model_len] and include the places where behaviour could
@@ -97,7 +98,27 @@ def _compare_one(runner, graphs, kv: KVCacheManager, lengths: list[int], q: int,
             if diff > 1e-3 * max(scale, 1.0):
                 return (f"mtp graph batch={graph.key.batch_size}, query_len={q} replayed on lengths {lengths}: "
                         f"max |stream diff| {diff:.3g} (scale {scale:.3g})")
+        if q in runner.mtp_state_graphs and streams is not None:
+            problem = _compare_catch_up(runner, step, streams)
+            if problem:
+                return f"mtp_state graph batch={graph.key.batch_size}, query_len={q} on lengths {lengths}: {problem}"
         return None
     finally:
         for req in reqs:
             kv.free(req)
+
+
+def _compare_catch_up(runner, step: list[SequenceChunk], streams: torch.Tensor) -> str | None:
+    """The drafter's state-only catch-up by replay against the eager one: the KV pool each leaves
+    (both write the same position-addressed rows)."""
+    pool = runner.speculator.state.layers[0].kv_pool
+    with runner.eager_only():
+        runner.mtp_catch_up(step, streams)
+    want = pool.clone()
+    runner.mtp_catch_up(step, streams)
+    if pool.dtype == torch.uint8:  # packed FP8 rows: bytes
+        return None if torch.equal(pool, want) else "the KV rows it writes differ from the eager catch-up's"
+    diff, scale = float((pool.float() - want.float()).abs().max()), float(want.float().abs().max())
+    if diff > 1e-3 * max(scale, 1.0):
+        return f"max |KV row diff| {diff:.3g} (scale {scale:.3g}) against the eager catch-up"
+    return None

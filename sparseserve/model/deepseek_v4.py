@@ -46,6 +46,13 @@ class DecoderLayer(nn.Module):
         streams, pending = self.forward_deferred(streams, ctx, state)
         return HyperConnection.expand(streams, *pending)
 
+    def forward_state(self, streams: torch.Tensor, ctx: StepContext, state) -> None:
+        """Only what `forward` writes to the layer's state: the attention input (the pre-attention
+        collapse and norm) and the attention's state writes (`Attention.forward_state`); no
+        attention output, FFN or expand. The MTP drafter's catch-up where it proposes nothing."""
+        _, _, x = self.attn_hc.collapse_norm(streams, self.input_layernorm)
+        self.self_attn.forward_state(x, ctx, state)
+
     def forward_deferred(self, streams: torch.Tensor, ctx: StepContext, state,
                          pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

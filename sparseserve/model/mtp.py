@@ -83,10 +83,24 @@ class MTPModule(nn.Module):
                 target: DeepseekV4ForCausalLM) -> torch.Tensor:
         """batch.input_ids are the *next* tokens (token[t+1]) at positions t; hidden_streams [T, hc, D]
         the target's (or the previous draft's) streams at t. Returns the block's streams [T, hc, D]."""
+        ctx = build_step_context(batch, state, self.config, target.rope_plan(), None)
+        return self.block(self._block_input(batch, hidden_streams, target), ctx, state.layers[0])
+
+    def forward_state(self, batch: BatchMetadata, hidden_streams: torch.Tensor, state: ModelState,
+                      target: DeepseekV4ForCausalLM) -> None:
+        """The catch-up that proposes nothing: writes the layer's state exactly as `forward` does (the
+        block's input from the tokens and streams, its attention input, the KV rows into the window
+        ring) and computes nothing else (`DecoderLayer.forward_state`: no q path, attention, output
+        projection or MoE; no streams out)."""
+        ctx = build_step_context(batch, state, self.config, target.rope_plan(), None, attention=False)
+        self.block.forward_state(self._block_input(batch, hidden_streams, target), ctx, state.layers[0])
+
+    def _block_input(self, batch: BatchMetadata, hidden_streams: torch.Tensor,
+                     target: DeepseekV4ForCausalLM) -> torch.Tensor:
+        """The block's input streams [T, hc, D]: e_proj(enorm(embed(next token))) + h_proj(hnorm(h))."""
         e = self.enorm(target.model.embed_tokens(batch.input_ids))
         x = self.e_proj(e).unsqueeze(1) + self.h_proj(self.hnorm(hidden_streams.to(e.dtype)))
-        ctx = build_step_context(batch, state, self.config, target.rope_plan(), None)
-        return self.block(x.contiguous(), ctx, state.layers[0])
+        return x.contiguous()
 
     def compute_logits(self, streams: torch.Tensor, target: DeepseekV4ForCausalLM) -> torch.Tensor:
         return target.logits_of(self.hc_head.collapse_norm(streams, self.norm))

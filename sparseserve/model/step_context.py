@@ -77,7 +77,7 @@ class RopeTablePlan:
 class StepContext:
     batch: BatchMetadata
     layout: StateLayout
-    window_rows: torch.Tensor  # [T, W]
+    window_rows: torch.Tensor | None  # [T, W]; None in a context built for state writes only
     kv_staging_rows: torch.Tensor  # [T]
     kv_ring_write_rows: torch.Tensor  # [T]
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "main"/"compress" -> cos, sin at token positions
@@ -102,7 +102,10 @@ def build_step_context(
     model_config: ModelConfig,
     rope: RopeTablePlan,
     topk: TopKFn | None = None,
+    attention: bool = True,
 ) -> StepContext:
+    """`attention=False`: only what state writes address (rope tables, staging and ring rows, the
+    compressors' emission addresses), for `forward_state`; no attention row lists or entry counts."""
     layout = state.layout
     if batch.num_tokens > layout.max_step_tokens:
         raise ValueError(
@@ -116,7 +119,7 @@ def build_step_context(
     window_rows = R.source_rows(
         pos, seq, batch.seq_start, batch.seq_token_offset, batch.seq_slots,
         index.window_offsets, ring, layout.staging_base(ring),
-    )
+    ) if attention else None
     tables = rope_tables(pos, rope.offsets_tensor, rope.inv_freq_tensor)  # [n, 2, T, rope_dim / 2], one launch
     # The compressors' (rate, overlap) keys in layer order; every ring's write rows in one launch.
     keys = list(dict.fromkeys((model_config.compress_rate(i), model_config.is_csa(i))
@@ -157,10 +160,10 @@ def build_step_context(
                 emit_table = emit_table.index_select(1, emit_tokens)
             cos, sin = emit_table[0], emit_table[1]
             visible = counts = None
-            if rate in hca_rates:
+            if rate in hca_rates and attention:
                 visible = R.visible_pool_rows(pos, seq, batch.block_table, rate, num_entries, epb, comp_base,
                                               prefix=window_rows)
-            if rate in csa_rates:  # causal: entries whose window closed at or before the token
+            if rate in csa_rates and attention:  # causal: entries whose window closed at or before the token
                 counts = R.visible_counts(pos, rate, num_entries)
             # Tokens that close no window get out row -1: the compressor reads and writes nothing
             # for them, decided on the device (no host branch).

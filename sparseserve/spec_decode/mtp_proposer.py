@@ -6,6 +6,8 @@ residual streams h[t] and the sequence's next token t+1 (so its window state cov
 position). Positions past what the step accepted get placeholder tokens; they are re-run,
 and so overwritten, once their real tokens are known (docs/design.md, invariant 4). From the last
 accepted position the layer then drafts d_1, and feeds its own streams back for d_2..d_k.
+A step that proposes nothing runs the state-only catch-up (`MTPModule.forward_state`): the same
+state writes, none of the layer's other work.
 """
 from __future__ import annotations
 
@@ -38,16 +40,21 @@ class DraftRequest:
 # runner's `mtp_forward`: graph replay, padded eager, or plain eager; device ids and positions, if
 # given, replace the chunks').
 MTPForward = Callable[[list[SequenceChunk], torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+# catch_up(chunks, hidden, input_ids): the layer's state writes alone over the chunks' positions, nothing
+# returned (the runner's `mtp_catch_up`: graph replay or eager `MTPModule.forward_state`).
+MTPCatchUp = Callable[[list[SequenceChunk], torch.Tensor, torch.Tensor | None], None]
 
 
 class MTPProposer:
     def __init__(self, mtp: MTPModule, target: DeepseekV4ForCausalLM, state: ModelState, num_tokens: int,
-                 forward: MTPForward) -> None:
+                 forward: MTPForward, catch_up: MTPCatchUp | None = None) -> None:
         self.mtp = mtp
         self.target = target
         self.state = state
         self.k = num_tokens
         self.forward = forward
+        # Without a state-only catch-up the full forward catches up (its streams unused).
+        self.catch_up: MTPCatchUp = catch_up or (lambda chunks, hidden, ids: forward(chunks, hidden, ids, None))
 
     @torch.no_grad()
     def propose(self, requests: list[DraftRequest], target_streams: torch.Tensor,
@@ -62,7 +69,7 @@ class MTPProposer:
                   for r in requests]
         drafting = [i for i, r in enumerate(requests) if r.draft_from is not None] if num else []
         if not drafting:
-            self.forward(chunks, target_streams, None, None)  # the window state still follows the target
+            self.catch_up(chunks, target_streams, None)  # the window state still follows the target
             return torch.empty(0, num, dtype=torch.long, device=device), None, []
         offsets = [0]
         for chunk in chunks:
@@ -83,9 +90,10 @@ class MTPProposer:
         fills them from the host, the fused greedy path from the acceptance counts). Returns (drafts
         [D, num], probs [D, num, V] or None when all greedy)."""
         num = self.k if num is None else num
-        h = self.forward(chunks, target_streams, input_ids, None)[rows]
         if num == 0:
-            return torch.empty(len(drafting), 0, dtype=torch.long, device=h.device), None
+            self.catch_up(chunks, target_streams, input_ids)
+            return torch.empty(len(drafting), 0, dtype=torch.long, device=target_streams.device), None
+        h = self.forward(chunks, target_streams, input_ids, None)[rows]
         one_token = [SequenceChunk(c.slot, c.start_pos, [0], c.block_ids, "last") for c in drafting]
         drafts, probs = [], []
         for j in range(num):

@@ -17,7 +17,7 @@ from ..model.mtp import MTPModule
 from ..model.state import ModelState
 from ..sample.sampler import SamplingTensors, filtered_probs, uniform_noise
 from ..step_types import RunnerOutput, SampledToken, SchedulerOutput
-from .mtp_proposer import DraftRequest, MTPForward, MTPProposer
+from .mtp_proposer import DraftRequest, MTPCatchUp, MTPForward, MTPProposer
 from .rejection_sampler import verify
 
 ACCEPT_SALT = 0x68E31DA4
@@ -38,19 +38,21 @@ class MTPSpeculator:
     """The MTP drafter and draft verification of one runner."""
 
     def __init__(self, mtp: MTPModule, target: DeepseekV4ForCausalLM, state: ModelState, num_tokens: int,
-                 forward: MTPForward) -> None:
+                 forward: MTPForward, catch_up: MTPCatchUp | None = None) -> None:
         self.k = num_tokens
         self.state = state  # the MTP layer's own window state
-        self.proposer = MTPProposer(mtp, target, state, num_tokens, forward)
+        self.proposer = MTPProposer(mtp, target, state, num_tokens, forward, catch_up)
         self.draft_probs: dict[str, torch.Tensor] = {}  # request_id -> [k, V] q of its pending drafts
 
-    def measure_costs(self, target_graphs: dict, mtp_graphs: dict):
-        """Adaptive speculation's step costs, timed from the captured graphs (step_costs.py)."""
+    def measure_costs(self, target_graphs: dict, mtp_graphs: dict, catch_up_graphs: dict | None = None):
+        """Adaptive speculation's step costs, timed from the captured graphs (step_costs.py);
+        `catch_up_graphs`: the drafter's state-only catch-up graphs (plain steps)."""
         from .step_costs import measure_graph_costs
 
         mtp, target = self.proposer.mtp, self.proposer.target
         return measure_graph_costs(target_graphs, mtp_graphs,
-                                   lambda h: mtp.compute_logits(h, target).argmax(dim=-1), self.k)
+                                   lambda h: mtp.compute_logits(h, target).argmax(dim=-1), self.k,
+                                   catch_up_graphs=catch_up_graphs)
 
     def forget(self, request_id: str) -> None:
         """Drop what is kept for a request's pending drafts (finished, aborted or preempted)."""
@@ -67,15 +69,17 @@ class MTPSpeculator:
 
     def launch_catch_up(self, runner: RunnerView, step) -> object | None:
         """A plain step of adaptive speculation (nothing verified, nothing to propose, every sequence
-        sampling after one token): queue the MTP layer's catch-up over the step's positions with
-        the tokens just sampled, still on the device, so that `finish_step` has nothing left to do
-        (no host pass over the requests). Returns CAUGHT_UP, or None, having done nothing."""
+        sampling after one token): queue the MTP layer's state-only catch-up over the step's
+        positions with the tokens just sampled, still on the device, so that `finish_step` has
+        nothing left to do (no host pass over the requests). Returns CAUGHT_UP, or None, having
+        done nothing."""
         chunks = step.chunks
         if (step.sched.num_propose != 0 or step.sampled is None or len(step.sample_reqs) != len(chunks)
                 or not isinstance(self.proposer, MTPProposer) or any(len(c.token_ids) != 1 for c in chunks)):
             return None
-        catch_up = [SequenceChunk(c.slot, c.start_pos, [0], c.block_ids, "none") for c in chunks]
-        self.proposer.forward(catch_up, runner.last_streams, step.sampled[0], None)
+        # The step's own chunks (slots, positions, blocks): their token ids are replaced by the sampled
+        # ones, and the runner recognises them as the step it just ran (its graph's metadata is reused).
+        self.proposer.catch_up(chunks, runner.last_streams, step.sampled[0])
         return CAUGHT_UP
 
     def finish_step(self, runner: RunnerView, sched: SchedulerOutput, chunks: list[SequenceChunk],

@@ -2,7 +2,8 @@
 
 Query length 1 is plain decode; with speculation, 1 + k is a verify step (every token's
 logits), and the MTP drafter has graphs of both lengths too (its catch-up over the verified
-positions, and each single-token draft step).
+positions, and each single-token draft step). With adaptive speculation the drafter also has
+graphs of its state-only catch-up at query length 1 (plain steps, which propose nothing).
 
 The captured step is static (docs/design.md, invariants 1-3): shapes come from the bucket, every
 per-request fact lives in the static input buffers ("bridge tensors") that `run` fills
@@ -120,6 +121,17 @@ class StaticBatch:
             emit_tokens={r: t.clone() for r, t in template.emit_tokens.items()},
             emit_all_tokens=template.emit_all_tokens, **views)
 
+    def fill_like(self, other: StaticBatch) -> bool:
+        """Copy another graph's metadata, device to device, when both lay it out alike (a graph of
+        another step function, same bucket and query length, that has just run the same chunks).
+        False, having copied nothing, when the layouts differ."""
+        if (other.flat.shape != self.flat.shape or other.batch.block_table.shape != self.batch.block_table.shape
+                or other.batch.num_tokens != self.batch.num_tokens):
+            return False
+        self.flat.copy_(other.flat)
+        self.batch.block_table.copy_(other.batch.block_table)
+        return True
+
     def fill(self, src: BatchMetadata) -> None:
         if self.copied is not None:
             self.copied.synchronize()  # an earlier fill's copy may still be reading the host buffers
@@ -171,7 +183,7 @@ class CudaGraphRunner:
                  sizes: list[int], query_len: int, max_blocks: int, num_entries: dict[int, int], dummy_slot: int,
                  topk_for: Callable[[int], tuple[TopKFn, str]] | None, short_len: int,
                  hidden: BufferSpec | None = None, pool=None, block_tables: BlockTableCache | None = None,
-                 stream: torch.cuda.Stream | None = None) -> None:
+                 stream: torch.cuda.Stream | None = None, hidden_buffer: torch.Tensor | None = None) -> None:
         self.name = name
         self.step = step
         self.sizes = sorted(sizes)
@@ -189,7 +201,13 @@ class CudaGraphRunner:
         self.stream = stream if stream is not None else torch.cuda.Stream(device=self.device)
         rows = max(self.sizes) * query_len
         self.outputs = tuple(torch.zeros((rows, *o.tail), dtype=o.dtype, device=self.device) for o in outputs)
-        self.hidden = (torch.zeros((rows, *hidden.tail), dtype=hidden.dtype, device=self.device)
+        # `hidden_buffer`: an existing buffer of at least `rows` rows (another runner's output) read in
+        # place; a run whose input rows are that buffer copies nothing.
+        if hidden_buffer is not None and (hidden is None or hidden_buffer.shape[0] < rows
+                                          or tuple(hidden_buffer.shape[1:]) != hidden.tail):
+            raise ValueError(f"hidden_buffer {tuple(hidden_buffer.shape)} must hold {rows} rows of {hidden}")
+        self.hidden = (hidden_buffer if hidden_buffer is not None else
+                       torch.zeros((rows, *hidden.tail), dtype=hidden.dtype, device=self.device)
                        if hidden is not None else None)
         self.graphs: dict[GraphKey, CapturedGraph] = {}
         self.first_warmup_s: float | None = None  # wall time of the first eager warm-up step
@@ -311,28 +329,32 @@ class CudaGraphRunner:
 
     def run(self, chunks: list[SequenceChunk], hidden: torch.Tensor | None = None,
             input_ids: torch.Tensor | None = None,
-            positions: torch.Tensor | None = None, fix_inputs: Callable[[torch.Tensor], None] | None = None
-            ) -> tuple[tuple[torch.Tensor, ...], CapturedGraph]:
+            positions: torch.Tensor | None = None, fix_inputs: Callable[[torch.Tensor], None] | None = None,
+            like: CapturedGraph | None = None) -> tuple[tuple[torch.Tensor, ...], CapturedGraph]:
         """Replay the graph of the smallest bucket holding `chunks` (each of `query_len` tokens).
         `hidden`: the per-token input rows (at least the real tokens'); `input_ids`: device token ids
         that replace the chunks' first ids; `positions`: device positions that replace the chunks'
-        (one-token chunks only); `fix_inputs`: writes device-side ids into the flat input ids.
+        (one-token chunks only); `fix_inputs`: writes device-side ids into the flat input ids;
+        `like`: a graph (of another runner) whose last replay ran these same chunks: its metadata is
+        copied on the device instead of built on the host (`StaticBatch.fill_like`).
         Returns the outputs' rows (padding rows included last)."""
         size = self.bucket_for(len(chunks))
         graph = self.graphs[GraphKey(size, self.query_len)]
-        chunks = [c if c.want_logits == self.want_logits else replace(c, want_logits=self.want_logits)
-                  for c in chunks]
-        padded = pad_chunks(chunks, size, self.query_len, self.dummy_slot, want_logits=self.want_logits)
-        host = build_batch(padded, self.rates, "cpu", max_blocks=self.max_blocks, num_entries=self.num_entries,
-                           tables=self.block_tables)
-        graph.static.fill(host)
+        if like is None or like.key != graph.key or not graph.static.fill_like(like.static):
+            chunks = [c if c.want_logits == self.want_logits else replace(c, want_logits=self.want_logits)
+                      for c in chunks]
+            padded = pad_chunks(chunks, size, self.query_len, self.dummy_slot, want_logits=self.want_logits)
+            host = build_batch(padded, self.rates, "cpu", max_blocks=self.max_blocks, num_entries=self.num_entries,
+                               tables=self.block_tables)
+            graph.static.fill(host)
         if input_ids is not None:
             graph.static.batch.input_ids[: input_ids.shape[0]].copy_(input_ids)
         if fix_inputs is not None:
             fix_inputs(graph.static.batch.input_ids)
         if positions is not None:
             set_positions(graph.static.batch, positions)
-        if hidden is not None:
+        if hidden is not None and not (hidden.data_ptr() == self.hidden.data_ptr()
+                                       and hidden.stride() == self.hidden.stride()):
             n = min(hidden.shape[0], size * self.query_len)
             self.hidden[:n].copy_(hidden[:n])
         graph.graph.replay()

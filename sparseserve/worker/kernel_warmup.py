@@ -268,11 +268,12 @@ def run_warmup(runner, plan: list[WarmupStep]) -> WarmupReport:
             chunks = step.chunks(runner.block_size, num_blocks)
             logits, _ = runner.forward(chunks)
             greedy_tokens(logits)
-            if runner.speculator is not None:  # the drafter's eager steps (its catch-up over prompts)
-                hf = runner.model_config.hf_config
+            if runner.speculator is not None:  # the drafter's eager steps: its catch-up over prompts,
+                hf = runner.model_config.hf_config  # full (a prompt's last chunk drafts) and state-only
                 hidden = torch.zeros(step.num_tokens, hf.hc_mult, hf.hidden_size, device=runner.device,
                                      dtype=runner.dtype)
                 runner.mtp_forward(chunks, hidden)
+                runner.mtp_catch_up(chunks, hidden)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
     report = WarmupReport(len(plan), time.perf_counter() - start, builds.count, builds.summary())

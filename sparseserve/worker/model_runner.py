@@ -26,8 +26,10 @@ from ..model.step_context import TopKFn, default_topk
 from ..sample.sampler import SamplingTensors, sample, token_logprobs
 from ..spec_decode.spec_step import MTPSpeculator
 from ..step_types import PENDING_TOKEN_ID, RunnerOutput, SampledToken, SchedulerOutput
-from .cuda_graph import (BufferSpec, CudaGraphRunner, GraphCaptureError, decode_batch, default_graph_sizes,
-                         logits_mode, pad_chunks, pick_bucket, set_positions)
+from . import drafter_steps
+from .cuda_graph import (BufferSpec, CapturedGraph, CudaGraphRunner, GraphCaptureError, decode_batch,
+                         default_graph_sizes, logits_mode, pad_chunks, pick_bucket)
+from .drafter_steps import drafter_graph_runners
 from ..sample.logits_processors import process_logits
 from .kernel_warmup import run_warmup, runner_plan
 from .sampling_state import LogitsState, SamplingTensorCache
@@ -127,6 +129,11 @@ class ModelRunner:
         self._topk: dict[int, IndexerTopK] = {}
         self.graphs: dict[int, CudaGraphRunner] = {}  # target model, by query length
         self.mtp_graphs: dict[int, CudaGraphRunner] = {}  # the MTP drafter, by query length
+        # Its state-only catch-up of plain steps (adaptive speculation's d = 0), by query length (1).
+        self.mtp_state_graphs: dict[int, CudaGraphRunner] = {}
+        # The chunks and graph of the last target forward replayed (None: it ran eagerly): a
+        # catch-up over the same chunks copies that graph's metadata on the device.
+        self.replayed: tuple[list[SequenceChunk], CapturedGraph] | None = None
         if k and mtp is None:
             raise ValueError("num_speculative_tokens > 0 needs the MTP layer (mtp=...)")
         self.mtp = mtp if k else None
@@ -207,12 +214,12 @@ class ModelRunner:
         if self.mtp is not None:
             mtp_state = ModelState(self.mtp.config, self._layout(0), self.device, self.dtype, kv)
             self.speculator = MTPSpeculator(self.mtp, self.model, mtp_state, self.options.num_speculative_tokens,
-                                            self.mtp_forward)
+                                            self.mtp_forward, self.mtp_catch_up)
 
     def release(self) -> None:
         """Drop the model, the state, the graphs and the step buffers (the engine's shutdown frees them)."""
-        self.graphs, self.mtp_graphs, self._topk = {}, {}, {}
-        self.state = self.speculator = self.mtp = self._last_sampled = self.last_streams = None
+        self.graphs, self.mtp_graphs, self.mtp_state_graphs, self._topk = {}, {}, {}, {}
+        self.state = self.speculator = self.mtp = self._last_sampled = self.last_streams = self.replayed = None
         self.model = self.capture_stream = None
         self.logits_state, self.sampling_cache = LogitsState(self.eos_token_id), SamplingTensorCache()
 
@@ -242,9 +249,6 @@ class ModelRunner:
         if len(outputs) > 1:  # the drafter reads every token's streams
             outputs[1].copy_(streams)
 
-    def _mtp_step(self, batch, topk, hidden, outputs) -> None:
-        outputs[0].copy_(self.mtp(batch, hidden, self.speculator.state, self.model))
-
     def _new_graph_runners(self, pool_per_runner: bool = False) -> list[CudaGraphRunner]:
         hf = self.model_config.hf_config
         streams = BufferSpec((hf.hc_mult, hf.hidden_size), self.dtype)
@@ -259,10 +263,7 @@ class ModelRunner:
                                            sizes=self.graph_sizes_for(q), query_len=q, num_entries=self.decode_entries,
                                            topk_for=self.topk_for, pool=pool, **common))
         if self.speculator is not None:
-            for q in self.query_lens:
-                runners.append(CudaGraphRunner("mtp", self._mtp_step, [streams], rates=self.mtp.config.rates,
-                                               sizes=self.graph_sizes_for(q), query_len=q, num_entries={},
-                                               topk_for=None, hidden=streams, pool=pool, **common))
+            runners += drafter_graph_runners(self, streams, runners[0], pool, common)
         return runners
 
     def warm_up_kernels(self) -> None:
@@ -287,22 +288,25 @@ class ModelRunner:
             if runner.sizes:
                 self.startup_steps.append((f"first graph warm-up: {runner.name}, batch {max(runner.sizes)} of "
                                            f"{runner.query_len} token(s)", runner.first_warmup_s))
-            (self.graphs if runner.name == "target" else self.mtp_graphs)[runner.query_len] = runner
+            self._graph_families()[runner.name][runner.query_len] = runner
         if problems:
-            self.graphs, self.mtp_graphs = {}, {}
+            self.graphs, self.mtp_graphs, self.mtp_state_graphs = {}, {}, {}
             raise GraphCaptureError("CUDA graph audit failed:\n" + "\n".join(problems))
         if self.speculator is not None and self.options.adaptive_speculation:
-            self.step_costs = self.speculator.measure_costs(self.graphs, self.mtp_graphs)
+            self.step_costs = self.speculator.measure_costs(self.graphs, self.mtp_graphs, self.mtp_state_graphs)
+
+    def _graph_families(self) -> dict[str, dict[int, CudaGraphRunner]]:
+        return {"target": self.graphs, "mtp": self.mtp_graphs, "mtp_state": self.mtp_state_graphs}
 
     @contextmanager
     def eager_only(self):
         """Run steps eagerly (padded as graphs would be) while inside; used by the replay audit."""
-        graphs, mtp_graphs = self.graphs, self.mtp_graphs
-        self.graphs, self.mtp_graphs = {}, {}
+        kept = self.graphs, self.mtp_graphs, self.mtp_state_graphs
+        self.graphs, self.mtp_graphs, self.mtp_state_graphs = {}, {}, {}
         try:
             yield
         finally:
-            self.graphs, self.mtp_graphs = graphs, mtp_graphs
+            self.graphs, self.mtp_graphs, self.mtp_state_graphs = kept
 
     # ---- execution ----
     @torch.no_grad()
@@ -473,13 +477,14 @@ class ModelRunner:
         rows of padding sequences, if any, follow the real ones).`fix_inputs` writes device-side
         input ids (pending tokens) into the step's flat input ids before the forward runs."""
         shape = self.graph_shape(chunks)
-        streams = None
+        streams = self.replayed = None
         if shape is not None:  # every chunk has the shape's query length and its logits mode
             rows = len(chunks) * (shape[1] if logits_mode(shape[1]) == "all" else 1)  # real logits rows
         if shape is not None and shape[1] in self.graphs:
             outputs, graph = self.graphs[shape[1]].run(chunks, fix_inputs=fix_inputs)
             logits = outputs[0][:rows]
             streams = outputs[1] if len(outputs) > 1 else None
+            self.replayed = (chunks, graph)
             mode = f"graph {graph.key}, topk_path={graph.topk_path}"
         elif shape is not None and self.pad_like_graphs:
             bucket, q = shape
@@ -515,25 +520,14 @@ class ModelRunner:
         """The MTP block's streams for `chunks` (rows of the real tokens first). `hidden`: the
         per-token input streams (at least the real tokens' rows); `input_ids`: device token ids
         that replace the chunks' ids (drafts fed back); `positions`: device positions that replace
-        those of one-token chunks. By graph replay when one holds the step."""
-        shape = self.graph_shape(chunks, check_logits=False)
-        if shape is not None and shape[1] in self.mtp_graphs:
-            return self.mtp_graphs[shape[1]].run(chunks, hidden, input_ids, positions)[0][0]
-        num_tokens = sum(len(c.token_ids) for c in chunks)
-        if shape is not None and self.pad_like_graphs:
-            bucket, q = shape
-            chunks = pad_chunks(chunks, bucket, q, self.max_num_seqs, want_logits=logits_mode(q))
-            batch = decode_batch(chunks, self.mtp.config.rates, self.device, self.max_blocks_per_seq, {})
-        else:
-            batch = build_batch(chunks, self.mtp.config.rates, self.device)
-        if input_ids is not None:
-            batch.input_ids[: input_ids.shape[0]] = input_ids
-        if positions is not None:
-            set_positions(batch, positions)
-        rows = batch.num_tokens
-        if hidden.shape[0] < rows:
-            hidden = torch.cat([hidden[:num_tokens], hidden.new_zeros(rows - num_tokens, *hidden.shape[1:])])
-        return self.mtp(batch, hidden[:rows], self.speculator.state, self.model)
+        those of one-token chunks. By graph replay when one holds the step (drafter_steps.py)."""
+        return drafter_steps.mtp_forward(self, chunks, hidden, input_ids, positions)
+
+    def mtp_catch_up(self, chunks: list[SequenceChunk], hidden: torch.Tensor,
+                     input_ids: torch.Tensor | None = None) -> None:
+        """The MTP layer's state-only catch-up over `chunks` (`MTPModule.forward_state`: its state
+        written as `mtp_forward` would, nothing else computed), arguments as `mtp_forward`'s."""
+        drafter_steps.mtp_catch_up(self, chunks, hidden, input_ids)
 
     def sampling_tensors(self, reqs, counters: list[int] | None = None) -> SamplingTensors:
         """`counters`: the index of the token each request samples (default: from its token counts,

@@ -140,8 +140,8 @@ class Attention(nn.Module):
         groups = self._linear_groups()
         return [name for name, packed in self._packed.items() if packed.holds(groups[name][0])]
 
-    def _project(self, name: str, inp: torch.Tensor) -> list[torch.Tensor]:
-        linears, spans = self._x_linears() if name == "x" else self._q_linears()
+    def _packed_holding(self, name: str, linears: list[nn.Linear]) -> PackedWeight | None:
+        """The packed weights of input `name`, or None when unpacked or no longer holding `linears`."""
         packed = self._packed.get(name)
         if packed is not None and not packed.holds(linears):
             # The weights were replaced after packing (.to() to another dtype/device, assign=True
@@ -151,7 +151,34 @@ class Attention(nn.Module):
                            self.layer_idx, name)
             del self._packed[name]
             packed = None
-        return shared_input_linear(inp, linears, packed, spans)
+        return packed
+
+    def _project(self, name: str, inp: torch.Tensor) -> list[torch.Tensor]:
+        linears, spans = self._x_linears() if name == "x" else self._q_linears()
+        return shared_input_linear(inp, linears, self._packed_holding(name, linears), spans)
+
+    def _project_state(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The x-projections that feed the layer's state: kv[, compressor kv||gate[, indexer kv||gate]]
+        (`_x_linears` spans 1..3), one GEMM over their consecutive rows of the packed matrix; q_a and the
+        indexer's head weights are not computed. Each output column is the same dot product as in the
+        whole group's GEMM (bit-equal on the CPU; a CUDA GEMM of another shape may round otherwise)."""
+        linears, spans = self._x_linears()
+        state_spans = spans[1:4]  # kv | compressor | indexer, those the layer kind has
+        first, last = state_spans[0][0], state_spans[-1][1]
+        packed = self._packed_holding("x", linears)
+        return shared_input_linear(x, linears[first:last], packed.rows(first, last) if packed is not None else None,
+                                   [(i - first, j - first) for i, j in state_spans])
+
+    def forward_state(self, x: torch.Tensor, ctx: StepContext, state: LayerState) -> None:
+        """The part of `forward` that writes the layer's state, and nothing else: the KV rows (normed,
+        rotated) to their staging rows and ring, the compressor's (and indexer's) staged projections,
+        emitted entries and ring commit, in `forward`'s order and with its kernels, so the state ends
+        bit-equal. No q path, indexer scores, attention or output projection. `ctx` may be built
+        with `attention=False` (no attention row lists)."""
+        x_proj = self._project_state(x)  # kv[, compressor kv||gate[, indexer kv||gate]]
+        staged = self._stage_compress(x_proj[1:], ctx, state) if self.compressor is not None else (None, None)
+        kv = self._stage_kv(x_proj[0], ctx, state)
+        self._commit(staged, kv, ctx, state)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, state: LayerState) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -202,7 +229,7 @@ class Attention(nn.Module):
     def _stage_compress(self, x_proj: list[torch.Tensor], ctx: StepContext,
                         state: LayerState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stage this step's compressor (and indexer) projections and emit the entries of the
-        windows they close. x_proj: compressor kv||gate[, indexer kv||gate, indexer weights].
+        windows they close. x_proj: compressor kv||gate[, indexer kv||gate] (anything after is not read).
         Returns the staged projections (compressor, indexer or None), committed later."""
         comp = self.compressor
         rate_addr = ctx.rates[self.rate]

@@ -99,6 +99,16 @@ class PackedWeight:
             lin.weight = nn.Parameter(packed[lo:hi], requires_grad=w.requires_grad)
         return cls(packed, bounds)
 
+    def rows(self, first: int, last: int) -> PackedWeight:
+        """The packed matrix of linears first..last - 1 alone: a view of their consecutive rows (and of
+        their block scales when quantized), for a GEMM over only some of the group's outputs."""
+        lo, hi = self.bounds[first], self.bounds[last]
+        bounds = [b - lo for b in self.bounds[first:last + 1]]
+        if self.quant is None:
+            return PackedWeight(self.weight[lo:hi], bounds)
+        quant = QuantWeight(self.quant.data[lo:hi], self.quant.scale[lo // BLOCK:hi // BLOCK], self.quant.fmt)
+        return PackedWeight(quant.data, bounds, quant)
+
     def holds(self, linears: Sequence[nn.Linear]) -> bool:
         """Whether every linear's weight is still the view of its rows of the packed matrix."""
         if len(linears) != len(self.bounds) - 1:

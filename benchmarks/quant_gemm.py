@@ -16,9 +16,10 @@ routings (so every call reads its weights from HBM, not L2):
   * bf16 cuBLAS (`torch.matmul`) at the same shape; for experts, the bf16 Triton grouped kernel (kernels/moe.py);
   * a read of the kernel's weight bytes (`read_sum`), the HBM ceiling a read of that size reaches.
 Beside the table's config, each case times the alternatives select.py names for its size (`linear_variants`:
-in the streaming row the fp16 dot and 8 warps; `moe_quant_variants`, FP4: the other FP4 partial form, i.e.
-tl.dot_scaled or the scalar nibble decode, x through act_quant first and 4 warps in the decode rows, 128-row
-tiles in the prefill rows), each checked against the reference (or the table's output where the reference
+in the streaming row the fp16 dot and 8 warps; `moe_quant_variants`, FP4: the fp8 form the row does not take,
+`fp4_one_dot` or `fp4_four_dot`, the bf16 forms (tl.dot_scaled, the scalar nibble decode), the activations
+quantized inside the GEMMs and narrower gate-up tiles in the decode rows, 4 warps in the prefill rows), each
+checked against the reference (or the table's output where the reference
 would be slow): the case's line ends with their times and the fastest correct one, its JSON row has them under
 `variants` and `fastest_variant`; a wrong or failing alternative fails the run.
 Floors: bytes / copy bandwidth (measured) and FLOPs / the FP8 ceiling's rate at the same shape; `floor_us` is

@@ -4,7 +4,8 @@ V4-Flash shapes, compiled for sm_90a offline (no GPU needed; tools/kernel_resour
     TRITON_INTERPRET=0 python tools/quant_kernel_resources.py [--only linear,moe]
 
 One JSON line per kernel and config (the table's, "variant": "table", and the alternatives
-benchmarks/quant_gemm.py times, select.linear_variants / moe_quant_variants): registers, spill stack (bytes),
+benchmarks/quant_gemm.py times, select.linear_variants / moe_quant_variants; FP4's one-dot form as for a weight
+that is exact in it, QuantWeight.fp4_one_dot_exact): registers, spill stack (bytes),
 shared memory, whether the dots became wgmma (Hopper's warpgroup MMA) or mma, and `fits` (shared memory within
 the 232,448 bytes of an sm_90 SM).
 Exits 1 if a config does not fit. Diagnostic: run it under each Triton the engine supports.
@@ -69,11 +70,12 @@ def _moe_row(fmt: str, tokens: int, variant: str, cfg) -> list[dict]:
                "out_ptr": "*fp8e4nv" if cfg.out_quant else a16, "outs_ptr": "*fp32",
                "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32"}
     mma = fmt == "fp4" and cfg.fp4_fp8_mma
+    one_dot = mma and cfg.fp4_one_dot  # as for a weight that passes QuantWeight.fp4_one_dot_exact
     scaled = fmt == "fp4" and cfg.fp4_scaled_dot and not mma
     codes_down = cfg.out_quant or cfg.down_act_quant
     common = {"FP4": fmt == "fp4", "UE8M0": True, "W_E8M0": True, "DOT": cfg.dot, "M_FASTEST": False,
               "FP4_SCALED_DOT": scaled, "EVEN_K": True,  # V4-Flash: D and I multiples of 128
-              "FP4_FP8": mma, "INTERPRET": False}
+              "FP4_FP8": mma, "FP4_ONE_DOT": one_dot, "INTERPRET": False}
     gu = _compile(moe_quant._moe_q_gate_up_kernel, gu_ptrs,
                   {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.gu_block_n, "QUANT_A": not cfg.x_quant,
                    "OUT_QUANT": cfg.out_quant, "ACT_DTYPE": tl.bfloat16, **common},
@@ -84,7 +86,7 @@ def _moe_row(fmt: str, tokens: int, variant: str, cfg) -> list[dict]:
                   {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.dn_block_n, "QUANT_A": not codes_down, **common},
                   cfg.dn_warps, cfg.dn_stages)
     tag = {"fmt": fmt, "tokens": tokens, "variant": variant, "block_m": cfg.block_m, "fp4_scaled_dot": scaled,
-           "fp4_fp8_mma": mma, "fp8_dot": cfg.dot == DOT_FP8}
+           "fp4_fp8_mma": mma, "fp4_one_dot": one_dot, "fp8_dot": cfg.dot == DOT_FP8}
     return [{"kernel": "moe_gate_up", **tag, **gu}, {"kernel": "moe_down", **tag, **dn}]
 
 

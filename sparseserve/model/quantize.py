@@ -14,8 +14,14 @@ codes a power of two larger). A quantized linear keeps an empty `weight` Paramet
 `QuantWeight` as `linear.qweight`; the routed experts keep theirs as `experts.q_gate_up` and
 `experts.q_down`. The grouped `o_a_proj` (a batched GEMM over output groups) stays in the compute
 dtype, and quantized execution runs on one GPU (`tensor_parallel_size=1`).
+
+FP4 experts: whether each tensor is exact in the kernels' one-dot form (`QuantWeight.fp4_one_dot_exact`,
+a pass over its codes and scales with one host sync) is decided here, once, so that no step (and no
+graph capture) computes it; a tensor that is not runs the four-dot form (docs/quantization.md).
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
@@ -23,6 +29,8 @@ from torch import nn
 from ..config import WeightFormat
 from ..kernels.quant.reference import quantize_fp4, quantize_fp8_block
 from .weight_bytes import format_bytes, held_quant
+
+logger = logging.getLogger(__name__)
 
 
 def _empty_like(p: torch.Tensor) -> nn.Parameter:
@@ -53,6 +61,10 @@ def quantize_model(model: nn.Module, quantization: str, fmt: WeightFormat, prefi
             gu, dn = module.gate_up_proj, module.down_proj
             if kind == "fp4":
                 module.q_gate_up, module.q_down = quantize_fp4(gu), quantize_fp4(dn)
+                for part, w in (("gate_up_proj", module.q_gate_up), ("down_proj", module.q_down)):
+                    if not w.fp4_one_dot_exact:  # read once here: the kernels' form for this tensor
+                        logger.info("%s%s: a 128-column group's FP4 scales span more than 14 binades; its experts "
+                                    "run the four-dot form", base, part)
             else:
                 module.q_gate_up, module.q_down = quantize_fp8_block(gu), quantize_fp8_block(dn)  # I % 128 == 0
             module.gate_up_proj, module.down_proj = _empty_like(gu), _empty_like(dn)

@@ -14,9 +14,13 @@ gate-up program); the activation either in the gate-up epilogue (prefill rows: i
 the down GEMM reads e4m3 codes) or by act_quant on the bf16 act between the two GEMMs (decode rows; the
 alternative quantizes it inside each down program).
 
-FP4 weights (Hopper has no FP4 tensor cores) take one of three forms. The table's is the fp8-mma form
-(constexpr FP4_FP8, MoeQuantConfig.fp4_fp8_mma; fp4_fp8.py): each e2m1 code moved bit-wise to the e4m3 code
-of value x 2^-6, four K = 32 fp8 dots per 128-column group, each partial times its per-32 scale (x 2^6) in
+FP4 weights (Hopper has no FP4 tensor cores) take one of four forms. Two run on the fp8 tensor cores
+(MoeQuantConfig.fp4_fp8_mma): the one-dot form (constexpr FP4_ONE_DOT, MoeQuantConfig.fp4_one_dot;
+fp4_one_dot.py): per (row, 128-column group) the four sub-scales folded into one, the e2m1 codes written as
+exponent-shifted e4m3 codes, one K = 128 fp8 dot a group scaled once, exact for tensors whose sub-scale spans
+allow it (QuantWeight.fp4_one_dot_exact, decided at load: a tensor that fails takes the four-dot form, so no
+step branches on data); the four-dot form (constexpr FP4_FP8; fp4_fp8.py): each e2m1 code moved bit-wise to
+the e4m3 code of value x 2^-6, four K = 32 fp8 dots per group, each partial times its per-32 scale (x 2^6) in
 fp32. The two benchmarked alternatives multiply exact bf16 values (e2m1 x 2^e) through the bf16 mma
 (constexpr FP4_SCALED_DOT): `tl.dot_scaled` on the packed bytes and their ue8m0 scale bytes (Triton's MX
 upcast), or each byte's two nibbles decoded with scalar ops, times their scale. Where K is a multiple of 128
@@ -51,6 +55,7 @@ try:  # Triton is optional: without it every path is the reference.
     import triton.language as tl
 
     from .fp4_fp8 import act_group_operands, fp4_fp8_group_partial
+    from .fp4_one_dot import fp4_one_dot_partial, one_dot_act_group
     from .triton_common import activation_group, quant_group, round_to, weight_group_partial
 
     HAS_TRITON = True
@@ -81,6 +86,7 @@ if HAS_TRITON:
         OUT_QUANT: tl.constexpr, UE8M0: tl.constexpr, W_E8M0: tl.constexpr, DOT: tl.constexpr,
         FP4_SCALED_DOT: tl.constexpr, EVEN_K: tl.constexpr, ACT_DTYPE: tl.constexpr, M_FASTEST: tl.constexpr,
         PDL: tl.constexpr, FP4_FP8: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+        FP4_ONE_DOT: tl.constexpr = False,
     ):
         wait_for_prior_grid(PDL)
         pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(inter, BLOCK_N), M_FASTEST)
@@ -109,7 +115,15 @@ if HAS_TRITON:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for g in range(0, (hidden + 127) // 128):
-            if FP4_FP8:  # four K = 32 fp8 dots a group, both halves on the same activation codes
+            if FP4_ONE_DOT:  # one K = 128 fp8 dot a group and half, on exponent-shifted codes
+                k_ok = g * 128 + offs_k < hidden
+                a_op, sa = one_dot_act_group(a_ptrs + g * 128, as_ptrs + g, row_ok[:, None] & k_ok[None, :], row_ok,
+                                             QUANT_A, UE8M0, INTERPRET)
+                acc_g += fp4_one_dot_partial(a_op, g, w_gate, ws_gate, offs_n, n_ok, hidden, stride_wn, stride_wsn,
+                                             W_E8M0, EVEN_K, not INTERPRET, INTERPRET) * sa[:, None]
+                acc_u += fp4_one_dot_partial(a_op, g, w_up, ws_up, offs_n, n_ok, hidden, stride_wn, stride_wsn,
+                                             W_E8M0, EVEN_K, not INTERPRET, INTERPRET) * sa[:, None]
+            elif FP4_FP8:  # four K = 32 fp8 dots a group, both halves on the same activation codes
                 sa, a0, a1, a2, a3 = act_group_operands(a_row, g, row_ok, as_ptrs, hidden, QUANT_A, UE8M0, INTERPRET)
                 acc_g += fp4_fp8_group_partial(a0, a1, a2, a3, g, w_gate, ws_gate, offs_n, n_ok, hidden, stride_wn,
                                                stride_wsn, W_E8M0, EVEN_K, not INTERPRET, INTERPRET) * sa[:, None]
@@ -145,7 +159,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP4: tl.constexpr, QUANT_A: tl.constexpr,
         UE8M0: tl.constexpr, W_E8M0: tl.constexpr, DOT: tl.constexpr, FP4_SCALED_DOT: tl.constexpr,
         EVEN_K: tl.constexpr, M_FASTEST: tl.constexpr, PDL: tl.constexpr, FP4_FP8: tl.constexpr = False,
-        INTERPRET: tl.constexpr = False,
+        INTERPRET: tl.constexpr = False, FP4_ONE_DOT: tl.constexpr = False,
     ):
         wait_for_prior_grid(PDL)
         pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(hidden, BLOCK_N), M_FASTEST)
@@ -166,7 +180,13 @@ if HAS_TRITON:
         ws_e = ws_ptr + expert * stride_wse
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for g in range(0, (inter + 127) // 128):
-            if FP4_FP8:
+            if FP4_ONE_DOT:
+                k_ok = g * 128 + offs_k < inter
+                a_op, sa = one_dot_act_group(a_ptrs + g * 128, as_ptrs + g, row_ok[:, None] & k_ok[None, :], row_ok,
+                                             QUANT_A, UE8M0, INTERPRET)
+                acc += fp4_one_dot_partial(a_op, g, w_e, ws_e, offs_n, n_ok, inter, stride_wn, stride_wsn, W_E8M0,
+                                           EVEN_K, not INTERPRET, INTERPRET) * sa[:, None]
+            elif FP4_FP8:
                 sa, a0, a1, a2, a3 = act_group_operands(a_row, g, row_ok, as_ptrs, inter, QUANT_A, UE8M0, INTERPRET)
                 acc += fp4_fp8_group_partial(a0, a1, a2, a3, g, w_e, ws_e, offs_n, n_ok, inter, stride_wn,
                                              stride_wsn, W_E8M0, EVEN_K, not INTERPRET, INTERPRET) * sa[:, None]
@@ -194,6 +214,18 @@ def _scaled_dot(cfg: MoeQuantConfig, w: QuantWeight) -> bool:
     """The dot_scaled FP4 form where the config asks for it and the weight's scales are ue8m0 (it reads
     exponent bytes); fp32-scaled FP4 and FP8 weights take the decoding form."""
     return cfg.fp4_scaled_dot and not cfg.fp4_fp8_mma and w.fmt == "fp4" and w.scale_is_e8m0
+
+
+def _one_dot(cfg: MoeQuantConfig, w: QuantWeight) -> bool:
+    """The one-dot FP4 form where the config asks for it and the weight is exact in it (a static property of the
+    tensor, computed once: QuantWeight.fp4_one_dot_exact); else the four-dot form."""
+    if not (w.fmt == "fp4" and cfg.fp4_fp8_mma and cfg.fp4_one_dot):
+        return False
+    if "fp4_one_dot_exact" not in w.__dict__ and w.data.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise QuantFormatError("fused_moe_quant: QuantWeight.fp4_one_dot_exact is computed by a host sync, which a "
+                               "CUDA graph capture cannot run; read it once before capturing (the loader does, "
+                               "model/quantize.py)")
+    return w.fp4_one_dot_exact
 
 
 def _even_k(w: QuantWeight, k: int) -> bool:
@@ -257,6 +289,7 @@ def fused_moe_quant_triton(
         raise QuantFormatError(f"MoeQuantConfig.out_quant needs gu_block_n = {BLOCK}, got {cfg.gu_block_n}")
     fp4 = w_gate_up.fmt == "fp4"
     ue8m0 = scale_fmt == "ue8m0"
+    gu_one_dot, dn_one_dot = _one_dot(cfg, w_gate_up), _one_dot(cfg, w_down)  # before any launch
     sorted_ids, block_expert = moe_align(topk_ids, num_experts, cfg.block_m)
     num_m_blocks = block_expert.numel()
     rows = sorted_ids.numel()
@@ -277,8 +310,8 @@ def fused_moe_quant_triton(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, FP4=fp4, QUANT_A=not cfg.x_quant, OUT_QUANT=cfg.out_quant,
         UE8M0=ue8m0, W_E8M0=w_gate_up.scale_is_e8m0, DOT=cfg.dot, FP4_SCALED_DOT=_scaled_dot(cfg, w_gate_up),
         EVEN_K=_even_k(w_gate_up, hidden), ACT_DTYPE=_TL_DTYPES[x.dtype], M_FASTEST=False,
-        FP4_FP8=fp4 and cfg.fp4_fp8_mma, INTERPRET=_INTERPRET, num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
-        **pdl_args(x.device))
+        FP4_FP8=fp4 and cfg.fp4_fp8_mma, INTERPRET=_INTERPRET, FP4_ONE_DOT=gu_one_dot,
+        num_warps=cfg.gu_warps, num_stages=cfg.gu_stages, **pdl_args(x.device))
     codes_down = cfg.out_quant or cfg.down_act_quant
     if codes_down and not cfg.out_quant:
         act, act_s = act_quant_triton(act, scale_fmt)
@@ -291,7 +324,7 @@ def fused_moe_quant_triton(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, FP4=fp4, QUANT_A=not codes_down, UE8M0=ue8m0,
         W_E8M0=w_down.scale_is_e8m0, DOT=cfg.dot, FP4_SCALED_DOT=_scaled_dot(cfg, w_down),
         EVEN_K=_even_k(w_down, inter), M_FASTEST=False, FP4_FP8=fp4 and cfg.fp4_fp8_mma, INTERPRET=_INTERPRET,
-        num_warps=cfg.dn_warps, num_stages=cfg.dn_stages, **pdl_args(x.device))
+        FP4_ONE_DOT=dn_one_dot, num_warps=cfg.dn_warps, num_stages=cfg.dn_stages, **pdl_args(x.device))
     return moe_combine(y, top_k, shared() if callable(shared) else shared)
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .formats import BLOCK, FP4_GROUP, FP8_MAX, QuantWeight, check_scale_fmt
+from .formats import (BLOCK, FP4_GROUP, FP8_MAX, ONE_DOT_MAX_SHIFT, ONE_DOT_TOP, QuantWeight, check_scale_fmt,
+                      scale_exponents)
 
 # The 8 non-negative e2m1 magnitudes by code (bit 3 is the sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -86,6 +87,23 @@ def unpack_fp4(data: torch.Tensor) -> torch.Tensor:
 def dequant_fp4(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Packed e2m1 [..., N, K/2] with scales [..., N, K/32] -> fp32 [..., N, K]."""
     return unpack_fp4(data) * scale_to_float(scale).repeat_interleave(FP4_GROUP, dim=-1)
+
+
+def fp4_one_dot_operands(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-dot form's operands of an fp4 weight (formats.py's docstring; kernels/quant/fp4_one_dot.py):
+    (e4m3 codes [..., N, K] of value x 2^(6 - d_q), fp32 group scales [..., N, ceil(K/128)] = 2^(e_max - 133)),
+    as the kernel computes them: e_max over a group's sub-groups (a last group may have fewer), d_q clamped to
+    14. codes * scale is the weight's values wherever formats.fp4_one_dot_exact holds."""
+    e, _ = scale_exponents(w.scale)
+    k32 = e.shape[-1]
+    groups = -(-k32 // 4)
+    e_pad = F.pad(e, (0, 4 * groups - k32)).unflatten(-1, (groups, 4))
+    e_max = e_pad.amax(dim=-1)  # [..., N, G]
+    shift = (e_max.repeat_interleave(4, dim=-1)[..., :k32] - e).clamp(max=ONE_DOT_MAX_SHIFT)
+    factor = torch.ldexp(torch.ones_like(shift, dtype=torch.float32), ONE_DOT_TOP - shift)
+    codes = (unpack_fp4(w.data) * factor.repeat_interleave(FP4_GROUP, dim=-1)).to(torch.float8_e4m3fn)
+    scale = torch.ldexp(torch.ones_like(e_max, dtype=torch.float32), e_max - 127 - ONE_DOT_TOP)
+    return codes, scale
 
 
 def dequant_weight(w: QuantWeight) -> torch.Tensor:

@@ -31,10 +31,16 @@ stages, rows 1-2 4 warps and 4 stages. Rows 3-4 quantize the activation in the g
 128 columns are one group); rows 1-2 pass the bf16 activation through act_quant; either way the down GEMM
 reads e4m3 codes.
 
-FP4 weights take the fp8-mma form in every row (``MoeQuantConfig.fp4_fp8_mma``, fp4_fp8.py): an e2m1 code
-moved bit-wise to an e4m3 code is exact, and its per-32 scale multiplies each K = 32 partial in fp32, so the
-products are the reference's. The alternatives ``moe_quant_variants`` names multiply exact bf16 values through
-the bf16 mma: ``tl.dot_scaled`` (Triton's MX upcast) or the scalar nibble decode (``fp4_scaled_dot``). With
+FP4 weights run on the fp8 tensor cores in every row (``MoeQuantConfig.fp4_fp8_mma``), in one of two forms
+(``fp4_one_dot``; which rows take which: ``FP4_ONE_DOT_DECODE`` / ``FP4_ONE_DOT_PREFILL``, one line each). The
+one-dot form (fp4_one_dot.py) folds a group's four per-32 scales into one and writes the codes
+exponent-shifted, so a 128-column group is one K = 128 fp8 dot scaled once, as for FP8 weights; it is exact for
+weights whose sub-scales span at most 14 binades in every group (formats.fp4_one_dot_exact, decided once per
+tensor at load), and a weight that is not runs the four-dot form with the same config. The four-dot form
+(fp4_fp8.py) moves each e2m1 code bit-wise to an e4m3 code and multiplies each K = 32 partial by its per-32
+scale in fp32. Both give the reference's products. The alternatives ``moe_quant_variants`` names: the other
+fp8 form, and two that multiply exact bf16 values through the bf16 mma: ``tl.dot_scaled`` (Triton's MX
+upcast) or the scalar nibble decode (``fp4_scaled_dot``). With
 128-row FP4 tiles the gate-up kernel spills (two [128, 128] fp32 accumulators beside the weight tiles), so FP4
 keeps 64-row tiles at every prefill size. Under the Triton interpreter the FP4 form's dots run in fp32 on the
 decoded values; an interpreter without ``tl.dot_scaled`` (triton 3.6's) refuses a config that asks for it.
@@ -52,6 +58,10 @@ DOT_BF16 = 1  # e4m3 codes and scaled e2m1 values as bf16 (exact), bf16 dot
 DOT_FP32 = 2  # fp32 dot: the Triton interpreter (its 16-bit dot is wrong)
 DOT_FP16 = 3  # linear only: e4m3 codes as fp16 (exact; one packed conversion), fp16 dot; benchmarked, no table row
 STREAM_MAX_M = 16
+# FP4 experts: the one-dot form (True) or the four-dot form (False) in the decode rows (1-2) and the prefill
+# rows (3-4) of the experts' table; the other form stays a benchmarked variant.
+FP4_ONE_DOT_DECODE = False
+FP4_ONE_DOT_PREFILL = True
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,9 @@ class MoeQuantConfig:
     dot: int
     fp4_scaled_dot: bool = True  # FP4 with ue8m0 scales: tl.dot_scaled (else the scalar nibble decode)
     fp4_fp8_mma: bool = False  # FP4: codes moved to e4m3, K = 32 fp8 dots (fp4_fp8.py); over fp4_scaled_dot
+    # With fp4_fp8_mma: one K = 128 fp8 dot a group on exponent-shifted codes (fp4_one_dot.py) for each weight
+    # that is exact in it (QuantWeight.fp4_one_dot_exact), the four-dot form for the others.
+    fp4_one_dot: bool = False
     down_act_quant: bool = False  # not out_quant: the bf16 act goes through act_quant before the down GEMM
 
 
@@ -142,8 +155,9 @@ def moe_quant_config(num_tokens: int, top_k: int, num_experts: int, fmt: str, in
         cfg = MoeQuantConfig(64, 128, 8, 3, 128, 8, 3, True, True, DOT_FP8)
     else:
         cfg = MoeQuantConfig(128, 128, 8, 3, 128, 8, 3, True, True, DOT_FP8)
-    if fp4:  # the fp8-mma form in every row; dot then applies to no FP4 operand
-        cfg = replace(cfg, fp4_scaled_dot=False, fp4_fp8_mma=True)
+    if fp4:  # the fp8 tensor cores in every row; dot then applies to no FP4 operand
+        one_dot = FP4_ONE_DOT_PREFILL if cfg.out_quant else FP4_ONE_DOT_DECODE
+        cfg = replace(cfg, fp4_scaled_dot=False, fp4_fp8_mma=True, fp4_one_dot=one_dot)
     return cfg
 
 
@@ -152,9 +166,10 @@ def moe_quant_variants(num_tokens: int, top_k: int, num_experts: int, fmt: str, 
     """The table's config ("table") and the alternatives benchmarks/quant_gemm.py times beside it
     (tools/quant_kernel_resources.py compiles them): in the decode rows x and the act quantized inside the
     GEMMs (no act_quant launches, every program quantizes its rows again), the act alone and, for FP8, the bf16 mma on the exact
-    e4m3 values; for FP4 the two bf16 forms (tl.dot_scaled, the scalar nibble decode; under the interpreter
-    only where it has tl.dot_scaled / always), 4 warps where the row runs 8, and narrower gate-up tiles in the
-    decode rows (twice the programs: more weight bytes in flight per SM)."""
+    e4m3 values; for FP4 the other fp8 form ("fp4_one_dot" or "fp4_four_dot", whichever the row does not take),
+    the two bf16 forms (tl.dot_scaled, the scalar nibble decode; under the interpreter only where it has
+    tl.dot_scaled / always), 4 warps where the row runs 8, and narrower gate-up tiles in the decode rows (twice
+    the programs: more weight bytes in flight per SM)."""
     cfg = moe_quant_config(num_tokens, top_k, num_experts, fmt, interpret)
     out = {"table": cfg}
     decode_row = not cfg.out_quant
@@ -165,8 +180,11 @@ def moe_quant_variants(num_tokens: int, top_k: int, num_experts: int, fmt: str, 
         if decode_row:
             out["bf16_dot"] = replace(cfg, dot=DOT_FP32 if interpret else DOT_BF16)
         return out
+    other = "fp4_four_dot" if cfg.fp4_one_dot else "fp4_one_dot"
+    out[other] = replace(cfg, fp4_one_dot=not cfg.fp4_one_dot)
     wide = DOT_FP32 if interpret else DOT_BF16
-    bf16_form = replace(cfg, fp4_fp8_mma=False, dot=wide, x_quant=cfg.out_quant, down_act_quant=False)
+    bf16_form = replace(cfg, fp4_fp8_mma=False, fp4_one_dot=False, dot=wide, x_quant=cfg.out_quant,
+                        down_act_quant=False)
     out["fp4_scaled_dot"] = replace(bf16_form, fp4_scaled_dot=True)
     out["fp4_decode"] = bf16_form
     if cfg.gu_warps == 8:

@@ -400,7 +400,9 @@ def test_the_table_takes_the_one_dot_form_where_its_switches_say(monkeypatch):
         other = variants["fp4_four_dot" if want else "fp4_one_dot"]
         assert other == replace(table, fp4_one_dot=not want) and other.fp4_fp8_mma
         assert not variants["fp4_decode"].fp4_one_dot and not variants["fp4_scaled_dot"].fp4_one_dot
-    assert moe_quant_config(2048, 6, 256, "fp4").fp4_one_dot  # the prefill rows take it
+    assert not moe_quant_config(2048, 6, 256, "fp8_block").fp4_one_dot
+    monkeypatch.setattr(select, "FP4_ONE_DOT_PREFILL", True)  # one switch moves the prefill rows
+    assert moe_quant_config(2048, 6, 256, "fp4").fp4_one_dot and "fp4_four_dot" in moe_quant_variants(2048, 6, 256, "fp4")
     assert not moe_quant_config(2048, 6, 256, "fp8_block").fp4_one_dot
     monkeypatch.setattr(select, "FP4_ONE_DOT_DECODE", True)  # one switch moves the decode rows
     assert moe_quant_config(1, 6, 256, "fp4").fp4_one_dot and "fp4_four_dot" in moe_quant_variants(1, 6, 256, "fp4")

@@ -24,6 +24,7 @@ from sparseserve.kernels.quant.formats import QuantFormatError, QuantWeight
 from sparseserve.kernels.quant.moe_quant import HAS_TRITON, fused_moe_quant_triton, interpreter_has_dot_scaled
 from sparseserve.kernels.quant.select import (DOT_BF16, DOT_FP8, DOT_FP16, DOT_FP32, MoeQuantConfig, linear_config,
                                               linear_variants, moe_quant_config, moe_quant_variants)
+from quant_checks import assert_moe_close, LaunchRecorder
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -122,17 +123,6 @@ def _experts_case(num_tokens: int, shape: str, skewed: bool = True):
     return x.to(DEVICE), w_gu, w_dn, weights.to(DEVICE), ids.to(DEVICE)
 
 
-def assert_moe_close(y: torch.Tensor, want: torch.Tensor) -> None:
-    """Each row to fp32 summation order, except rare rows where a one-ulp difference before a re-quantization
-    moved one activation code by an e4m3 step (at most 1% of rows, and 1e-4 in norm)."""
-    assert torch.isfinite(y).all()
-    y, want = y.float().cpu(), want.float().cpu()
-    tol = 2.0 ** -18 * want.abs().amax(dim=-1, keepdim=True)
-    bad_rows = ((y - want).abs() > tol).any(dim=1).sum().item()
-    assert bad_rows <= max(1, y.shape[0] // 100), f"{bad_rows} of {y.shape[0]} rows differ"
-    assert ((y - want).norm() / want.norm()).item() < 1e-4
-
-
 # Every form through every path at 1 and 3 tokens; 64 tokens (a full prefill tile, the interpreter's slowest
 # case) through the prefill path only, on the ragged shape.
 _FORM_CASES = [(form, path, shape, t) for form in sorted(EXPERT_FORMS) for path in sorted(PATHS)
@@ -166,20 +156,6 @@ def test_the_fp8_mma_form_gives_the_decode_forms_values(scales, path, shape):
     assert_moe_close(fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, LIMIT, config=mma), want)
 
 
-class _LaunchRecorder:
-    """Stands in for a Triton kernel: records each launch's grid and constexprs (upper-case keywords), then
-    launches the kernel."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((tuple(grid), tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper()))))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 @needs_kernels
 @pytest.mark.parametrize("form,num_tokens", [(form, 3) for form in sorted(EXPERT_FORMS)] + [("fp8_mma", 64)])
 def test_launches_depend_on_static_shapes_only(form, num_tokens, monkeypatch):
@@ -188,8 +164,8 @@ def test_launches_depend_on_static_shapes_only(form, num_tokens, monkeypatch):
     only)."""
     fields = EXPERT_FORMS[form]
     skip_unless_form_runs(fields["fp4_scaled_dot"])
-    gate_up = _LaunchRecorder(moe_quant._moe_q_gate_up_kernel)
-    down = _LaunchRecorder(moe_quant._moe_q_down_kernel)
+    gate_up = LaunchRecorder(moe_quant._moe_q_gate_up_kernel)
+    down = LaunchRecorder(moe_quant._moe_q_down_kernel)
     monkeypatch.setattr(moe_quant, "_moe_q_gate_up_kernel", gate_up)
     monkeypatch.setattr(moe_quant, "_moe_q_down_kernel", down)
     cfg = replace(moe_quant_config(num_tokens, TOP_K, E, "fp4", interpret=not CUDA), **fields)

@@ -23,6 +23,7 @@ from sparseserve.kernels.quant import reference as ref
 from sparseserve.kernels.quant.formats import ONE_DOT_MAX_SHIFT, QuantFormatError, QuantWeight, fp4_one_dot_exact
 from sparseserve.kernels.quant.moe_quant import HAS_TRITON, fused_moe_quant_triton
 from sparseserve.kernels.quant.select import DOT_FP32, MoeQuantConfig, moe_quant_config, moe_quant_variants
+from quant_checks import assert_moe_close, LaunchRecorder
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -302,33 +303,9 @@ def _experts_case(num_tokens: int, shape: str, skewed: bool = True, gate_up_span
     return x.to(DEVICE), w_gu, w_dn, weights.to(DEVICE), ids.to(DEVICE)
 
 
-def assert_moe_close(y: torch.Tensor, want: torch.Tensor) -> None:
-    """Each row to fp32 summation order, except rare rows where a one-ulp difference before a re-quantization
-    moved one activation code by an e4m3 step (at most 1% of rows, and 1e-4 in norm)."""
-    assert torch.isfinite(y).all()
-    y, want = y.float().cpu(), want.float().cpu()
-    tol = 2.0 ** -18 * want.abs().amax(dim=-1, keepdim=True)
-    bad_rows = ((y - want).abs() > tol).any(dim=1).sum().item()
-    assert bad_rows <= max(1, y.shape[0] // 100), f"{bad_rows} of {y.shape[0]} rows differ"
-    assert ((y - want).norm() / want.norm()).item() < 1e-4
-
-
-class _LaunchRecorder:
-    """Stands in for a Triton kernel: records each launch's grid and constexprs, then launches it."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((tuple(grid), tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper()))))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
-def _record(monkeypatch) -> tuple[_LaunchRecorder, _LaunchRecorder]:
-    gate_up = _LaunchRecorder(moe_quant._moe_q_gate_up_kernel)
-    down = _LaunchRecorder(moe_quant._moe_q_down_kernel)
+def _record(monkeypatch) -> tuple[LaunchRecorder, LaunchRecorder]:
+    gate_up = LaunchRecorder(moe_quant._moe_q_gate_up_kernel)
+    down = LaunchRecorder(moe_quant._moe_q_down_kernel)
     monkeypatch.setattr(moe_quant, "_moe_q_gate_up_kernel", gate_up)
     monkeypatch.setattr(moe_quant, "_moe_q_down_kernel", down)
     return gate_up, down

@@ -22,6 +22,7 @@ from sparseserve.kernels.quant.linear import quant_linear, quant_linear_triton
 from sparseserve.kernels.quant.moe_quant import HAS_TRITON, fused_moe_quant, fused_moe_quant_triton
 from sparseserve.kernels.quant.select import (DOT_BF16, DOT_FP8, DOT_FP32, GemmConfig, MoeQuantConfig,
                                               linear_config, moe_quant_config)
+from quant_checks import assert_moe_close
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -219,16 +220,6 @@ MOE_CONFIGS = {  # the two activation paths of select.py's table, at tiny tiles
     "decode": MoeQuantConfig(16, 64, 4, 2, 64, 4, 2, False, False, EXACT_DOT),
     "prefill": MoeQuantConfig(32, 128, 4, 2, 64, 4, 2, True, True, EXACT_DOT),
 }
-
-
-def assert_moe_close(y: torch.Tensor, want: torch.Tensor) -> None:
-    """float32: each row to summation order, except rare rows where a one-ulp difference of silu moved one
-    activation code by an e4m3 step before the down GEMM (at most 1% of rows, and 1e-4 in norm)."""
-    assert torch.isfinite(y).all()
-    tol = 2.0 ** -18 * want.abs().amax(dim=-1, keepdim=True)
-    bad_rows = ((y - want).abs() > tol).any(dim=1).sum().item()
-    assert bad_rows <= max(1, y.shape[0] // 100), f"{bad_rows} of {y.shape[0]} rows differ"
-    assert ((y - want).norm() / want.norm()).item() < 1e-4
 
 
 @needs_kernels

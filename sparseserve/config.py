@@ -156,6 +156,13 @@ class EngineConfig:
     topk_backend: str = "auto"
     num_gpu_blocks_override: int | None = None
     cuda_graph_sizes: list[int] | None = None
+    # vLLM's compilation_config.cudagraph_mode: "full_and_piecewise" (decode steps replay whole-step graphs,
+    # prefill and mixed steps piecewise graphs over token-count buckets: worker/prefill_graphs.py) or
+    # "full_decode_only" (prefill and mixed steps run eagerly). enforce_eager=True captures neither.
+    cudagraph_mode: str = "full_and_piecewise"
+    # The piecewise graphs' token-count buckets (None: 16, 32, 64, 128, 256, multiples of 128 to 1,024
+    # and of 256 to 2,048, capped at max_num_batched_tokens); a step pads to the smallest bucket that holds it.
+    prefill_cuda_graph_sizes: list[int] | None = None
     # At every start-up compare each top-k path's graphs with a second capture at max_model_len dummy
     # lengths (a frozen host branch refuses to start); `cudagraph_audit_replay` also compares every
     # bucket's capture and replays each graph on random batches against the eager step (slow).

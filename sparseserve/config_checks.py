@@ -20,6 +20,7 @@ DTYPE_NAMES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 TOPK_BACKENDS = ("auto", "standard", "persistent", "torch")
+CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only")  # vLLM's CUDAGraphMode names, lower case
 
 # (lower bound, allowed None) of integer options; bounds above come from the model or from memory.
 INT_RANGES: dict[str, tuple[int, bool]] = {
@@ -133,6 +134,16 @@ def validate_engine_config(config) -> None:
         for i, s in enumerate(sizes):
             check_int(s, f"cuda_graph_sizes[{i}]", ConfigError, 1, config.max_num_seqs,
                       hint=" (at most max_num_seqs)")
+    check_choice(config.cudagraph_mode, _name("cudagraph_mode"), ConfigError, CUDAGRAPH_MODES)
+    sizes = config.prefill_cuda_graph_sizes
+    if sizes is not None:
+        if not isinstance(sizes, (list, tuple)) or not sizes or not all(is_int(s) for s in sizes):
+            raise ConfigTypeError(f"prefill_cuda_graph_sizes must be a non-empty list of token counts or None; "
+                                  f"got {sizes!r}")
+        limit = config.max_num_batched_tokens
+        for i, s in enumerate(sizes):
+            check_int(s, f"prefill_cuda_graph_sizes[{i}]", ConfigError, 1, limit,
+                      hint=" (at most max_num_batched_tokens)" if limit is not None else "")
 
 
 def _check_nodes(config) -> None:
@@ -189,7 +200,7 @@ def layout_fingerprint(config) -> dict:
     keys = ("model", "dtype", "tensor_parallel_size", "enable_expert_parallel", "nnodes", "max_model_len",
             "max_num_seqs", "max_num_batched_tokens", "block_size", "load_format", "hf_overrides",
             "speculative_config", "seed", "enforce_eager", "num_gpu_blocks_override", "kv_cache_memory_bytes",
-            "kv_cache_dtype")
+            "kv_cache_dtype", "cudagraph_mode", "prefill_cuda_graph_sizes")  # graphs hold collectives: same on every rank
     return {k: repr(getattr(config, k)) for k in keys}
 
 

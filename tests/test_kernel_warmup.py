@@ -67,6 +67,18 @@ def test_plan_without_graphs_has_decode_steps_of_every_bucket():
     assert chunks[0].block_ids == [0, 1, 2, 3]  # capped by the cache's blocks
 
 
+def test_plan_holds_a_step_of_every_prefill_graph_bucket():
+    """The pieces of a prefill graph run at its bucket's token count: each bucket gets a step of exactly
+    that many tokens (several prompts above max_model_len), so the capture builds no kernel."""
+    from sparseserve.worker.prefill_graphs import default_prefill_graph_sizes
+
+    buckets = default_prefill_graph_sizes(2048)
+    plan = warmup_plan(2048, 1024, 16, prefill_buckets=buckets)
+    sizes = {s.num_tokens for s in plan if not s.query_len}
+    assert set(buckets) <= sizes and {384, 640, 896, 1280, 1792} <= sizes - set(warmup_plan(2048, 1024, 16))
+    assert {s.num_seqs for s in plan if s.num_tokens == 1792} == {2}
+
+
 def test_steps_above_the_model_length_pack_several_prompts():
     """With max_num_batched_tokens above max_model_len a step holds several prompts: its token count
     picks the large-M tiles (the mixes above 2,048 tokens, the quantized GEMMs above 1,024)."""

@@ -95,6 +95,23 @@ def test_moe_align_worst_case_fills_buffer(impl):
     assert sorted_ids.view(8, 16)[:, 0].tolist() == list(range(8))
 
 
+@pytest.mark.parametrize("impl", sorted(ALIGNERS))
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_moe_align_skips_negative_expert_ids(impl, block_m):
+    """A negative expert id (a prefill graph's padding token) gets no row: the layout is the oracle's over
+    the other assignments, in the same static buffer."""
+    gen = torch.Generator().manual_seed(3 + block_m)
+    ids = torch.randint(0, 8, (13, 2), generator=gen)
+    ids[5:9] = -1  # padding tokens
+    ids[2, 1] = -1
+    sorted_ids, block_expert = ALIGNERS[impl](ids, 8, block_m)
+    rows, tiles = align_oracle(ids, 8, block_m)
+    padded_rows, num_blocks = moe.moe_align_sizes(ids.numel(), 8, block_m)
+    assert sorted_ids.shape == (padded_rows,) and block_expert.shape == (num_blocks,)
+    assert sorted_ids[: len(rows)].tolist() == rows and (sorted_ids[len(rows):] == ids.numel()).all()
+    assert block_expert[: len(tiles)].tolist() == tiles and (block_expert[len(tiles):] == -1).all()
+
+
 @triton_needed
 @pytest.mark.parametrize("num_experts,num_tokens", [(6, 50), (256, 20), (384, 3)])
 def test_moe_align_triton_equals_torch_cpu(num_experts, num_tokens):
@@ -137,6 +154,24 @@ def run_case(num_tokens, top_k, experts, dtype, device, seed, config=None, tol=N
 def test_triton_matches_ref_cpu(top_k, dtype):
     # Experts 1 and 4 receive no tokens.
     run_case(13, top_k, [0, 2, 3, 5, 6, 7], dtype, "cpu", seed=top_k)
+
+
+@triton_needed
+def test_triton_skips_padding_tokens_cpu():
+    """Tokens whose every assignment is -1 (a prefill graph's padding) take no expert row; the real tokens'
+    output is the reference's, and the padding never shifts it (same output with and without them)."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(12, CPU_D, generator=gen)
+    w_gate_up, w_down = make_weights(CPU_E, CPU_D, CPU_I, torch.float32, "cpu", gen)
+    ids = random_routing(12, 2, list(range(CPU_E)), gen)
+    weights = torch.rand(12, 2, generator=gen) + 0.1
+    padded_ids = ids.clone()
+    padded_ids[7:] = -1
+    out = moe.fused_moe_triton(x, w_gate_up, w_down, weights, padded_ids, LIMIT)
+    real = moe.fused_moe_triton(x[:7], w_gate_up, w_down, weights[:7], ids[:7], LIMIT)
+    assert torch.equal(out[:7], real)
+    assert rel_err(out[:7], reference(x[:7], w_gate_up, w_down, weights[:7], ids[:7], LIMIT)) < 1e-5
+    assert torch.equal(moe.fused_moe_ref(x, w_gate_up, w_down, weights, padded_ids, LIMIT)[7:], torch.zeros(5, CPU_D))
 
 
 @triton_needed

@@ -52,6 +52,39 @@ def test_inline_run_calls_at_once_and_returns_the_value():
     side.keep_until_done(torch.zeros(1), None)
 
 
+def test_inline_then_and_run_from_call_at_once():
+    side = SideStream()
+    assert side.mark() is None
+    assert side.then(lambda a: a * 2, 4).result() == 8
+    work = side.run_from(None, lambda: "x")
+    assert work.value == "x" and work.event is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_then_and_run_from_order_side_work_in_a_capture():
+    """`then` runs after the side stream's earlier work without waiting for the main stream's later work;
+    `run_from` waits for the main stream only up to its mark: both replay the captured order."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    streams = SideStreams("graphs")
+    streams.for_step(dev, 1)  # the side stream is made outside the capture
+    a, b = torch.zeros(4, device=dev), torch.zeros(4, device=dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        side = streams.for_step(dev, 1)
+        a.add_(1)
+        mark = side.mark()
+        side.run(lambda: a.mul_(3))  # side: a = 3
+        side.then(lambda: a.add_(1))  # side, after it: a = 4
+        b.add_(5)  # main, after the mark
+        copied = side.run_from(mark, lambda: a.clone())  # side: after its own work, a = 4
+        b.add_(copied.result())
+        side.join()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(a, torch.full((4,), 4.0, device=dev)) and torch.equal(b, torch.full((4,), 9.0, device=dev))
+
+
 def test_fused_moe_takes_the_shared_output_as_a_function():
     gen = torch.Generator().manual_seed(0)
     tokens, hidden, inter, experts, top_k = 5, 32, 16, 4, 2

@@ -295,6 +295,30 @@ def test_dispatch_uses_reference_on_cpu():
     assert torch.equal(sparse_mqa_attention(q, kv, rows, sinks, 0.25), sparse_mqa_attention_ref(q, kv, rows, sinks, 0.25))
 
 
+@cpu_interp
+@pytest.mark.parametrize("cfg", [T16(16, 4, 2, 3), T16(16, 4, 2)])  # split (rope in the merge), unsplit
+def test_attention_writes_into_a_given_buffer_cpu(cfg):
+    """`out=` (a prefill graph's static buffer, sliced to the real tokens): the kernels and the reference
+    write it and return it, with the values they would return; a wrong buffer is refused."""
+    gen = torch.Generator().manual_seed(13)
+    T, H, D, L = 5, 16, 32, 40
+    q = torch.randn(T, H, D, generator=gen).bfloat16()
+    kv = torch.randn(3 * L, D, generator=gen).bfloat16()
+    rows = _make_rows(T, L, 3 * L, gen)
+    sinks = torch.randn(H, generator=gen)
+    cos, sin = _rope_tables(T, 8, gen)
+    want = sparse_mqa_attention_triton(q, kv, rows, sinks, D**-0.5, cfg, inverse_rope=(cos, sin))
+    buffer = torch.full((T + 3, H, D), 7.0, dtype=q.dtype)
+    got = sparse_mqa_attention_triton(q, kv, rows, sinks, D**-0.5, cfg, inverse_rope=(cos, sin), out=buffer[:T])
+    assert got.data_ptr() == buffer.data_ptr() and torch.equal(got, want) and (buffer[T:] == 7.0).all()
+    ref_buffer = torch.zeros(T, H, D)
+    ref = sparse_mqa_attention(q.float(), kv.float(), rows, sinks, D**-0.5, inverse_rope=(cos, sin), out=ref_buffer)
+    assert ref is ref_buffer and torch.equal(ref, sparse_mqa_attention(q.float(), kv.float(), rows, sinks, D**-0.5,
+                                                                       inverse_rope=(cos, sin)))
+    with pytest.raises(ValueError, match="attention out"):
+        sparse_mqa_attention(q.float(), kv.float(), rows, sinks, D**-0.5, out=torch.zeros(T, H, D + 1))
+
+
 # ---------------------------------------------------------------- GPU, real shapes
 def _gpu_case(T: int, H: int, L: int, window: int, pool: int, seed: int):
     gen = torch.Generator(device="cuda").manual_seed(seed)

@@ -30,7 +30,8 @@ from ..spec_decode.adaptive import attach_policy
 from ..spec_decode.metrics import SpecDecodeMetrics
 from ..step_types import RunnerOutput, SchedulerOutput
 from ..validation import ModelLimits, parse_prompt
-from ..worker.model_runner import LaunchedStep, ModelRunner, RunnerOptions
+from ..worker.model_runner import ModelRunner
+from ..worker.runner_types import LaunchedStep, RunnerOptions
 from . import isolation, spec_async
 from .detokenizer import detokenize_incrementally, fast_decode
 from .graph_audit import audit_graph_replays
@@ -120,7 +121,9 @@ class LLMEngine:
                                          topk_backend=config.topk_backend, step_timeout_s=config.step_timeout_s,
                                          num_speculative_tokens=spec_k, side_stream=config.side_stream,
                                          kv_cache_dtype=config.kv_cache_dtype,
-                                         adaptive_speculation=config.adaptive_speculation_on(self.device.type)),
+                                         adaptive_speculation=config.adaptive_speculation_on(self.device.type),
+                                         prefill_graphs=config.cudagraph_mode == "full_and_piecewise",
+                                         prefill_graph_sizes=config.prefill_cuda_graph_sizes),
                            mtp=mtp)
 
     def _start_executor(self):

@@ -26,7 +26,8 @@ from ..errors import ConfigError
 from ..model.loader import load_model
 from ..model.mtp import load_mtp
 from ..model.sharding import RankSharder, shard_mtp
-from ..worker.model_runner import ModelRunner, RunnerOptions
+from ..worker.model_runner import ModelRunner
+from ..worker.runner_types import RunnerOptions
 from .messages import StepDecoder
 
 logger = logging.getLogger("sparseserve")
@@ -80,7 +81,9 @@ def _build_runner(spec: WorkerSpec, limits: RunnerLimits, device: torch.device, 
     options = RunnerOptions(enforce_eager=config.enforce_eager, cuda_graph_sizes=config.cuda_graph_sizes,
                             topk_backend=config.topk_backend, step_timeout_s=config.step_timeout_s,
                             num_speculative_tokens=k, side_stream=config.side_stream,
-                            kv_cache_dtype=config.kv_cache_dtype)
+                            kv_cache_dtype=config.kv_cache_dtype,
+                            prefill_graphs=config.cudagraph_mode == "full_and_piecewise",
+                            prefill_graph_sizes=config.prefill_cuda_graph_sizes)
     return ModelRunner(model, model_config, device, spec.dtype, config.max_num_seqs, limits.max_num_batched_tokens,
                        limits.max_model_len, limits.block_size, options, mtp=mtp)
 

@@ -7,7 +7,9 @@ GPU path (graph-capturable: static shapes, no host sync, nothing sized by the ro
 1. `moe_align` (kernels/moe_align.py): sort the T*k (token, slot) assignments by expert on the device and lay them
    out in a buffer where each expert's segment is padded to BLOCK_M rows. The buffer is sized
    for the worst case, T*k + min(E, T*k) * (BLOCK_M - 1) rows (only experts that receive a
-   token are padded); tiles past the used length carry expert -1 and exit at once.
+   token are padded); tiles past the used length carry expert -1 and exit at once. A negative
+   expert id skips its assignment (no row; its y row is never written): a prefill graph's padding
+   tokens touch no expert.
 2. `_moe_gate_up_kernel`: grouped GEMM x[token] @ w_gate_up[e].T for both halves in one
    program, the clamped SwiGLU in the epilogue; writes act [padded rows, I] in x's dtype.
 3. `_moe_down_kernel`: grouped GEMM act @ w_down[e].T, the routing weight in the epilogue,
@@ -68,7 +70,9 @@ def fused_moe_ref(
     """Plain-PyTorch reference (and CPU path).
 
     x: [T, D]; w_gate_up: [E, 2I, D] (gate rows first, then up); w_down: [E, D, I];
-    topk_weights: [T, k] fp32; topk_ids: [T, k]. Returns [T, D] in x's dtype.
+    topk_weights: [T, k] fp32; topk_ids: [T, k] (a negative id: the assignment is skipped; a token
+    with every assignment skipped gets an unspecified row on the kernels' path, zeros here).
+    Returns [T, D] in x's dtype.
     """
     num_tokens, hidden = x.shape
     inter = w_down.shape[2]
@@ -77,6 +81,8 @@ def fused_moe_ref(
     flat_tokens = torch.arange(num_tokens, device=x.device).repeat_interleave(topk_ids.shape[1])
     flat_weights = topk_weights.reshape(-1)
     for expert in torch.unique(flat_ids).tolist():
+        if expert < 0:  # skipped (kernels/moe_align.py)
+            continue
         sel = flat_ids == expert
         tokens = flat_tokens[sel]
         gate_up = x[tokens] @ w_gate_up[expert].t()

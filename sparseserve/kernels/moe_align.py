@@ -1,5 +1,9 @@
 """MoE alignment: the (token, slot) assignments sorted by expert on the device, each expert's
-segment padded to BLOCK_M rows, in a buffer sized for the worst case (graph-capturable)."""
+segment padded to BLOCK_M rows, in a buffer sized for the worst case (graph-capturable).
+
+An assignment whose expert id is negative is skipped: it gets no row, so no expert computes it and
+its output row is never written (the padding tokens of a prefill graph's bucket, which must not
+make the experts read more weights)."""
 from __future__ import annotations
 
 import torch
@@ -34,22 +38,26 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
     Returns sorted_ids int32 [padded rows]: the flat assignment index t*k+j of each row, or
     T*k for a padding row; block_expert int32 [tiles]: the expert of each BLOCK_M tile, -1
-    for tiles past the used length. Within an expert, assignments keep their flat order.
+    for tiles past the used length. Within an expert, assignments keep their flat order; a
+    negative expert id gets no row.
     """
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     num_assign = flat.numel()
     padded_rows, num_blocks = moe_align_sizes(num_assign, num_experts, block_m)
-    sorted_e, order = torch.sort(flat, stable=True)
+    sorted_e, order = torch.sort(flat, stable=True)  # skipped (negative) ids first
     bounds = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, device=device))  # segment starts
     counts = bounds[1:] - bounds[:-1]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
-    rank = torch.arange(num_assign, device=device) - bounds[sorted_e]
-    pos = padded_start[sorted_e] + rank
-    sorted_ids = torch.full((padded_rows,), num_assign, dtype=torch.int32, device=device)
+    expert = sorted_e.clamp(min=0)
+    rank = torch.arange(num_assign, device=device) - bounds[expert]
+    # Skipped assignments land in one extra row past the buffer, cut off below.
+    pos = torch.where(sorted_e >= 0, padded_start[expert] + rank, padded_rows)
+    sorted_ids = torch.full((padded_rows + 1,), num_assign, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, pos, order.to(torch.int32))
+    sorted_ids = sorted_ids[:padded_rows]
     tile_start = torch.arange(num_blocks, device=device) * block_m
     block_expert = torch.searchsorted(padded_end, tile_start, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
@@ -106,7 +114,7 @@ if HAS_TRITON:
             onehot = (e[:, None] == experts[None, :]).to(tl.int32)
             rank = tl.cumsum(onehot, axis=0) - 1 + (padded_start + seen)[None, :]
             pos = tl.sum(onehot * rank, axis=1)
-            tl.store(sorted_ids_ptr + pos, offs, mask=offs < num_assign)
+            tl.store(sorted_ids_ptr + pos, offs, mask=(offs < num_assign) & (e >= 0))  # e < 0: skipped
             seen += tl.sum(onehot, axis=0)
         # Tile -> expert: the number of segments that end at or before the tile's first row.
         for start in range(0, num_blocks, CHUNK):

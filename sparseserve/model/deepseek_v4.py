@@ -2,11 +2,14 @@
 
 forward() runs the decoder stack and returns the residual streams [T, hc, D] (what the
 MTP drafter consumes); compute_logits() applies hc_head, the final norm and the LM head
-to the tokens whose logits are wanted. Parameter names equal `DeepseekV4ForCausalLM`'s.
+to the tokens whose logits are wanted. forward_padded() runs the same stack padded to a
+token-count bucket, as pieces and cores (model/pieces.py: what a prefill graph captures and
+what runs between its pieces). Parameter names equal `DeepseekV4ForCausalLM`'s.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -21,7 +24,8 @@ from .layers.hyper_connection import HyperConnection, HyperHead
 from .layers.moe import SparseMoE
 from .layers.norm import RMSNorm
 from .layers.rope import rope_inv_freq
-from .side_stream import SideStreams, SideWork
+from .pieces import InlinePieces, LayerCarry, PaddedInputs, Pieces, TokenInputs, padded_token_inputs
+from .side_stream import SideStream, SideStreams, SideWork
 from .state import ModelState
 from .step_context import RopeTablePlan, StepContext, TopKFn, build_step_context
 
@@ -59,14 +63,27 @@ class DecoderLayer(nn.Module):
         """The layer with the last expand left to the caller: returns (streams, (mlp_out, post, comb)).
         `pending` is the previous layer's: its expand and this layer's collapse then run as one
         expand+collapse step, as between the two sub-blocks (two launches for small steps, not three)."""
+        tokens = TokenInputs.of_context(ctx)
+        carry = self.attn_in(ctx.side, streams, pending, tokens, state)
+        return self.ffn(ctx.side, carry, self.self_attn.core(carry.pre, ctx, state), tokens)
+
+    def attn_in(self, side: SideStream, streams: torch.Tensor, pending, tokens: TokenInputs, state) -> LayerCarry:
+        """The attention sub-block up to its core (model/pieces.py): the previous block's expand (`pending`)
+        and this collapse and norm, then the attention's projections."""
         if pending is None:
             post, comb, x = self.attn_hc.collapse_norm(streams, self.input_layernorm)
         else:
             streams, post, comb, x = self.attn_hc.expand_collapse_norm(streams, *pending, self.input_layernorm)
-        attn_out = self.self_attn(x, ctx, state)
-        streams, post, comb, x = self.ffn_hc.expand_collapse_norm(streams, attn_out, post, comb,
+        return LayerCarry(streams, post, comb, self.self_attn.project_in(x, tokens, state, side))
+
+    def ffn(self, side: SideStream, carry: LayerCarry, attn: torch.Tensor, tokens: TokenInputs
+            ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """After the attention core: its output projection into the streams, the feed-forward collapse,
+        norm and MoE; the MoE's expand is left pending. `attn` [T, H, D]."""
+        attn_out = self.self_attn.project_out(attn)
+        streams, post, comb, x = self.ffn_hc.expand_collapse_norm(carry.streams, attn_out, carry.post, carry.comb,
                                                                   self.post_attention_layernorm)
-        mlp_out = self.mlp(x, ctx.batch.input_ids, ctx.side)
+        mlp_out = self.mlp(x, tokens.input_ids, side, tokens.valid)
         return streams, (mlp_out, post, comb)
 
 
@@ -119,7 +136,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Residual streams [T, hc, D] after the last layer. `topk` selects the indexer's
         entries (default: the stateless dispatch); the runner passes its graph-safe one."""
         side = self.side_streams.for_step(batch.input_ids.device, batch.num_tokens)
-        streams = embed_streams(batch.input_ids, self.model.embed_tokens.weight, self.hc_mult)
+        embedded = embed_streams(batch.input_ids, self.model.embed_tokens.weight, self.hc_mult)
         # The step's metadata is built on the side stream, beside the first layer's collapse and
         # projections; attention waits for it (ctx.wait_built). Queueing that collapse before the
         # fork was slower at every batch on the H200, so the fork comes first.
@@ -128,13 +145,56 @@ class DeepseekV4ForCausalLM(nn.Module):
         # Only the wait is kept: the work's value is ctx itself, and a cycle would hold the step's
         # tensors until the next garbage collection.
         ctx.side, ctx.built = side, SideWork(None, built.event)
-        pending = None  # each layer's last expand runs inside the next layer's first collapse
-        for layer, layer_state in zip(self.model.layers, state.layers):
-            streams, pending = layer.forward_deferred(streams, ctx, layer_state, pending)
-        if pending is not None:
-            streams = HyperConnection.expand(streams, *pending)
+        tokens = TokenInputs.of_context(ctx)
+        streams = self.run_pieces(ctx, state, InlinePieces(side), lambda: (tokens, embedded)).streams
         side.join()
         return streams
+
+    def forward_padded(self, batch: BatchMetadata, state: ModelState, inputs: PaddedInputs, pieces: Pieces,
+                       topk: TopKFn | None = None) -> LayerCarry:
+        """The step padded to `inputs`' bucket (`batch`: its real tokens, first in the bucket): the pieces
+        over the bucket through `pieces` (eager, captured or replayed), the cores eagerly over the real
+        tokens. Returns the last piece's carry: the streams [bucket, hc, D] and the LM head's input
+        `hidden` [bucket, D], the real tokens' rows first."""
+        ctx = self.prepare(batch, state, topk)
+        inputs.fill(batch)
+        return self.run_pieces(ctx, state, pieces, lambda: self._padded_inputs(inputs, state), inputs.attn_out,
+                               head=True)
+
+    def _padded_inputs(self, inputs: PaddedInputs, state: ModelState) -> tuple[TokenInputs, torch.Tensor]:
+        tokens = padded_token_inputs(inputs, state, self.model_config, self.rope_plan())
+        return tokens, embed_streams(tokens.input_ids, self.model.embed_tokens.weight, self.hc_mult)
+
+    def run_pieces(self, ctx: StepContext, state: ModelState, pieces: Pieces,
+                   first: Callable[[], tuple[TokenInputs, torch.Tensor]], attn_out: torch.Tensor | None = None,
+                   head: bool = False) -> LayerCarry:
+        """The decoder as pieces and cores (model/pieces.py). `first()` gives piece 0 the token inputs and the
+        embedded streams; `attn_out` (padded forward): the static buffer the cores write the real tokens'
+        attention outputs into and the next piece reads whole; `head`: the last piece also computes the LM
+        head's input for every token."""
+        num_tokens = ctx.batch.num_tokens
+        tokens, carry = pieces.run(0, self._first_piece, first, state)
+        for i, (layer, layer_state) in enumerate(zip(self.model.layers, state.layers)):
+            pre, carry = carry.pre.head(num_tokens), carry._replace(pre=None)
+            attn = layer.self_attn.core(pre, ctx, layer_state, None if attn_out is None else attn_out[:num_tokens])
+            del pre  # dead once the core is queued (a capture may reuse its memory in the next piece)
+            carry = pieces.run(i + 1, self._next_piece, i, carry, attn if attn_out is None else attn_out, tokens,
+                               state, head)
+        return carry
+
+    def _first_piece(self, side: SideStream, first, state: ModelState) -> tuple[TokenInputs, LayerCarry]:
+        tokens, streams = first()
+        return tokens, self.model.layers[0].attn_in(side, streams, None, tokens, state.layers[0])
+
+    def _next_piece(self, side: SideStream, i: int, carry: LayerCarry, attn: torch.Tensor, tokens: TokenInputs,
+                    state: ModelState, head: bool) -> LayerCarry:
+        layers = self.model.layers
+        streams, pending = layers[i].ffn(side, carry, attn, tokens)
+        if i + 1 < len(layers):  # this layer's last expand runs inside the next layer's first collapse
+            return layers[i + 1].attn_in(side, streams, pending, tokens, state.layers[i + 1])
+        streams = HyperConnection.expand(streams, *pending)
+        hidden = self.model.hc_head.collapse_norm(streams, self.model.norm) if head else None
+        return LayerCarry(streams, hidden=hidden)
 
     def compute_logits(self, streams: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits for the given residual streams [N, hc, D] (written into `out` [N, V] if given:

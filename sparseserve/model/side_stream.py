@@ -9,7 +9,8 @@ side stream, inside the same captured graph (fork and join become graph edges):
   - the shared expert beside the router and the routed experts.
 
 `SideStream.run(fn, ...)` makes the side stream wait for the main stream's work so far, runs fn
-on it and returns a `SideWork`; `SideWork.result()` makes the main stream wait for exactly that
+on it and returns a `SideWork` (`then` queues fn after the side stream's own work without that
+wait, `run_from` waits only for the main stream's work up to an earlier `mark`); `SideWork.result()` makes the main stream wait for exactly that
 work (an event), so later side work does not hold the main stream. `SideStream.join()` waits for
 all of it: a forward calls it before returning, so no captured graph ends with a fork open.
 
@@ -68,6 +69,35 @@ class SideStream:
         if self.stream is None:
             return SideWork(fn(*args, **kwargs))
         self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            value = fn(*args, **kwargs)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._open = True
+        return SideWork(value, event)
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event at the main stream's work so far (None when inline): `run_from` forks from it later."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
+    def run_from(self, mark: torch.cuda.Event | None, fn: Callable[..., T], *args, **kwargs) -> SideWork[T]:
+        """Like `run`, but the side stream waits only for the main stream's work up to `mark` (fn reads
+        nothing the main stream made after it)."""
+        if self.stream is None or mark is None:
+            return self.run(fn, *args, **kwargs)
+        self.stream.wait_event(mark)
+        return self.then(fn, *args, **kwargs)
+
+    def then(self, fn: Callable[..., T], *args, **kwargs) -> SideWork[T]:
+        """Like `run`, but after the side stream's work so far only: the side stream does not wait for
+        the main stream's later work (fn reads only what earlier side work made or what was ready at the
+        last fork). Call it only after a `run` of this step."""
+        if self.stream is None:
+            return SideWork(fn(*args, **kwargs))
         with torch.cuda.stream(self.stream):
             value = fn(*args, **kwargs)
             event = torch.cuda.Event()

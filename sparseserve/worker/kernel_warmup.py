@@ -26,6 +26,10 @@ fixed sizes below 16), so the plan runs:
 - a few steps of several sequences (mixed prefill and decode rows).
 
 Decode-shaped steps (every sequence the same graph query length) are built by the graph captures.
+With prefill graphs (worker/prefill_graphs.py) a step of up to the largest bucket runs padded, here as
+after start-up: its pieces at the bucket's token count, its cores (attention, indexer, top-k,
+compressor, commits) at its own, with the launches of an eager step of that size. The token sweep then
+holds every bucket too, so the pieces' kernels are built here and the capture builds none.
 The `gpu` test `tests/test_kernel_warmup_gpu.py` checks the claim: after start-up, random prompt lengths
 and batch compositions build nothing.
 """
@@ -167,13 +171,14 @@ def packed_step(num_tokens: int, length: int) -> WarmupStep:
 
 
 def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int, decode_graphs: bool = True,
-                eager_decode: dict[int, list[int]] | None = None, profile: JointProfile | None = None
-                ) -> list[WarmupStep]:
+                eager_decode: dict[int, list[int]] | None = None, profile: JointProfile | None = None,
+                prefill_buckets: list[int] | None = None) -> list[WarmupStep]:
     """The eager steps start-up runs (see the module's docstring). A step holds up to
     `max_num_batched_tokens` tokens, from several prompts where one sequence cannot hold them. With
     `decode_graphs` a step of one token is a decode graph's (its kernels are built by the capture), so
     none is planned. `eager_decode` (query length -> batch buckets): without graphs, decode-shaped steps
-    run eagerly, padded to these buckets, so each bucket gets a step."""
+    run eagerly, padded to these buckets, so each bucket gets a step. `prefill_buckets`: the prefill
+    graphs' token counts, each a step of its own (the pieces run at the bucket's size)."""
     max_tokens = min(max_num_batched_tokens, max_model_len * max_num_seqs)
     steps: set[WarmupStep] = set()
 
@@ -187,7 +192,7 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: i
         steps.add(step)
         return True
 
-    for t in token_buckets(max_tokens):
+    for t in sorted(set(token_buckets(max_tokens)) | set(prefill_buckets or ())):
         add(packed_step(t, max_model_len))
     sweep = [n for n in length_buckets(max_model_len) if n & (n - 1) == 0 or n == max_model_len]
     cross = [t for t in token_buckets(min(max_tokens, CROSS_MAX_TOKENS)) if t & (t - 1) == 0]
@@ -227,7 +232,7 @@ def runner_plan(runner) -> list[WarmupStep]:
     eager_decode = {} if runner.use_graphs else {q: runner.graph_sizes_for(q) for q in runner.query_lens}
     profile = JointProfile(runner.model_config, num_sms(runner.device), runner.options.num_speculative_tokens)
     return warmup_plan(runner.max_num_batched_tokens, runner.max_model_len, runner.max_num_seqs, runner.use_graphs,
-                       eager_decode, profile)
+                       eager_decode, profile, getattr(runner, "prefill_sizes", None))
 
 
 @dataclass

@@ -10,7 +10,6 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
@@ -32,51 +31,12 @@ from .cuda_graph import (BufferSpec, CapturedGraph, CudaGraphRunner, GraphCaptur
 from .drafter_steps import drafter_graph_runners
 from ..sample.logits_processors import process_logits
 from .kernel_warmup import run_warmup, runner_plan
+from .prefill_graphs import PrefillGraphs, prefill_graph_sizes
+from .runner_types import LaunchedStep, RunnerOptions, is_run, logits_rows
 from .sampling_state import LogitsState, SamplingTensorCache
 from .watchdog import StepWatchdog
 
 logger = logging.getLogger("sparseserve")
-
-
-def is_run(values: list[int]) -> bool:
-    """True when `values` are consecutive integers (a slice can stand for an index list)."""
-    return values == list(range(values[0], values[0] + len(values)))
-
-
-def logits_rows(chunk: SequenceChunk) -> int:
-    """Rows of logits a chunk yields: every token's, its last token's, or none."""
-    return len(chunk.token_ids) if chunk.want_logits == "all" else int(chunk.want_logits == "last")
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose device work is queued; `ModelRunner.collect` reads its results back."""
-
-    sched: SchedulerOutput
-    chunks: list[SequenceChunk]
-    logits: torch.Tensor  # read again only by speculation, which collects right after launching
-    describe: Callable[[], str]
-    verify: list[tuple[int, int]] = field(default_factory=list)  # (chunk index, first logits row)
-    sample_reqs: list = field(default_factory=list)
-    sampled: tuple[torch.Tensor, dict] | None = None  # device tokens, and each sampling request's row
-    host_tokens: torch.Tensor | None = None  # the sampled tokens, copied to pinned host memory
-    host_logprobs: tuple[torch.Tensor, ...] | None = None
-    prompt_logprobs: list = field(default_factory=list)  # (request, start, host tensors)
-    done: torch.cuda.Event | None = None  # recorded after the copies
-    pending_sampling: tuple | None = None  # (rows, last_rows, all_greedy, any_logprobs, any_processing) until sampled
-    spec_launched: object | None = None  # queued at launch: spec_step.FusedGreedy, or CAUGHT_UP (a plain step)
-
-
-@dataclass
-class RunnerOptions:
-    enforce_eager: bool = False
-    cuda_graph_sizes: list[int] | None = None
-    topk_backend: str = "auto"
-    step_timeout_s: float = 60.0
-    num_speculative_tokens: int = 0
-    adaptive_speculation: bool = False  # graphs for every 1 + d, d <= k, and their step costs timed
-    side_stream: str = "auto"  # one of SIDE_STREAM_MODES (EngineConfig.side_stream)
-    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (model/state.py)
 
 
 class ModelRunner:
@@ -127,6 +87,12 @@ class ModelRunner:
         self.model.side_streams.mode = ("never" if k else "graphs") if mode == "auto" else mode
         self.pad_like_graphs = device.type == "cuda"
         self._topk: dict[int, IndexerTopK] = {}
+        # Prefill and mixed steps up to the largest bucket run padded, as pieces and cores (prefill_graphs.py):
+        # replayed pieces once captured, eager ones before (and with enforce_eager, like decode steps).
+        self.prefill_sizes = (prefill_graph_sizes(self.options.prefill_graph_sizes, max_num_batched_tokens)
+                              if self.options.prefill_graphs else [])
+        self.prefill: PrefillGraphs | None = None  # made with the state
+        self.graph_pool = None  # one memory pool for every graph (capture_graphs)
         self.graphs: dict[int, CudaGraphRunner] = {}  # target model, by query length
         self.mtp_graphs: dict[int, CudaGraphRunner] = {}  # the MTP drafter, by query length
         # Its state-only catch-up of plain steps (adaptive speculation's d = 0), by query length (1).
@@ -150,6 +116,7 @@ class ModelRunner:
         # The forwards start-up runs before any request, with their wall time (kernel builds included).
         self.startup_steps: list[tuple[str, float]] = []
         self.startup_phases: dict[str, float] = {}  # start-up phase -> seconds (the start-up report)
+        self.startup_graphs: list[str] = []  # what capture_graphs captured, one line per graph family
 
     # ---- top-k paths: fixed per row bucket from static facts (docs/design.md, invariant 3) ----
     def topk_for(self, max_rows: int) -> tuple[TopKFn, str]:
@@ -211,6 +178,9 @@ class ModelRunner:
     def allocate_state(self, num_blocks: int) -> None:
         kv = self.options.kv_cache_dtype
         self.state = ModelState(self.model_config, self._layout(num_blocks), self.device, self.dtype, kv)
+        if self.prefill_sizes:
+            self.prefill = PrefillGraphs(self.model, self.state, self.prefill_sizes, self.max_num_seqs,
+                                         self.max_model_len, self.dtype, stream=self.capture_stream)
         if self.mtp is not None:
             mtp_state = ModelState(self.mtp.config, self._layout(0), self.device, self.dtype, kv)
             self.speculator = MTPSpeculator(self.mtp, self.model, mtp_state, self.options.num_speculative_tokens,
@@ -219,6 +189,7 @@ class ModelRunner:
     def release(self) -> None:
         """Drop the model, the state, the graphs and the step buffers (the engine's shutdown frees them)."""
         self.graphs, self.mtp_graphs, self.mtp_state_graphs, self._topk = {}, {}, {}, {}
+        self.prefill = self.graph_pool = None
         self.state = self.speculator = self.mtp = self._last_sampled = self.last_streams = self.replayed = None
         self.model = self.capture_stream = None
         self.logits_state, self.sampling_cache = LogitsState(self.eos_token_id), SamplingTensorCache()
@@ -255,7 +226,7 @@ class ModelRunner:
         logits = BufferSpec((hf.vocab_size,), torch.float32)
         common = dict(state=self.state, max_blocks=self.max_blocks_per_seq, block_tables=self.block_tables,
                       dummy_slot=self.max_num_seqs, short_len=2, stream=self.capture_stream)
-        pool = None if pool_per_runner else torch.cuda.graph_pool_handle()  # None: each runner makes its own
+        pool = None if pool_per_runner else self.graph_pool  # None: each runner makes its own
         runners = []
         for q in self.query_lens:
             outputs = [logits, streams] if self.speculator is not None else [logits]
@@ -281,6 +252,7 @@ class ModelRunner:
         if not self.use_graphs:
             return
         problems = []
+        self.graph_pool = torch.cuda.graph_pool_handle()
         for runner in self._new_graph_runners():
             problems += runner.capture_all(audit, self.max_model_len)
             for phase, seconds in (("graph capture", runner.capture_s), ("capture audit", runner.audit_s)):
@@ -288,9 +260,22 @@ class ModelRunner:
             if runner.sizes:
                 self.startup_steps.append((f"first graph warm-up: {runner.name}, batch {max(runner.sizes)} of "
                                            f"{runner.query_len} token(s)", runner.first_warmup_s))
+                self.startup_graphs.append(f"{runner.name} decode (query length {runner.query_len}): batch sizes "
+                                           f"{runner.sizes} in {runner.capture_s:.1f} s")
             self._graph_families()[runner.name][runner.query_len] = runner
+        if self.prefill is not None:  # after the decode graphs, in their pool
+            self.prefill.pool = self.graph_pool
+            problems += self.prefill.capture_all(self.topk_for(self.max_num_batched_tokens)[0], audit)
+            for phase, seconds in (("prefill graph capture", self.prefill.capture_s),
+                                   ("capture audit", self.prefill.audit_s)):
+                self.startup_phases[phase] = self.startup_phases.get(phase, 0.0) + seconds
+            self.startup_graphs.append(f"prefill (piecewise): {len(self.prefill.graphs)} token-count buckets "
+                                       f"{self.prefill.sizes} x {self.prefill.num_pieces} pieces in "
+                                       f"{self.prefill.capture_s:.1f} s")
         if problems:
             self.graphs, self.mtp_graphs, self.mtp_state_graphs = {}, {}, {}
+            if self.prefill is not None:
+                self.prefill.graphs = {}
             raise GraphCaptureError("CUDA graph audit failed:\n" + "\n".join(problems))
         if self.speculator is not None and self.options.adaptive_speculation:
             self.step_costs = self.speculator.measure_costs(self.graphs, self.mtp_graphs, self.mtp_state_graphs)
@@ -303,10 +288,14 @@ class ModelRunner:
         """Run steps eagerly (padded as graphs would be) while inside; used by the replay audit."""
         kept = self.graphs, self.mtp_graphs, self.mtp_state_graphs
         self.graphs, self.mtp_graphs, self.mtp_state_graphs = {}, {}, {}
+        if self.prefill is not None:
+            self.prefill.use_graphs = False
         try:
             yield
         finally:
             self.graphs, self.mtp_graphs, self.mtp_state_graphs = kept
+            if self.prefill is not None:
+                self.prefill.use_graphs = True
 
     # ---- execution ----
     @torch.no_grad()
@@ -503,9 +492,17 @@ class ModelRunner:
                                 tables=self.block_tables)
             if fix_inputs is not None:
                 fix_inputs(batch.input_ids)
-            streams = self.model(batch, self.state, topk=topk_fn)
-            logits = self.model.compute_logits(batch.logits_streams(streams))
-            mode = f"eager step, topk_path={path}"
+            n = batch.num_tokens
+            if self.prefill is not None and (self.prefill.graphs or self.pad_like_graphs) and self.prefill.bucket_for(n):
+                carry, mode = self.prefill.run(batch, topk_fn)  # padded: the pieces' rows past n are padding
+                logits = self.model.logits_of(batch.logits_streams(carry.hidden[:n]))
+                # The streams live in the graph pool, which the next replay overwrites: the drafter gets a copy.
+                streams = carry.streams[:n].clone() if self.speculator is not None else None
+                mode += f", topk_path={path}"
+            else:
+                streams = self.model(batch, self.state, topk=topk_fn)
+                logits = self.model.compute_logits(batch.logits_streams(streams))
+                mode = f"eager step, topk_path={path}"
         self.last_streams = streams if self.speculator is not None else None
 
         def describe() -> str:  # only called when a step is reported

@@ -224,14 +224,16 @@ def sparse_mqa_attention_triton(
     config: AttnConfig | None = None,
     inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     kv_format: KVFormat | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernels; same contract as `reference.sparse_mqa_attention_ref`. Runs on CUDA, or on the CPU under
     TRITON_INTERPRET=1 (the Triton kernel only). inverse_rope (cos, sin [T, rope_dim/2] fp32): then the output's
     trailing rope channels are rotated back, as `rope.apply_rope(out, cos, sin, inverse=True)` does (inside the
-    split merge when there is one, else by that kernel)."""
+    split merge when there is one, else by that kernel). `out`: a contiguous [T, H, D] tensor in q's dtype to
+    write (and return) instead of a new one."""
     num_tokens, num_heads, head_dim = q.shape
     num_rows = rows.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if num_tokens == 0:
         return out
     if q.stride(2) != 1:
@@ -302,5 +304,7 @@ def sparse_mqa_attention_triton(
             num_warps=4, **pdl_args(part_acc.device)
         )
     if inverse_rope is not None and not fuse_rope:
-        out = apply_rope(out, *inverse_rope, inverse=True)
+        rotated = apply_rope(out, *inverse_rope, inverse=True)
+        if rotated is not out:  # the rope's reference path rotates out of place
+            out.copy_(rotated)
     return out

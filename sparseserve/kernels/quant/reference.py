@@ -144,6 +144,8 @@ def fused_moe_quant_ref(
     flat_tokens = torch.arange(num_tokens, device=x.device).repeat_interleave(topk_ids.shape[1])
     flat_weights = topk_weights.reshape(-1).float()
     for expert in torch.unique(flat_ids).tolist():
+        if expert < 0:  # skipped (kernels/moe_align.py)
+            continue
         sel = flat_ids == expert
         tokens = flat_tokens[sel]
         gate_up = quant_linear_ref(x[tokens], _expert_weight(w_gate_up, expert), scale_fmt).float()

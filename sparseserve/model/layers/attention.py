@@ -24,6 +24,8 @@ from ...kernels.norm_rope import norm_rope
 from ...kernels.rows import entry_pool_rows
 from ...kernels.attention import sparse_mqa_attention
 from ...distributed.communicator import ParallelGroup
+from ..pieces import AttnPre, TokenInputs
+from ..side_stream import SideStream
 from ..state import LayerState
 from ..step_context import StepContext
 from .fused_linear import PackedWeight, Span, linear_weight_or_quant, shared_input_linear
@@ -170,44 +172,70 @@ class Attention(nn.Module):
                                    [(i - first, j - first) for i, j in state_spans])
 
     def forward_state(self, x: torch.Tensor, ctx: StepContext, state: LayerState) -> None:
-        """The part of `forward` that writes the layer's state, and nothing else: the KV rows (normed,
-        rotated) to their staging rows and ring, the compressor's (and indexer's) staged projections,
-        emitted entries and ring commit, in `forward`'s order and with its kernels, so the state ends
-        bit-equal. No q path, indexer scores, attention or output projection. `ctx` may be built
-        with `attention=False` (no attention row lists)."""
+        """The part of `forward` that writes the layer's state, and nothing else: `project_in`'s staging
+        (the compressor's and indexer's projections, the normed, rotated KV rows) and the core's emission
+        of compressed entries and indexer keys and its ring commits, in `forward`'s order and with its
+        kernels, so the state ends bit-equal. No q path, indexer scores, attention or output projection.
+        `ctx` may be built with `attention=False` (no attention row lists)."""
+        tokens = TokenInputs.of_context(ctx)
         x_proj = self._project_state(x)  # kv[, compressor kv||gate[, indexer kv||gate]]
-        staged = self._stage_compress(x_proj[1:], ctx, state) if self.compressor is not None else (None, None)
-        kv = self._stage_kv(x_proj[0], ctx, state)
+        staged = self._stage(x_proj[1:], tokens, state) if self.compressor is not None else (None, None)
+        kv = self._stage_kv(x_proj[0], tokens, state)
+        if self.compressor is not None:
+            self._emit(ctx, state)
         self._commit(staged, kv, ctx, state)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, state: LayerState) -> torch.Tensor:
+        """The whole attention over the step's tokens: `project_in`, `core`, `project_out`."""
+        return self.project_out(self.core(self.project_in(x, TokenInputs.of_context(ctx), state, ctx.side), ctx, state))
+
+    def project_in(self, x: torch.Tensor, tokens: TokenInputs, state: LayerState, side: SideStream) -> AttnPre:
+        """What depends only on the step's tokens (a piece, model/pieces.py): the projections, this step's
+        compressor (and indexer) rows and fresh KV rows written to their staging rows, and the normed,
+        rotated queries. Side work runs on `side`: the compressor path and the fresh KV rows need only the
+        projections until attention."""
         num_tokens = x.shape[0]
         x_proj = self._project("x", x)  # q_a, kv[, compressor kv||gate[, indexer kv||gate, indexer weights]]
-        # Everything but the q path runs on the step's side stream (inline when there is none):
-        # the compressor, the fresh KV rows and the indexer need only the projections until
-        # attention, and the ring commits come after it.
-        side = ctx.side
-        staged = side.run(self._stage_compress, x_proj[2:], ctx, state) if self.compressor is not None else None
-        fresh_kv = side.run(self._stage_kv, x_proj[1], ctx, state)
+        staged = side.run(self._stage, x_proj[2:], tokens, state) if self.compressor is not None else None
+        fresh_kv = side.run(self._stage_kv, x_proj[1], tokens, state)
         q_residual = self.q_a_norm(x_proj[0])
         q_proj = self._project("q", q_residual)  # q[, indexer q]
-        if staged is not None:
-            entry_rows = side.run(self._entry_rows, x_proj[2:], q_proj[1:], ctx, state)
+        mark = side.mark() if self.is_csa else None  # the indexer forks here (the core's `_entry_rows`)
+        tokens.ready()
+        cos, sin = tokens.rope[self.rope_name]
+        q = norm_rope(q_proj[0].view(num_tokens, self.num_heads, self.head_dim), None, self.eps, cos, sin)
+        comp, idx = staged.value if staged is not None else (None, None)
+        return AttnPre(q, fresh_kv.result(), comp, idx, x_proj[4] if self.is_csa else None,
+                       q_proj[1] if self.is_csa else None, mark)
+
+    def core(self, pre: AttnPre, ctx: StepContext, state: LayerState, out: torch.Tensor | None = None) -> torch.Tensor:
+        """What reads the step's per-sequence metadata (run eagerly between a padded forward's pieces,
+        over the real tokens): the compressed entries of the windows this step closes, the rows each token
+        attends to (the indexer's top-k for CSA), the sparse attention (into `out` if given) and the
+        ring commits. Returns the attention output [T, H, D], its rope channels rotated back."""
+        side = ctx.side
+        entry_rows = None
+        if self.compressor is not None:
+            # After this layer's staging on the side stream (nothing the main stream made since is read).
+            side.then(self._emit, ctx, state)
+            entry_rows = side.run_from(pre.mark, self._entry_rows, pre, ctx, state)
         ctx.wait_built()
         cos, sin = ctx.rope[self.rope_name]
-        q = norm_rope(q_proj[0].view(num_tokens, self.num_heads, self.head_dim), None, self.eps, cos, sin)
-        kv = fresh_kv.result()
-        rows = ctx.window_rows if staged is None else entry_rows.result()  # window rows, then entries
+        rows = ctx.window_rows if entry_rows is None else entry_rows.result()  # window rows, then entries
         # The output's rope channels are rotated back inside the attention launches.
-        out = sparse_mqa_attention(q, state.kv_pool, rows, self.sinks.float(), self.scale, inverse_rope=(cos, sin),
-                                   kv_format=state.kv_format)
+        out = sparse_mqa_attention(pre.q, state.kv_pool, rows, self.sinks.float(), self.scale, inverse_rope=(cos, sin),
+                                   kv_format=state.kv_format, out=out)
         # Commit after every read of the rings, queued after attention: beside it, even tiny
         # kernels slowed attention by half (an H200 profile). Nothing waits for the
         # commit before the forward's end, and the staged projections may be views of this
-        # layer's GEMM output, freed when it returns.
-        staged_rows = staged.value if staged is not None else (None, None)
-        side.keep_until_done(*staged_rows)
-        side.run(self._commit, staged_rows, kv, ctx, state)
+        # layer's GEMM output, freed when the caller drops them.
+        side.keep_until_done(pre.comp, pre.idx)
+        side.run(self._commit, (pre.comp, pre.idx), pre.kv, ctx, state)
+        return out
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """The grouped output projection of the attention output [T, H, D] (a piece); summed over the
+        tensor-parallel ranks."""
         if self.tp is None:
             return self._project_out(out)
         return self.tp.all_reduce(self._project_out(out))
@@ -226,52 +254,58 @@ class Attention(nn.Module):
         torch.bmm(grouped, w.transpose(1, 2), out=mid.transpose(0, 1))
         return linear_weight_or_quant(mid.view(num_tokens, -1), self.o_b_proj)
 
-    def _stage_compress(self, x_proj: list[torch.Tensor], ctx: StepContext,
-                        state: LayerState) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Stage this step's compressor (and indexer) projections and emit the entries of the
-        windows they close. x_proj: compressor kv||gate[, indexer kv||gate] (anything after is not read).
-        Returns the staged projections (compressor, indexer or None), committed later."""
+    def _stage(self, x_proj: list[torch.Tensor], tokens: TokenInputs,
+               state: LayerState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Write this step's compressor (and indexer) projections to their staging rows. x_proj: compressor
+        kv||gate[, indexer kv||gate] (anything after is not read). Returns the staged projections
+        (compressor, indexer or None), which the core (or `forward_state`) commits to the rings."""
+        key = (self.rate, self.is_csa)
+        rows = tokens.comp_staging[key]
+        # Staged straight from the GEMM output (kv and gate are adjacent there when packed).
+        comp_kv_gate = x_proj[0].to(state.compressor_state.dtype)
+        state.compressor_state.index_copy_(0, rows, comp_kv_gate)
+        idx_kv_gate = None
+        if self.is_csa:
+            idx_kv_gate = x_proj[1].to(state.indexer_state.dtype)
+            state.indexer_state.index_copy_(0, rows, idx_kv_gate)
+        return comp_kv_gate, idx_kv_gate
+
+    def _emit(self, ctx: StepContext, state: LayerState) -> None:
+        """The compressed entries (and indexer keys) of the windows this step's tokens close, pooled from
+        the staged and committed rows."""
         comp = self.compressor
         rate_addr = ctx.rates[self.rate]
         addr = ctx.compressors[(self.rate, self.is_csa)]
-        # Staged straight from the GEMM output (kv and gate are adjacent there when packed).
-        comp_kv_gate = x_proj[0].to(state.compressor_state.dtype)
-        state.compressor_state.index_copy_(0, addr.staging_rows, comp_kv_gate)
         compress_windows(state.compressor_state, addr.emit_src_rows, comp.position_bias, comp.overlap,
                          comp.kv_norm.weight, self.eps, rate_addr.emit_cos, rate_addr.emit_sin,
                          state.kv_pool, rate_addr.emit_kv_rows, kv_format=state.kv_format)
-        idx_kv_gate = None
         if self.is_csa:
             idx = comp.indexer
-            idx_kv_gate = x_proj[1].to(state.indexer_state.dtype)
-            state.indexer_state.index_copy_(0, addr.staging_rows, idx_kv_gate)
             compress_windows(state.indexer_state, addr.emit_src_rows, idx.position_bias, True,
                              idx.kv_norm.weight, self.eps, rate_addr.emit_cos, rate_addr.emit_sin,
                              state.index_pool, rate_addr.emit_index_rows, out_scale=state.index_scale)
-        return comp_kv_gate, idx_kv_gate
 
-    def _stage_kv(self, kv_proj: torch.Tensor, ctx: StepContext, state: LayerState) -> torch.Tensor:
+    def _stage_kv(self, kv_proj: torch.Tensor, tokens: TokenInputs, state: LayerState) -> torch.Tensor:
         """This step's KV rows (normed, rotated, in the pool's dtype; FP8: packed), written to their staging
-        rows: attention reads them there; `_commit` writes them to the ring after it."""
-        cos, sin = ctx.rope[self.rope_name]
-        return norm_rope(kv_proj, self.kv_norm.weight, self.kv_norm.eps, cos, sin, state.kv_pool, ctx.kv_staging_rows,
+        rows: attention reads them there; the core's commit writes them to the ring after it."""
+        cos, sin = tokens.rope[self.rope_name]
+        return norm_rope(kv_proj, self.kv_norm.weight, self.kv_norm.eps, cos, sin, state.kv_pool, tokens.kv_staging,
                          kv_format=state.kv_format)
 
-    def _entry_rows(self, x_proj: list[torch.Tensor], q_proj: list[torch.Tensor], ctx: StepContext,
-                    state: LayerState) -> torch.Tensor:
+    def _entry_rows(self, pre: AttnPre, ctx: StepContext, state: LayerState) -> torch.Tensor:
         """KV-pool rows each token attends to: its window rows, then those of the compressed entries,
-        the indexer's top-k (CSA) or every visible entry (HCA). q_proj: [indexer q] (CSA)."""
+        the indexer's top-k (CSA) or every visible entry (HCA)."""
         rate_addr = ctx.rates[self.rate]
         if not self.is_csa:
             return rate_addr.visible_rows
         idx = self.compressor.indexer
         batch = ctx.batch
-        num_tokens = x_proj[0].shape[0]
+        num_tokens = pre.q.shape[0]
         cos, sin = ctx.rope["compress"]
         # Rotated in place in the GEMM output (packed: a column slice; the indexer reads strides).
-        iq = apply_rope(q_proj[0].view(num_tokens, idx.num_heads, idx.head_dim), cos, sin)
+        iq = apply_rope(pre.idx_q.view(num_tokens, idx.num_heads, idx.head_dim), cos, sin)
         # The head weights (a column slice of the packed GEMM output) are scaled inside the kernel.
-        scores = indexer_scores(iq, x_proj[2], state.index_pool, batch.block_table, batch.token_seq,
+        scores = indexer_scores(iq, pre.idx_weights, state.index_pool, batch.block_table, batch.token_seq,
                                 batch.positions, self.rate, ctx.layout.entries_per_block(self.rate),
                                 idx.softmax_scale, rate_addr.num_entries, weights_scale=idx.weights_scale,
                                 index_scale=state.index_scale)

@@ -79,9 +79,11 @@ class SparseMoE(nn.Module):
         self.tp: ParallelGroup | None = None
         self.local_experts: tuple[int, int] | None = None
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, side: SideStream | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, side: SideStream | None = None,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] -> [T, D]. The shared expert runs on `side` (the step's side stream, if any),
-        beside the router and the routed experts; the combine waits for it."""
+        beside the router and the routed experts; the combine waits for it. `valid` [T] bool: the
+        other tokens (a prefill graph's padding) route to no expert, so they read no expert weights."""
         shared = (side or SideStream()).run(self.shared_experts, x)
         # The router's logits and selection (small steps: two small launches beside the shared
         # expert's GEMMs instead of a cuBLAS GEMM that waits for SMs; kernels/router.py).
@@ -93,6 +95,8 @@ class SparseMoE(nn.Module):
                                          self.routed_scaling_factor, correction_bias=self.gate.e_score_correction_bias)
         if self.local_experts is not None:
             weights, ids = self._local_assignments(weights, ids)
+        if valid is not None:  # a negative id skips the assignment (kernels/moe_align.py)
+            ids = torch.where(valid.unsqueeze(1), ids, -1)
         experts = self.experts
         if experts.q_gate_up is None:
             out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, self.limit, shared=shared.result)

@@ -1,4 +1,5 @@
-"""Checks shared by the quantized-kernel tests: the experts' closeness to the reference and a launch recorder."""
+"""Shared by the quantized-kernel tests: random expert inputs, the experts' closeness to the reference and a
+launch recorder."""
 from __future__ import annotations
 
 import torch
@@ -27,3 +28,22 @@ class LaunchRecorder:
             self.launches.append((tuple(grid), tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper()))))
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+def scaled_rows(gen: torch.Generator, num_tokens: int, hidden: int) -> torch.Tensor:
+    """Random activation rows, each scaled by its own power of two over 15 binades."""
+    return torch.randn(num_tokens, hidden, generator=gen) * torch.exp2(
+        torch.randint(-8, 7, (num_tokens, 1), generator=gen).float())
+
+
+def expert_routing(gen: torch.Generator, num_tokens: int, num_experts: int, top_k: int,
+                   skewed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routing weights, expert ids) [T, top_k]. skewed: expert 0 takes every token, the others come from
+    experts 1-5 (so the last experts of 8 get none); else a uniform random routing."""
+    if skewed:
+        others = torch.stack([torch.randperm(5, generator=gen)[: top_k - 1] + 1 for _ in range(num_tokens)])
+        ids = torch.cat([torch.zeros(num_tokens, 1, dtype=torch.long), others], dim=1)
+    else:
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
+    return weights, ids

@@ -24,7 +24,7 @@ from sparseserve.kernels.quant.formats import QuantFormatError, QuantWeight
 from sparseserve.kernels.quant.moe_quant import HAS_TRITON, fused_moe_quant_triton, interpreter_has_dot_scaled
 from sparseserve.kernels.quant.select import (DOT_BF16, DOT_FP8, DOT_FP16, DOT_FP32, MoeQuantConfig, linear_config,
                                               linear_variants, moe_quant_config, moe_quant_variants)
-from quant_checks import assert_moe_close, LaunchRecorder
+from quant_checks import assert_moe_close, expert_routing, LaunchRecorder, scaled_rows
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -110,16 +110,10 @@ def _experts_case(num_tokens: int, shape: str, skewed: bool = True):
     skewed: expert 0 takes every token and experts 6, 7 none; else a uniform random routing."""
     hidden, inter = SHAPES[shape]
     gen = torch.Generator().manual_seed(num_tokens * 31 + hidden)
-    x = torch.randn(num_tokens, hidden, generator=gen) * torch.exp2(
-        torch.randint(-8, 7, (num_tokens, 1), generator=gen).float())
+    x = scaled_rows(gen, num_tokens, hidden)
     w_gu = random_fp4(gen, (E, 2 * inter, hidden), 127 - 22, 127 + 2)
     w_dn = random_fp4(gen, (E, hidden, inter), 127 - 30, 127 + 30)
-    if skewed:
-        others = torch.stack([torch.randperm(5, generator=gen)[: TOP_K - 1] + 1 for _ in range(num_tokens)])
-        ids = torch.cat([torch.zeros(num_tokens, 1, dtype=torch.long), others], dim=1)
-    else:
-        ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(num_tokens)])
-    weights = torch.rand(num_tokens, TOP_K, generator=gen) + 0.1
+    weights, ids = expert_routing(gen, num_tokens, E, TOP_K, skewed)
     return x.to(DEVICE), w_gu, w_dn, weights.to(DEVICE), ids.to(DEVICE)
 
 

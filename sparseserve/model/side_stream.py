@@ -66,15 +66,9 @@ class SideStream:
         return self.stream is not None
 
     def run(self, fn: Callable[..., T], *args, **kwargs) -> SideWork[T]:
-        if self.stream is None:
-            return SideWork(fn(*args, **kwargs))
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            value = fn(*args, **kwargs)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self._open = True
-        return SideWork(value, event)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        return self.then(fn, *args, **kwargs)
 
     def mark(self) -> torch.cuda.Event | None:
         """An event at the main stream's work so far (None when inline): `run_from` forks from it later."""

@@ -95,13 +95,13 @@ def main() -> None:
             row.update(mode=mode, startup_s=startup_s, phases=phases, floor_ms=floor,
                        wall_over_gpu=row["wall_ms"] / row["gpu_busy_ms"], wall_over_floor=row["wall_ms"] / floor)
             rows.append(row)
+            if args.out:  # rewritten after every row, so a run cut short keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump({"model": args.model, "engine_args": engine_args, "rows": rows}, f, indent=1)
             print(f"{mode:6} {length:5} tokens: wall {row['wall_ms']:7.1f} ms, GPU busy {row['gpu_busy_ms']:7.1f} ms "
                   f"(wall/GPU {row['wall_over_gpu']:.2f}), floor {floor:6.1f} ms (wall/floor "
                   f"{row['wall_over_floor']:.2f}); {row['step']}", flush=True)
         llm.shutdown()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"model": args.model, "engine_args": engine_args, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -191,7 +191,9 @@ def test_state_only_catch_up_graphs_equal_eager_under_adaptive_speculation():
                 return original(chunks, *args, **kw)
 
             catch_up.run = run
-        cycle = itertools.cycle([0, 0, 1, 0, 2, 0, 0])
+        # A step's limit caps both the drafts it verifies and the drafts it proposes, so a nonzero limit
+        # verifies only after a nonzero one (2, 1 and 1, 1 below); the zeros are the catch-up steps.
+        cycle = itertools.cycle([0, 2, 1, 0, 0, 1, 1, 0])
         engine.scheduler.draft_limit = lambda batch: next(cycle)
         outs = llm.generate(prompt_set(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                             use_tqdm=False)

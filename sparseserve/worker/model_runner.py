@@ -457,6 +457,7 @@ class ModelRunner:
         bucket = pick_bucket(self.graph_sizes_for(q), len(chunks))
         return None if bucket is None else (bucket, q)
 
+    @torch.no_grad()
     def forward(self, chunks: list[SequenceChunk], fix_inputs: Callable[[torch.Tensor], None] | None = None
                 ) -> tuple[torch.Tensor, Callable[[], str]]:
         """fp32 logits of the chunks' wanted tokens: by graph replay when a graph holds the

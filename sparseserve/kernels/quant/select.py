@@ -59,10 +59,11 @@ DOT_FP32 = 2  # fp32 dot: the Triton interpreter (its 16-bit dot is wrong)
 DOT_FP16 = 3  # linear only: e4m3 codes as fp16 (exact; one packed conversion), fp16 dot; benchmarked, no table row
 STREAM_MAX_M = 16
 # FP4 experts: the one-dot form (True) or the four-dot form (False) in the decode rows (1-2) and the prefill
-# rows (3-4) of the experts' table; the other form stays a benchmarked variant. The one-dot form has not been
-# timed on the H200 yet, so every row keeps the measured four-dot form until quant_gemm says otherwise.
+# rows (3-4) of the experts' table; the other form stays a benchmarked variant. Measured by quant_gemm on the
+# H200 (docs/performance.md): one-dot is about 1.7x faster in the prefill rows (no spill) and about 2x slower
+# in the decode rows (the per-group LUT work outweighs the fewer dots when a tile has few rows).
 FP4_ONE_DOT_DECODE = False
-FP4_ONE_DOT_PREFILL = False
+FP4_ONE_DOT_PREFILL = True
 
 
 @dataclass(frozen=True)

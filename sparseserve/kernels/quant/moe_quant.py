@@ -47,6 +47,7 @@ from ..moe_align import moe_align
 from ..pdl import pdl_args, wait_for_prior_grid
 from .act_quant import act_quant_triton
 from .formats import BLOCK, QuantFormatError, QuantWeight, check_scale_fmt
+from .moe_gemv import fused_moe_gemv
 from .reference import fused_moe_quant_ref
 from .select import MoeQuantConfig, moe_quant_config
 
@@ -280,6 +281,8 @@ def fused_moe_quant_triton(
     if num_tokens == 0:
         return torch.empty_like(x) if shared is None else (shared() if callable(shared) else shared).clone()
     cfg = config or moe_quant_config(num_tokens, top_k, num_experts, w_gate_up.fmt, _INTERPRET)
+    if cfg.gemv:  # the weight-streaming form (moe_gemv.py)
+        return fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit, scale_fmt, cfg, shared)
     if _INTERPRET and cfg.fp4_scaled_dot and not interpreter_has_dot_scaled():
         if config is not None and _scaled_dot(cfg, w_gate_up):
             raise QuantFormatError("MoeQuantConfig.fp4_scaled_dot: this Triton's interpreter has no "

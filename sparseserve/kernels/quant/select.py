@@ -64,6 +64,10 @@ STREAM_MAX_M = 16
 # in the decode rows (the per-group LUT work outweighs the fewer dots when a tile has few rows).
 FP4_ONE_DOT_DECODE = False
 FP4_ONE_DOT_PREFILL = True
+# FP4 experts' weight-streaming form (moe_gemv.py), a benchmarked variant up to this many tokens (each routed
+# row rereads its expert: past a few tokens the grouped GEMM reads less): 16 weight rows of each half a
+# program, 512 K columns a step (4 KB of packed bytes a half in flight, two steps), 4 warps.
+GEMV_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,11 @@ class MoeQuantConfig:
     # that is exact in it (QuantWeight.fp4_one_dot_exact), the four-dot form for the others.
     fp4_one_dot: bool = False
     down_act_quant: bool = False  # not out_quant: the bf16 act goes through act_quant before the down GEMM
+    # FP4: the weight-streaming form (moe_gemv.py): one program per (routed row, gu_block_n / dn_block_n weight
+    # rows) walking K in gemv_block_k steps, x and the act quantized in the kernels; block_m, out_quant, x_quant,
+    # dot and the fp4_* fields do not apply.
+    gemv: bool = False
+    gemv_block_k: int = 512
 
 
 def moe_quant_config(num_tokens: int, top_k: int, num_experts: int, fmt: str, interpret: bool = False
@@ -161,6 +170,10 @@ def moe_quant_config(num_tokens: int, top_k: int, num_experts: int, fmt: str, in
         one_dot = FP4_ONE_DOT_PREFILL if cfg.out_quant else FP4_ONE_DOT_DECODE
         cfg = replace(cfg, fp4_scaled_dot=False, fp4_fp8_mma=True, fp4_one_dot=one_dot)
     return cfg
+
+
+FP4_GEMV = MoeQuantConfig(1, 16, 4, 1, 16, 4, 1, False, False, DOT_FP32, fp4_scaled_dot=False, gemv=True,
+                          gemv_block_k=512)
 
 
 def moe_quant_variants(num_tokens: int, top_k: int, num_experts: int, fmt: str, interpret: bool = False
@@ -193,4 +206,6 @@ def moe_quant_variants(num_tokens: int, top_k: int, num_experts: int, fmt: str, 
         out["warps_4"] = replace(cfg, gu_warps=4, dn_warps=4)
     if decode_row:
         out["gate_up_block_n_32"] = replace(cfg, gu_block_n=32)
+    if num_tokens <= GEMV_MAX_TOKENS:
+        out["fp4_gemv"] = FP4_GEMV
     return out

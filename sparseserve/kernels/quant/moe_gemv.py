@@ -50,37 +50,40 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_tile(w_rows, ws_rows, n_ok, k0, K, BLOCK_K: tl.constexpr, W_E8M0: tl.constexpr):
-        """One BLOCK_K step of BLOCK_N weight rows: (packed bytes [BN, BK/2], each byte's scale [BN, BK/2] as
-        stored: e8m0 exponent bytes or fp32). Byte j of the step holds columns k0 + 2j and k0 + 2j + 1, which
-        share scale (k0 + 2j) // 32. Columns past K (a multiple of 32) are masked: code 0, scale 2^0."""
-        jj = tl.arange(0, BLOCK_K // 2)
-        mask = n_ok[:, None] & (k0 + 2 * jj < K)[None, :]
-        b = tl.load(w_rows[:, None] + (k0 // 2 + jj)[None, :], mask=mask, other=0)
-        s_ptrs = ws_rows[:, None] + (k0 // 32 + jj // 16)[None, :]
+        """One BLOCK_K step of BLOCK_N weight rows: (packed bytes [BN, BK/32, 16], one scale per 32 columns
+        [BN, BK/32] as stored: e8m0 exponent bytes or fp32). Byte (q, j) holds columns k0 + 32q + 2j and
+        + 1. Columns past K (a multiple of 32) are masked: code 0, scale 2^0."""
+        q = tl.arange(0, BLOCK_K // 32)
+        j = tl.arange(0, 16)
+        q_ok = k0 + 32 * q < K
+        b = tl.load(w_rows[:, None, None] + (k0 // 2 + 16 * q)[None, :, None] + j[None, None, :],
+                    mask=n_ok[:, None, None] & q_ok[None, :, None], other=0)
+        s_ptrs = ws_rows[:, None] + (k0 // 32 + q)[None, :]
         if W_E8M0:
-            s = tl.load(s_ptrs, mask=mask, other=127)
+            s = tl.load(s_ptrs, mask=n_ok[:, None] & q_ok[None, :], other=127)
         else:
-            s = tl.load(s_ptrs, mask=mask, other=1.0)
+            s = tl.load(s_ptrs, mask=n_ok[:, None] & q_ok[None, :], other=1.0)
         return b, s
 
     @triton.jit
     def _act_step(a_row, k0, K, BLOCK_K: tl.constexpr, UE8M0: tl.constexpr):
         """BLOCK_K columns of one activation row quantized per 128-column group as act_quant_ref does, decoded
-        back (code x scale, fp32) and split into even and odd columns [BK/2] (the low and the high nibbles'
-        partners). A group cut by K takes its amax over the columns it has (masked ones are 0)."""
+        back (code x scale, fp32) and split into even and odd columns [BK/32, 16] (the low and the high
+        nibbles' partners). A group cut by K takes its amax over the columns it has (masked ones are 0)."""
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_row + k, mask=k < K, other=0.0).to(tl.float32)
         q, s = scale_group(tl.reshape(a, (BLOCK_K // 128, 128)), UE8M0)
         v = round_e4m3(q) * s[:, None]
-        return tl.split(tl.reshape(v, (BLOCK_K // 2, 2)))
+        return tl.split(tl.reshape(v, (BLOCK_K // 32, 16, 2)))
 
     @triton.jit
     def _fma_tile(acc, b, s, a_even, a_odd, W_E8M0: tl.constexpr):
-        """acc [BN, BK/2] += each byte's two decoded weight values times their activation values, per lane."""
+        """acc [BN, BK/32, 16] += each byte's two decoded weight values times their activation values, per
+        lane."""
         b = b.to(tl.int32)
-        sc = e8m0_to_f32(s) if W_E8M0 else s
-        acc += (e2m1_to_f32(b & 0xF) * sc) * a_even[None, :]
-        acc += (e2m1_to_f32(b >> 4) * sc) * a_odd[None, :]
+        sc = (e8m0_to_f32(s) if W_E8M0 else s)[:, :, None]
+        acc += (e2m1_to_f32(b & 0xF) * sc) * a_even[None, :, :]
+        acc += (e2m1_to_f32(b >> 4) * sc) * a_odd[None, :, :]
         return acc
 
     @triton.jit(do_not_specialize=["top_k"])
@@ -105,8 +108,8 @@ if HAS_TRITON:
         a_row = x_ptr + (r // top_k).to(tl.int64) * stride_xm
         gb_next, gs_next = _load_tile(g_rows, gs_rows, n_ok, 0, hidden, BLOCK_K, W_E8M0)
         ub_next, us_next = _load_tile(u_rows, us_rows, n_ok, 0, hidden, BLOCK_K, W_E8M0)
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             gb, gs, ub, us = gb_next, gs_next, ub_next, us_next
             # The next step's bytes are in flight while this step multiplies.
@@ -116,8 +119,8 @@ if HAS_TRITON:
             acc_g = _fma_tile(acc_g, gb, gs, a_even, a_odd, W_E8M0)
             acc_u = _fma_tile(acc_u, ub, us, a_even, a_odd, W_E8M0)
         # The release: each GEMM's output in the activation dtype, then fp32: clamps, silu, routing weight.
-        gate = tl.minimum(round_to(tl.sum(acc_g, axis=1), ACT_DTYPE), limit)
-        up = tl.minimum(tl.maximum(round_to(tl.sum(acc_u, axis=1), ACT_DTYPE), -limit), limit)
+        gate = tl.minimum(round_to(tl.sum(tl.sum(acc_g, axis=2), axis=1), ACT_DTYPE), limit)
+        up = tl.minimum(tl.maximum(round_to(tl.sum(tl.sum(acc_u, axis=2), axis=1), ACT_DTYPE), -limit), limit)
         h = round_to(gate * tl.sigmoid(gate) * up * tl.load(topk_w_ptr + r), ACT_DTYPE)
         tl.store(h_ptr + r.to(tl.int64) * stride_hm + offs_n, h.to(ACT_DTYPE), mask=n_ok)
 
@@ -142,13 +145,13 @@ if HAS_TRITON:
         ws_rows = ws_ptr + expert * stride_wse + rows * stride_wsn
         a_row = h_ptr + r.to(tl.int64) * stride_hm
         b_next, s_next = _load_tile(w_rows, ws_rows, n_ok, 0, inter, BLOCK_K, W_E8M0)
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             b, s = b_next, s_next
             b_next, s_next = _load_tile(w_rows, ws_rows, n_ok, k0 + BLOCK_K, inter, BLOCK_K, W_E8M0)
             a_even, a_odd = _act_step(a_row, k0, inter, BLOCK_K, UE8M0)
             acc = _fma_tile(acc, b, s, a_even, a_odd, W_E8M0)
-        y = round_to(tl.sum(acc, axis=1), ACT_DTYPE)  # on the bits: the interpreter's bf16 cast truncates
+        y = round_to(tl.sum(tl.sum(acc, axis=2), axis=1), ACT_DTYPE)  # on the bits: the interpreter's bf16 cast truncates
         tl.store(y_ptrs, y.to(ACT_DTYPE), mask=n_ok)
 
 

@@ -66,7 +66,9 @@ FP4_ONE_DOT_DECODE = False
 FP4_ONE_DOT_PREFILL = True
 # FP4 experts' weight-streaming form (moe_gemv.py), a benchmarked variant up to this many tokens (each routed
 # row rereads its expert: past a few tokens the grouped GEMM reads less): 16 weight rows of each half a
-# program, 512 K columns a step (4 KB of packed bytes a half in flight, two steps), 4 warps.
+# program, 256 K columns a step (2 KB of packed bytes a half and step, two steps in flight), 4 warps: compiled
+# for sm_90a the gate-up kernel takes 167 registers, no spill (tools/quant_kernel_resources.py --only gemv); 512
+# columns at 4 warps spills, at 8 warps ("fp4_gemv_8_warps") it takes 191.
 GEMV_MAX_TOKENS = 16
 
 
@@ -149,7 +151,7 @@ class MoeQuantConfig:
     # rows) walking K in gemv_block_k steps, x and the act quantized in the kernels; block_m, out_quant, x_quant,
     # dot and the fp4_* fields do not apply.
     gemv: bool = False
-    gemv_block_k: int = 512
+    gemv_block_k: int = 256
 
 
 def moe_quant_config(num_tokens: int, top_k: int, num_experts: int, fmt: str, interpret: bool = False
@@ -173,7 +175,7 @@ def moe_quant_config(num_tokens: int, top_k: int, num_experts: int, fmt: str, in
 
 
 FP4_GEMV = MoeQuantConfig(1, 16, 4, 1, 16, 4, 1, False, False, DOT_FP32, fp4_scaled_dot=False, gemv=True,
-                          gemv_block_k=512)
+                          gemv_block_k=256)
 
 
 def moe_quant_variants(num_tokens: int, top_k: int, num_experts: int, fmt: str, interpret: bool = False
@@ -208,4 +210,5 @@ def moe_quant_variants(num_tokens: int, top_k: int, num_experts: int, fmt: str, 
         out["gate_up_block_n_32"] = replace(cfg, gu_block_n=32)
     if num_tokens <= GEMV_MAX_TOKENS:
         out["fp4_gemv"] = FP4_GEMV
+        out["fp4_gemv_8_warps"] = replace(FP4_GEMV, gu_warps=8, dn_warps=8, gemv_block_k=512)
     return out

@@ -73,8 +73,8 @@ def _gemv_rows(tokens: int, variant: str, cfg) -> list[dict]:
     dn = _compile(moe_gemv._moe_gemv_down_kernel,
                   {"h_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "y_ptr": "*bf16", "topk_ids_ptr": "*i64"},
                   {"BLOCK_N": cfg.dn_block_n, **common}, cfg.dn_warps, cfg.dn_stages)
-    tag = {"fmt": "fp4", "tokens": tokens, "variant": variant, "gemv": True, "block_n": [cfg.gu_block_n, cfg.dn_block_n],
-           "block_k": cfg.gemv_block_k}
+    tag = {"fmt": "fp4", "tokens": tokens, "variant": variant, "gemv": True,
+           "block_n": [cfg.gu_block_n, cfg.dn_block_n], "block_k": cfg.gemv_block_k}
     return [{"kernel": "moe_gemv_gate_up", **tag, **gu}, {"kernel": "moe_gemv_down", **tag, **dn}]
 
 

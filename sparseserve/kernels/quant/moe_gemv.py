@@ -151,7 +151,7 @@ if HAS_TRITON:
             b_next, s_next = _load_tile(w_rows, ws_rows, n_ok, k0 + BLOCK_K, inter, BLOCK_K, W_E8M0)
             a_even, a_odd = _act_step(a_row, k0, inter, BLOCK_K, UE8M0)
             acc = _fma_tile(acc, b, s, a_even, a_odd, W_E8M0)
-        y = round_to(tl.sum(tl.sum(acc, axis=2), axis=1), ACT_DTYPE)  # on the bits: the interpreter's bf16 cast truncates
+        y = round_to(tl.sum(tl.sum(acc, axis=2), axis=1), ACT_DTYPE)  # on the bits: the interpreter's cast truncates
         tl.store(y_ptrs, y.to(ACT_DTYPE), mask=n_ok)
 
 

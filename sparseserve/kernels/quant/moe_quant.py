@@ -29,6 +29,10 @@ word, which sm_90's software pipeliner copies ahead with the weight. In every fo
 e4m3 codes, their per-group scale applied to the fp32 partial, so every product is exact. FP8 weights use the
 fp8 tensor-core dot in every row.
 
+A config with `gemv` (MoeQuantConfig; a benchmarked variant for FP4 at decode sizes, never the table's) runs
+moe_gemv.py's weight-streaming form instead: no moe_align, no act_quant, one program per routed row and
+weight-row tile.
+
 Roofline (T tokens, top-k, E_t distinct experts touched, D hidden, I intermediate): bytes = E_t * 3 I D *
 (1 for fp8, 1/2 + 1/32 for fp4) + scales + activations; FLOPs = 6 T k D I.
 Graph-safe: shapes and the grid depend only on T, k, E (never on the routing); no host sync.

@@ -45,6 +45,10 @@ upcast) or the scalar nibble decode (``fp4_scaled_dot``). With
 keeps 64-row tiles at every prefill size. Under the Triton interpreter the FP4 form's dots run in fp32 on the
 decoded values; an interpreter without ``tl.dot_scaled`` (triton 3.6's) refuses a config that asks for it.
 
+FP4 experts at decode sizes (T <= ``GEMV_MAX_TOKENS``) also have a weight-streaming form (moe_gemv.py,
+``MoeQuantConfig.gemv``): one program per routed row and weight-row tile, x and the act quantized in the kernels,
+CUDA-core FMAs; a benchmarked variant, no row of the table.
+
 ``linear_variants`` and ``moe_quant_variants`` name the alternatives `benchmarks/quant_gemm.py` times beside
 each size's table row (no row uses them until a run picks them); `tools/quant_kernel_resources.py` compiles
 them for sm_90a and reports registers and spills.
@@ -186,7 +190,8 @@ def moe_quant_variants(num_tokens: int, top_k: int, num_experts: int, fmt: str, 
     e4m3 values; for FP4 the other fp8 form ("fp4_one_dot" or "fp4_four_dot", whichever the row does not take),
     the two bf16 forms (tl.dot_scaled, the scalar nibble decode; under the interpreter only where it has
     tl.dot_scaled / always), 4 warps where the row runs 8, and narrower gate-up tiles in the decode rows (twice
-    the programs: more weight bytes in flight per SM)."""
+    the programs: more weight bytes in flight per SM); for FP4 at T <= GEMV_MAX_TOKENS the weight-streaming form
+    (moe_gemv.py: "fp4_gemv", "fp4_gemv_8_warps")."""
     cfg = moe_quant_config(num_tokens, top_k, num_experts, fmt, interpret)
     out = {"table": cfg}
     decode_row = not cfg.out_quant

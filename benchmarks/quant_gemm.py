@@ -18,7 +18,8 @@ routings (so every call reads its weights from HBM, not L2):
 Beside the table's config, each case times the alternatives select.py names for its size (`linear_variants`:
 in the streaming row the fp16 dot and 8 warps; `moe_quant_variants`, FP4: the fp8 form the row does not take,
 `fp4_one_dot` or `fp4_four_dot`, the bf16 forms (tl.dot_scaled, the scalar nibble decode), the activations
-quantized inside the GEMMs and narrower gate-up tiles in the decode rows, 4 warps in the prefill rows), each
+quantized inside the GEMMs and narrower gate-up tiles in the decode rows, the FP4 weight-streaming form
+`fp4_gemv` / `fp4_gemv_8_warps` at T <= 16, 4 warps in the prefill rows), each
 checked against the reference (or the table's output where the reference
 would be slow): the case's line ends with their times and the fastest correct one, its JSON row has them under
 `variants` and `fastest_variant`; a wrong or failing alternative fails the run.

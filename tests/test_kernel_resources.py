@@ -53,3 +53,19 @@ def test_fp8_attention_fits_the_sm():
     assert {row["config"].split("block_h=")[1].split(",")[0] for row in rows} == {"64", "16"}
     for row in rows:
         assert row["fits"] and row["spill_stack"] <= 1024 and row["registers"] > 128, row
+
+
+def test_fp4_gemv_experts_compile_for_sm90_without_spills():
+    """The FP4 experts' weight-streaming kernels (kernels/quant/moe_gemv.py) at the variants select.py names compile
+    for sm_90a (`tools/quant_kernel_resources.py --only gemv`) and keep their tiles, the next step's bytes and the
+    per-lane accumulators in registers: no spill."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "quant_kernel_resources.py"), "--only", "gemv"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if proc.returncode and ("ptxas" in proc.stderr or "backend" in proc.stderr.lower()):
+        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert {row["kernel"] for row in rows} == {"moe_gemv_gate_up", "moe_gemv_down"} and len(rows) >= 4
+    for row in rows:
+        assert row["fits"] and row["spill_stack"] == 0 and row["registers"] <= 255, row

@@ -1,7 +1,7 @@
 """Resources of the quantized kernels (sparseserve/kernels/quant/) at the configs their table picks for
 V4-Flash shapes, compiled for sm_90a offline (no GPU needed; tools/kernel_resources.py's compile_sm90).
 
-    TRITON_INTERPRET=0 python tools/quant_kernel_resources.py [--only linear,moe]
+    TRITON_INTERPRET=0 python tools/quant_kernel_resources.py [--only linear,moe,gemv]
 
 One JSON line per kernel and config (the table's, "variant": "table", and the alternatives
 benchmarks/quant_gemm.py times, select.linear_variants / moe_quant_variants; FP4's one-dot form as for a weight
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import triton.language as tl  # noqa: E402
 from kernel_resources import SM90_SHARED_LIMIT, _usage, compile_sm90  # noqa: E402
 
-from sparseserve.kernels.quant import linear, moe_quant  # noqa: E402
+from sparseserve.kernels.quant import linear, moe_gemv, moe_quant  # noqa: E402
 from sparseserve.kernels.quant.select import DOT_FP8, linear_variants, moe_quant_variants  # noqa: E402
 
 act_quant = importlib.import_module("sparseserve.kernels.quant.act_quant")  # the package exports a function so named
@@ -63,7 +63,24 @@ def linear_rows() -> list[dict]:
     return rows
 
 
+def _gemv_rows(tokens: int, variant: str, cfg) -> list[dict]:
+    """The FP4 weight-streaming form's two kernels (moe_gemv.py) at a MoeQuantConfig with gemv=True."""
+    common = {"BLOCK_K": cfg.gemv_block_k, "UE8M0": True, "W_E8M0": True, "ACT_DTYPE": tl.bfloat16}
+    gu = _compile(moe_gemv._moe_gemv_gate_up_kernel,
+                  {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "h_ptr": "*bf16", "topk_ids_ptr": "*i64",
+                   "topk_w_ptr": "*fp32"}, {"BLOCK_N": cfg.gu_block_n, **common}, cfg.gu_warps, cfg.gu_stages,
+                  floats=("limit",))
+    dn = _compile(moe_gemv._moe_gemv_down_kernel,
+                  {"h_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "y_ptr": "*bf16", "topk_ids_ptr": "*i64"},
+                  {"BLOCK_N": cfg.dn_block_n, **common}, cfg.dn_warps, cfg.dn_stages)
+    tag = {"fmt": "fp4", "tokens": tokens, "variant": variant, "gemv": True,
+           "block_n": [cfg.gu_block_n, cfg.dn_block_n], "block_k": cfg.gemv_block_k}
+    return [{"kernel": "moe_gemv_gate_up", **tag, **gu}, {"kernel": "moe_gemv_down", **tag, **dn}]
+
+
 def _moe_row(fmt: str, tokens: int, variant: str, cfg) -> list[dict]:
+    if cfg.gemv:
+        return _gemv_rows(tokens, variant, cfg)
     w = "*u8" if fmt == "fp4" else "*fp8e4nv"
     a16 = "*bf16"
     gu_ptrs = {"x_ptr": "*fp8e4nv" if cfg.x_quant else a16, "xs_ptr": "*fp32", "w_ptr": w, "ws_ptr": "*u8",
@@ -97,12 +114,19 @@ def moe_rows() -> list[dict]:
             for row in _moe_row(fmt, tokens, variant, cfg)]
 
 
+def gemv_rows() -> list[dict]:
+    """The FP4 weight-streaming variants alone (select.moe_quant_variants' gemv configs at T = 1 and 8)."""
+    return [row for tokens in (1, 8) for variant, cfg in moe_quant_variants(tokens, 6, 256, "fp4").items()
+            if cfg.gemv for row in _gemv_rows(tokens, variant, cfg)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", default="linear,moe")
+    ap.add_argument("--only", default="linear,moe", help="comma-separated: linear, moe, gemv (moe includes gemv)")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     rows = (linear_rows() if "linear" in only else []) + (moe_rows() if "moe" in only else [])
+    rows += gemv_rows() if "gemv" in only and "moe" not in only else []
     for row in rows:
         print(json.dumps(row), flush=True)
     return 0 if all(r["fits"] for r in rows) else 1

@@ -29,6 +29,10 @@ word, which sm_90's software pipeliner copies ahead with the weight. In every fo
 e4m3 codes, their per-group scale applied to the fp32 partial, so every product is exact. FP8 weights use the
 fp8 tensor-core dot in every row.
 
+A config with `gemv` (MoeQuantConfig; a benchmarked variant for FP4 at decode sizes, never the table's) runs
+moe_gemv.py's weight-streaming form instead: no moe_align, no act_quant, one program per routed row and
+weight-row tile.
+
 Roofline (T tokens, top-k, E_t distinct experts touched, D hidden, I intermediate): bytes = E_t * 3 I D *
 (1 for fp8, 1/2 + 1/32 for fp4) + scales + activations; FLOPs = 6 T k D I.
 Graph-safe: shapes and the grid depend only on T, k, E (never on the routing); no host sync.
@@ -47,6 +51,7 @@ from ..moe_align import moe_align
 from ..pdl import pdl_args, wait_for_prior_grid
 from .act_quant import act_quant_triton
 from .formats import BLOCK, QuantFormatError, QuantWeight, check_scale_fmt
+from .moe_gemv import fused_moe_gemv
 from .reference import fused_moe_quant_ref
 from .select import MoeQuantConfig, moe_quant_config
 
@@ -280,6 +285,8 @@ def fused_moe_quant_triton(
     if num_tokens == 0:
         return torch.empty_like(x) if shared is None else (shared() if callable(shared) else shared).clone()
     cfg = config or moe_quant_config(num_tokens, top_k, num_experts, w_gate_up.fmt, _INTERPRET)
+    if cfg.gemv:  # the weight-streaming form (moe_gemv.py)
+        return fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, swiglu_limit, scale_fmt, cfg, shared)
     if _INTERPRET and cfg.fp4_scaled_dot and not interpreter_has_dot_scaled():
         if config is not None and _scaled_dot(cfg, w_gate_up):
             raise QuantFormatError("MoeQuantConfig.fp4_scaled_dot: this Triton's interpreter has no "

@@ -45,6 +45,10 @@ upcast) or the scalar nibble decode (``fp4_scaled_dot``). With
 keeps 64-row tiles at every prefill size. Under the Triton interpreter the FP4 form's dots run in fp32 on the
 decoded values; an interpreter without ``tl.dot_scaled`` (triton 3.6's) refuses a config that asks for it.
 
+FP4 experts at decode sizes (T <= ``GEMV_MAX_TOKENS``) also have a weight-streaming form (moe_gemv.py,
+``MoeQuantConfig.gemv``): one program per routed row and weight-row tile, x and the act quantized in the kernels,
+CUDA-core FMAs; a benchmarked variant, no row of the table.
+
 ``linear_variants`` and ``moe_quant_variants`` name the alternatives `benchmarks/quant_gemm.py` times beside
 each size's table row (no row uses them until a run picks them); `tools/quant_kernel_resources.py` compiles
 them for sm_90a and reports registers and spills.
@@ -64,6 +68,12 @@ STREAM_MAX_M = 16
 # in the decode rows (the per-group LUT work outweighs the fewer dots when a tile has few rows).
 FP4_ONE_DOT_DECODE = False
 FP4_ONE_DOT_PREFILL = True
+# FP4 experts' weight-streaming form (moe_gemv.py), a benchmarked variant up to this many tokens (each routed
+# row rereads its expert: past a few tokens the grouped GEMM reads less): 16 weight rows of each half a
+# program, 256 K columns a step (2 KB of packed bytes a half and step, two steps in flight), 4 warps: compiled
+# for sm_90a the gate-up kernel takes 167 registers, no spill (tools/quant_kernel_resources.py --only gemv); 512
+# columns at 4 warps spills, at 8 warps ("fp4_gemv_8_warps") it takes 191.
+GEMV_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,11 @@ class MoeQuantConfig:
     # that is exact in it (QuantWeight.fp4_one_dot_exact), the four-dot form for the others.
     fp4_one_dot: bool = False
     down_act_quant: bool = False  # not out_quant: the bf16 act goes through act_quant before the down GEMM
+    # FP4: the weight-streaming form (moe_gemv.py): one program per (routed row, gu_block_n / dn_block_n weight
+    # rows) walking K in gemv_block_k steps, x and the act quantized in the kernels; block_m, out_quant, x_quant,
+    # dot and the fp4_* fields do not apply.
+    gemv: bool = False
+    gemv_block_k: int = 256
 
 
 def moe_quant_config(num_tokens: int, top_k: int, num_experts: int, fmt: str, interpret: bool = False
@@ -163,6 +178,10 @@ def moe_quant_config(num_tokens: int, top_k: int, num_experts: int, fmt: str, in
     return cfg
 
 
+FP4_GEMV = MoeQuantConfig(1, 16, 4, 1, 16, 4, 1, False, False, DOT_FP32, fp4_scaled_dot=False, gemv=True,
+                          gemv_block_k=256)
+
+
 def moe_quant_variants(num_tokens: int, top_k: int, num_experts: int, fmt: str, interpret: bool = False
                        ) -> dict[str, MoeQuantConfig]:
     """The table's config ("table") and the alternatives benchmarks/quant_gemm.py times beside it
@@ -171,7 +190,8 @@ def moe_quant_variants(num_tokens: int, top_k: int, num_experts: int, fmt: str, 
     e4m3 values; for FP4 the other fp8 form ("fp4_one_dot" or "fp4_four_dot", whichever the row does not take),
     the two bf16 forms (tl.dot_scaled, the scalar nibble decode; under the interpreter only where it has
     tl.dot_scaled / always), 4 warps where the row runs 8, and narrower gate-up tiles in the decode rows (twice
-    the programs: more weight bytes in flight per SM)."""
+    the programs: more weight bytes in flight per SM); for FP4 at T <= GEMV_MAX_TOKENS the weight-streaming form
+    (moe_gemv.py: "fp4_gemv", "fp4_gemv_8_warps")."""
     cfg = moe_quant_config(num_tokens, top_k, num_experts, fmt, interpret)
     out = {"table": cfg}
     decode_row = not cfg.out_quant
@@ -193,4 +213,7 @@ def moe_quant_variants(num_tokens: int, top_k: int, num_experts: int, fmt: str, 
         out["warps_4"] = replace(cfg, gu_warps=4, dn_warps=4)
     if decode_row:
         out["gate_up_block_n_32"] = replace(cfg, gu_block_n=32)
+    if num_tokens <= GEMV_MAX_TOKENS:
+        out["fp4_gemv"] = FP4_GEMV
+        out["fp4_gemv_8_warps"] = replace(FP4_GEMV, gu_warps=8, dn_warps=8, gemv_block_k=512)
     return out

@@ -267,12 +267,27 @@ def hopper_attention_rows() -> list[dict]:
                                          kernel="sparse_mqa_split", splits=splits, band=band))
     for splits, band in ((1, True),):
         for q_tma in (True, False):
-            constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=hopper.WORKER_REGS, OUT_TMA=True, Q_TMA=q_tma,
-                              BAND=band, PDL=1)
-            types = {"out_desc": _desc_type(True), "q_desc": _desc_type(q_tma), "part_acc_ptr": "*bf16"}
-            rows.append(_gluon_attention_row(hopper._sparse_mqa_hopper_kernel, constexprs, 4, types,
-                                             kernel="sparse_mqa_hopper", splits=splits, band=band, q_tma=q_tma))
+            rows.append(_hopper_row(splits, band, q_tma, fp8=False))
     return rows
+
+
+def hopper_fp8_attention_rows() -> list[dict]:
+    """The role-split Hopper kernel's FP8 form (packed rows dequantized by its output warpgroups) as the named FP8
+    config `select.fp8_hopper_attention_config` launches it: one split with a band (batch 256), two splits with a
+    band (batch 64), one-tile splits without (small batches), q by TMA; and q by cp.async (a strided q)."""
+    return [_hopper_row(1, True, True, fp8=True), _hopper_row(2, True, True, fp8=True),
+            _hopper_row(16, False, True, fp8=True), _hopper_row(1, True, False, fp8=True)]
+
+
+def _hopper_row(splits: int, band: bool, q_tma: bool, fp8: bool) -> dict:
+    from sparseserve.kernels.attention import hopper
+
+    constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=hopper.WORKER_REGS, OUT_TMA=True, Q_TMA=q_tma, BAND=band,
+                      FP8=fp8, PDL=1)
+    types = {"out_desc": _desc_type(True), "q_desc": _desc_type(q_tma), "part_acc_ptr": "*bf16",
+             "kv_ptr": "*u8" if fp8 else "*bf16"}
+    return _gluon_attention_row(hopper._sparse_mqa_hopper_kernel, constexprs, 4, types, kernel="sparse_mqa_hopper",
+                                splits=splits, band=band, q_tma=q_tma, fp8=fp8)
 
 
 def mhc_shared_rows() -> list[dict]:
@@ -298,13 +313,15 @@ def main() -> None:
     parser.add_argument("--sass-ops", action="store_true", help="with --fp8-engine: SASS instruction counts")
     parser.add_argument("--hopper", action="store_true",
                         help="the Hopper (Gluon) attention kernel instead, one JSON line each")
+    parser.add_argument("--hopper-fp8", action="store_true",
+                        help="the Hopper kernel's FP8 form (packed FP8 KV rows) instead, one JSON line each")
     args = parser.parse_args()
     if args.fp8_engine:
         for row in fp8_engine_rows(args.sass_ops):
             print(json.dumps(row))
         return
-    if args.hopper:
-        for row in hopper_attention_rows():
+    if args.hopper or args.hopper_fp8:
+        for row in hopper_fp8_attention_rows() if args.hopper_fp8 else hopper_attention_rows():
             print(json.dumps(row))
         return
     if args.mhc_shared:

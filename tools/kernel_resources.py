@@ -282,8 +282,8 @@ def hopper_fp8_attention_rows() -> list[dict]:
 def _hopper_row(splits: int, band: bool, q_tma: bool, fp8: bool) -> dict:
     from sparseserve.kernels.attention import hopper
 
-    constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=hopper.WORKER_REGS, OUT_TMA=True, Q_TMA=q_tma, BAND=band,
-                      FP8=fp8, PDL=1)
+    constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=hopper.FP8_WORKER_REGS if fp8 else hopper.WORKER_REGS,
+                      OUT_TMA=True, Q_TMA=q_tma, BAND=band, FP8=fp8, PDL=1)
     types = {"out_desc": _desc_type(True), "q_desc": _desc_type(q_tma), "part_acc_ptr": "*bf16",
              "kv_ptr": "*u8" if fp8 else "*bf16"}
     return _gluon_attention_row(hopper._sparse_mqa_hopper_kernel, constexprs, 4, types, kernel="sparse_mqa_hopper",

@@ -38,6 +38,9 @@ from ..pdl import pdl_args
 from .hopper_common import HEAD_BLOCK, HAVE_GLUON, out_descriptor, q_descriptor
 
 WORKER_REGS = 168  # registers of each output warpgroup (setmaxnreg); the score warpgroup gets the rest, also 168
+# FP8 form: the dequantizing gather's loads and conversions live beside the [64, 256] fp32 accumulator, so the output
+# warpgroups take 184 (at 168 they spill loop-invariant addresses) and the score warpgroup the rest, 136.
+FP8_WORKER_REGS = 184
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -426,5 +429,5 @@ def launch_hopper_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_m
         q, kv_pool, rows, rows if band is None else band, sinks, out, part_acc, part_ml,
         num_heads, num_units, units_per_token, rows.shape[1],
         q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1), qk_scale,
-        out_desc, q_desc, NUM_SPLITS=num_splits, WORKER_REGS=WORKER_REGS, OUT_TMA=out_tma, Q_TMA=q_tma,
+        out_desc, q_desc, NUM_SPLITS=num_splits, WORKER_REGS=FP8_WORKER_REGS if fp8 else WORKER_REGS, OUT_TMA=out_tma, Q_TMA=q_tma,
         BAND=band is not None, FP8=fp8, num_warps=4, **pdl_args(q.device))

@@ -34,7 +34,7 @@ if HAVE_GLUON:
 
     # [64 rows, 64 columns] of a 4-warp partition: 16 consecutive codes (one 16-byte load) per thread, 4 threads a
     # row, 32 rows a pass; a row's scale byte is then one load per (thread, row).
-    FP8_CHUNK_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+    FP8_CHUNK_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 32], [16, 2], [4, 1], [1, 0]))
     _NOPE = gl.constexpr(FP8_NOPE)
     _SCALE_OFF = gl.constexpr(FP8_SCALE_OFF)
 

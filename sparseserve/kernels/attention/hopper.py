@@ -23,6 +23,12 @@ compute the same QK^T (docs/performance.md). Gluon states copies and layouts exp
 Barriers (mbarriers): kv_ready[slot] (256 cp.async arrivals, one per output-warpgroup thread), p_ready[buf] (1),
 p_free[buf] (2), l_ready (1), l_free (2) and q_ready (the TMA's bytes); a barrier's phase parity is its use count.
 
+FP8 form (FP8, packed FP8 KV rows of V4's 592-byte layout; `hopper_fp8.py`): the output warpgroups, instead of
+cp.async, load their column half's e4m3 codes and scales (the upper half also the bf16 rope part), dequantize them
+in registers and store the bf16 tile into their half of the slot, then arrive once each on kv_ready (count 2); the
+score warpgroup and both products are the bf16 form's. The output warpgroups take FP8_WORKER_REGS. With FP8 False
+the kernel compiles to the same code as without the switch.
+
 Each unit walks its valid band [first, last + 1) from the band pre-pass of `triton_kernel.py` (BAND), except where
 every split is one tile (small decode batches): those units walk their split's whole segment and tell an all-holes
 split from its row ids, which saves the pre-pass launch. An empty split (all holes, split > 0) writes
@@ -49,10 +55,10 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-    from .hopper_fp8 import FP8_CHUNK_LAYOUT, gather_cols_fp8
     from .hopper_common import (
         async_gather, cta_barrier, issue_q, next_tile, rows_scaled, store_ml, tile_ids, tma_load_async,
         tma_store_async, unit_row_sum, unit_sink, unit_span, wait_for_prior_grid)
+    from .hopper_fp8 import FP8_CHUNK_LAYOUT, gather_cols_fp8
 
     @gluon.jit
     def _unit_empty(rows_ptr, stride_rt, unit, start, end, units_per_token, BLOCK_N: gl.constexpr,
@@ -429,5 +435,6 @@ def launch_hopper_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_m
         q, kv_pool, rows, rows if band is None else band, sinks, out, part_acc, part_ml,
         num_heads, num_units, units_per_token, rows.shape[1],
         q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1), qk_scale,
-        out_desc, q_desc, NUM_SPLITS=num_splits, WORKER_REGS=FP8_WORKER_REGS if fp8 else WORKER_REGS, OUT_TMA=out_tma, Q_TMA=q_tma,
+        out_desc, q_desc, NUM_SPLITS=num_splits, WORKER_REGS=FP8_WORKER_REGS if fp8 else WORKER_REGS,
+        OUT_TMA=out_tma, Q_TMA=q_tma,
         BAND=band is not None, FP8=fp8, num_warps=4, **pdl_args(q.device))

@@ -13,9 +13,10 @@ the sm_90 limit, the count of local-memory instructions (LDL/STL: spill traffic)
 of the main loop (per row tile and thread) with their local-memory ones. --sass-ops adds the SASS instruction counts
 by opcode, whole kernel and loop (conversions F2F/F2FP, global loads, shared memory, tensor-core ops).
 
---hopper: the Hopper (Gluon) attention kernel as the engine launches it (registers, spill stack, shared memory;
-a CI test runs it: it builds with this Triton, fits one block, spills at most a few scalars). Must run with
-TRITON_INTERPRET=0.
+--hopper: the Hopper (Gluon) attention kernel as the engine launches it (registers, spill stack, the SASS's local
+stores and loads, shared memory; a CI test runs it: it builds with this Triton, fits one block, spills at most a
+few scalars). --hopper-fp8: the same for the role-split kernel's FP8 form (packed FP8 KV rows, dequantized by its
+output warpgroups) in the forms its named config launches. Must run with TRITON_INTERPRET=0.
 
 Each config is BLOCK_H,BLOCK_N,num_warps,num_stages,NUM_SPLITS. Arguments are specialised as the engine's launches
 are on the H200 (pointers and int arguments divisible by 16, one head block for 64 heads), so the numbers match
@@ -240,7 +241,9 @@ def _gluon_attention_row(fn, constexprs: dict, num_warps: int, types: dict | Non
                and not signature[n].startswith("tensordesc")]
     kernel = compile_sm90(fn, signature, constexprs, aligned, source_cls=GluonASTSource, num_warps=num_warps)
     regs, stack = _usage(kernel)
-    row = dict(**label, registers=regs, spill_stack=stack, shared=kernel.metadata.shared,
+    ops = sass_ops(kernel)
+    row = dict(**label, registers=regs, spill_stack=stack, local_stores=ops.get("STL", 0),
+               local_loads=ops.get("LDL", 0), shared=kernel.metadata.shared,
                fits=kernel.metadata.shared <= SM90_SHARED_LIMIT)
     return row
 

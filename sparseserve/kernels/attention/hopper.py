@@ -262,9 +262,8 @@ if HAVE_GLUON:
         row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         num_programs = gl.num_programs(0)
         offs_d = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, gather_layout))
-        if FP8:  # row ids in the dequantizing gather's layout (hopper_fp8.py), for the regathers after a store too
+        if FP8:  # row ids in the dequantizing gather's layout (hopper_fp8.py)
             offs_g = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, FP8_CHUNK_LAYOUT))
-            offs_gc = offs_g
         else:
             offs_g = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gather_layout))
             offs_gc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, chunk_layout))
@@ -332,10 +331,12 @@ if HAVE_GLUON:
                         cta_barrier()
                         for c in gl.static_range(DH // 64):
                             tma_store_async(out_desc, [row0, HALF * DH + c * 64], kv_mine.index(b).slice(c * 64, 64, dim=1))
-                        r_c = tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_gc, BLOCK_N)
-                        if FP8:
-                            gather_cols_fp8(kv_mine.index(b), kv_ptr, stride_kv, r_c, kv_ready.index(b), HALF, True)
+                        if FP8:  # (r_ahead is already in the dequantizing gather's layout)
+                            gather_cols_fp8(kv_mine.index(b), kv_ptr, stride_kv, r_ahead, kv_ready.index(b), HALF,
+                                            True)
                         else:
+                            r_c = tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_gc,
+                                           BLOCK_N)
                             _gather_cols_after_store(kv_mine.index(b), kv_ptr, stride_kv, r_c, offs_dc,
                                                      kv_ready.index(b))
                         regathered = True

@@ -3,8 +3,8 @@
 `reference.py` (plain PyTorch: the CPU path and the test oracle), `triton_kernel.py` (the portable Triton kernel,
 the band pre-pass, the split merge and the launcher), `hopper.py` and `hopper_split.py` (the Gluon kernels of the
 64-head shapes on sm_90, unsplit and split calls, sharing `hopper_common.py`; `hopper_fp8.py`, the role-split
-kernel's FP8-row form), `select.py` (which of them runs a call: the selection table). `sparse_mqa_attention` is what the model
-calls.
+kernel's FP8-row form), `select.py` (which of them runs a call: the selection table). `sparse_mqa_attention` is what
+the model calls.
 """
 from __future__ import annotations
 

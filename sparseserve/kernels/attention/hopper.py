@@ -40,13 +40,17 @@ Roofline: bytes = 2*L*D + 4*H*D per token, FLOPs = 4*H*L*D.
 """
 from __future__ import annotations
 
+import triton
+
 from ..pdl import pdl_args
 from .hopper_common import HEAD_BLOCK, HAVE_GLUON, out_descriptor, q_descriptor
 
 WORKER_REGS = 168  # registers of each output warpgroup (setmaxnreg); the score warpgroup gets the rest, also 168
-# FP8 form: the dequantizing gather's loads and conversions live beside the [64, 256] fp32 accumulator, so the output
-# warpgroups take 184 (at 168 they spill loop-invariant addresses) and the score warpgroup the rest, 136.
-FP8_WORKER_REGS = 184
+# FP8 form: the dequantizing gather's loads and conversions live beside the [64, 256] fp32 accumulator. Under
+# Triton 3.9 the output warpgroups then take 184 (at 168 they spill 40 B of loop-invariant addresses; the score
+# warpgroup gets the rest, 136); Triton 3.6 (the H200's stack) fits them in 168, and at 184 spills in the score
+# warpgroup. `tools/kernel_resources.py --hopper-fp8` measures both (16 B of stack each).
+FP8_WORKER_REGS = 184 if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9) else WORKER_REGS
 
 if HAVE_GLUON:
     from triton.experimental import gluon

@@ -8,8 +8,9 @@ Cases: attention decode, V4-Flash (64 heads, D = 512, top-k 512), CSA and HCA ro
 benchmarks/kernels.py's (input sets cycled in one captured graph, so rows come from HBM); the FP8 pool is the
 bf16 pool quantized, read through the same row lists. Each case records the bf16 engine kernel (Hopper where it
 serves the call), the portable Triton kernel on bf16 rows, the FP8 kernel (its config, and the registers, spills
-and shared memory of its compiled variant; neighbouring FP8 configs timed beside it), their speedups and the
-share of HBM the FP8 kernel's own bytes reach.
+and shared memory of its compiled variant; neighbouring FP8 configs timed beside it), the role-split Hopper kernel's
+FP8 form under its named config (`select.fp8_hopper_attention_config`, not the engine's selection: `fp8_hopper_*`),
+their speedups and the share of HBM the FP8 kernels' own bytes reach.
 --smoke: tiny shapes on the CPU under TRITON_INTERPRET=1 (a script check).
 """
 from __future__ import annotations
@@ -31,6 +32,8 @@ from sparseserve.kernels.attention import (
     sparse_mqa_attention_ref,
     sparse_mqa_attention_triton,
 )
+from sparseserve.kernels.attention.hopper_fp8 import hopper_fp8_supported
+from sparseserve.kernels.attention.select import fp8_hopper_attention_config
 from sparseserve.kernels.attention.triton_kernel import _sparse_mqa_fwd_kernel
 from sparseserve.kernels.indexer import indexer_config, indexer_scores_triton
 from sparseserve.kv_format import IndexFormat, KVFormat, dequantize_kv_rows, quantize_index_rows, quantize_kv_rows
@@ -93,6 +96,25 @@ def _graph_us(sets, launch) -> float:
     return K._bench_graph([(lambda a=a: launch(a)) for a in sets])
 
 
+def _fp8_hopper(case: dict, packed: torch.Tensor, ref: torch.Tensor, fp8_bytes: int, t_bf16: float, t_fp8: float,
+                num_sms: int) -> dict:
+    """The Hopper kernel's FP8 form timed on the same inputs (where it can serve them): its config, time, error
+    against the reference, speedups over the bf16 engine kernel and the FP8 Triton launch, share of HBM."""
+    q, _, rows = case["args"][:3]
+    if not hopper_fp8_supported(q, packed, FMT):
+        return dict(fp8_hopper="not served here (needs sm_90, bf16 q, 64-head multiples)")
+    cfg = fp8_hopper_attention_config(q.shape[0], q.shape[1], rows.shape[1], num_sms)
+    launch = lambda a: sparse_mqa_attention_triton(a[0], packed, *a[2:], cfg, kv_format=FMT)  # noqa: E731
+    try:
+        rel = ((launch(case["args"]).float() - ref).norm() / ref.norm()).item()
+        t = _graph_us(case["sets"], launch)
+    except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
+        return dict(fp8_hopper_config=repr(cfg), fp8_hopper_error=repr(exc)[:300])
+    return dict(fp8_hopper_config=repr(cfg), fp8_hopper_us=round(t, 2), fp8_hopper_rel_err_vs_ref=round(rel, 5),
+                fp8_hopper_speedup=round(t_bf16 / t, 3), fp8_hopper_vs_fp8_triton=round(t_fp8 / t, 3),
+                fp8_hopper_hbm_frac=round(fp8_bytes / (t * 1e-6) / K.HBM_BPS, 3))
+
+
 def attention_case(kind: str, batch: int, ctx: int, gen: torch.Generator, num_sms: int) -> dict:
     case = K.attn_decode_case("flash", kind, batch, ctx, gen)
     q, kv, rows, sinks, scale = case["args"]
@@ -126,7 +148,8 @@ def attention_case(kind: str, batch: int, ctx: int, gen: torch.Generator, num_sm
                 speedup_vs_triton_bf16=round(t_triton / t_fp8, 3),
                 fp8_hbm_frac=round(fp8_bytes / (t_fp8 * 1e-6) / K.HBM_BPS, 3),
                 bf16_hbm_frac=round(case["bytes"] / (t_bf16 * 1e-6) / K.HBM_BPS, 3), rel_err_vs_ref=round(rel, 5),
-                fp8_alternatives=alternatives, **resources)
+                fp8_alternatives=alternatives, **resources,
+                **_fp8_hopper(case, packed, ref, fp8_bytes, t_bf16, t_fp8, num_sms))
 
 
 def indexer_case(batch: int, ctx: int, gen: torch.Generator, num_sms: int) -> dict:

@@ -17,7 +17,10 @@ if not torch.cuda.is_available():  # as in conftest.py: the interpreter only whe
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from sparseserve.kernels import rows as R
-from sparseserve.kernels.attention import AttnConfig, sparse_mqa_attention_ref, sparse_mqa_attention_triton
+from sparseserve.kernels.attention import (
+    AttnConfig, attention_config, sparse_mqa_attention_ref, sparse_mqa_attention_triton)
+from sparseserve.kernels.attention.hopper_fp8 import hopper_fp8_supported
+from sparseserve.kernels.attention.select import fp8_hopper_attention_config
 from sparseserve.kernels.compressor import compress_windows_ref, compress_windows_triton
 from sparseserve.kernels.indexer import IndexerConfig, indexer_scores_ref, indexer_scores_triton
 from sparseserve.kernels.norm_rope import norm_rope_ref, norm_rope_triton
@@ -245,13 +248,30 @@ def test_attention_reads_packed_rows(T, H, D, rope, L, cfg):
     assert out[-1].abs().max().item() == 0.0
 
 
-def test_hopper_config_refuses_fp8_rows():
-    fmt = KVFormat(64, 16)
-    q = torch.zeros(2, 64, 64)
-    with pytest.raises(ValueError, match="Hopper"):
-        sparse_mqa_attention_triton(q, torch.zeros(4, fmt.row_bytes, dtype=torch.uint8),
-                                    torch.zeros(2, 3, dtype=torch.int32), torch.zeros(64), 1.0,
-                                    AttnConfig("hopper", 64, 64, 4, 2, 1, band_prepass=True), kv_format=fmt)
+def test_hopper_config_refuses_fp8_rows_it_cannot_serve():
+    """The Hopper kernel's FP8 form takes only V4's row layout, bf16 q on sm_90: elsewhere an explicit Hopper
+    config on FP8 rows is a clear error naming the layout it takes (never a silent fallback)."""
+    for fmt, dim in ((KVFormat(64, 16), 64), (KVFormat(512, 64), 512)):
+        q = torch.zeros(2, 64, dim)
+        with pytest.raises(ValueError, match="Hopper kernel on FP8 KV rows.*KVFormat"):
+            sparse_mqa_attention_triton(q, torch.zeros(4, fmt.row_bytes, dtype=torch.uint8),
+                                        torch.zeros(2, 3, dtype=torch.int32), torch.zeros(64), 1.0,
+                                        AttnConfig("hopper", 64, 64, 4, 2, 1, band_prepass=True), kv_format=fmt)
+    assert not hopper_fp8_supported(torch.zeros(2, 64, 512, dtype=torch.bfloat16),
+                                    torch.zeros(4, 592, dtype=torch.uint8), KVFormat(512, 64))  # CPU tensors
+
+
+@pytest.mark.parametrize("tokens,rows", [(1, 640), (8, 640), (64, 640), (64, 384), (64, 1152), (256, 1152),
+                                         (128, 130), (16, 100), (4096, 640)])
+def test_fp8_hopper_config_takes_the_hopper_rows_splits(tokens, rows):
+    """The named FP8 Hopper config (row FH) splits as the bf16 Hopper row 1 does at the same shapes, while the
+    engine's FP8 selection stays on the Triton rows F1/F2."""
+    cfg = fp8_hopper_attention_config(tokens, 64, rows, 132)
+    bf16 = attention_config(tokens, 64, rows, 512, 132, hopper=True)
+    assert cfg.kernel == "hopper" and cfg.band_prepass and (cfg.block_h, cfg.block_n) == (64, 64)
+    if bf16.kernel == "hopper":  # (at least HOPPER_MIN_PROGRAMS programs)
+        assert cfg == bf16
+    assert attention_config(tokens, 64, rows, 512, 132, hopper=True, fp8=True).kernel == "triton"
 
 
 @cpu_interp

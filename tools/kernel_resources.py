@@ -13,9 +13,10 @@ the sm_90 limit, the count of local-memory instructions (LDL/STL: spill traffic)
 of the main loop (per row tile and thread) with their local-memory ones. --sass-ops adds the SASS instruction counts
 by opcode, whole kernel and loop (conversions F2F/F2FP, global loads, shared memory, tensor-core ops).
 
---hopper: the Hopper (Gluon) attention kernel as the engine launches it (registers, spill stack, shared memory;
-a CI test runs it: it builds with this Triton, fits one block, spills at most a few scalars). Must run with
-TRITON_INTERPRET=0.
+--hopper: the Hopper (Gluon) attention kernel as the engine launches it (registers, spill stack, the SASS's local
+stores and loads, shared memory; a CI test runs it: it builds with this Triton, fits one block, spills at most a
+few scalars). --hopper-fp8: the same for the role-split kernel's FP8 form (packed FP8 KV rows, dequantized by its
+output warpgroups) in the forms its named config launches. Must run with TRITON_INTERPRET=0.
 
 Each config is BLOCK_H,BLOCK_N,num_warps,num_stages,NUM_SPLITS. Arguments are specialised as the engine's launches
 are on the H200 (pointers and int arguments divisible by 16, one head block for 64 heads), so the numbers match
@@ -240,7 +241,9 @@ def _gluon_attention_row(fn, constexprs: dict, num_warps: int, types: dict | Non
                and not signature[n].startswith("tensordesc")]
     kernel = compile_sm90(fn, signature, constexprs, aligned, source_cls=GluonASTSource, num_warps=num_warps)
     regs, stack = _usage(kernel)
-    row = dict(**label, registers=regs, spill_stack=stack, shared=kernel.metadata.shared,
+    ops = sass_ops(kernel)
+    row = dict(**label, registers=regs, spill_stack=stack, local_stores=ops.get("STL", 0),
+               local_loads=ops.get("LDL", 0), shared=kernel.metadata.shared,
                fits=kernel.metadata.shared <= SM90_SHARED_LIMIT)
     return row
 
@@ -267,12 +270,27 @@ def hopper_attention_rows() -> list[dict]:
                                          kernel="sparse_mqa_split", splits=splits, band=band))
     for splits, band in ((1, True),):
         for q_tma in (True, False):
-            constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=hopper.WORKER_REGS, OUT_TMA=True, Q_TMA=q_tma,
-                              BAND=band, PDL=1)
-            types = {"out_desc": _desc_type(True), "q_desc": _desc_type(q_tma), "part_acc_ptr": "*bf16"}
-            rows.append(_gluon_attention_row(hopper._sparse_mqa_hopper_kernel, constexprs, 4, types,
-                                             kernel="sparse_mqa_hopper", splits=splits, band=band, q_tma=q_tma))
+            rows.append(_hopper_row(splits, band, q_tma, fp8=False))
     return rows
+
+
+def hopper_fp8_attention_rows() -> list[dict]:
+    """The role-split Hopper kernel's FP8 form (packed rows dequantized by its output warpgroups) as the named FP8
+    config `select.fp8_hopper_attention_config` launches it: one split with a band (batch 256), two splits with a
+    band (batch 64), one-tile splits without (small batches), q by TMA; and q by cp.async (a strided q)."""
+    return [_hopper_row(1, True, True, fp8=True), _hopper_row(2, True, True, fp8=True),
+            _hopper_row(16, False, True, fp8=True), _hopper_row(1, True, False, fp8=True)]
+
+
+def _hopper_row(splits: int, band: bool, q_tma: bool, fp8: bool) -> dict:
+    from sparseserve.kernels.attention import hopper
+
+    constexprs = dict(NUM_SPLITS=splits, WORKER_REGS=hopper.FP8_WORKER_REGS if fp8 else hopper.WORKER_REGS,
+                      OUT_TMA=True, Q_TMA=q_tma, BAND=band, FP8=fp8, PDL=1)
+    types = {"out_desc": _desc_type(True), "q_desc": _desc_type(q_tma), "part_acc_ptr": "*bf16",
+             "kv_ptr": "*u8" if fp8 else "*bf16"}
+    return _gluon_attention_row(hopper._sparse_mqa_hopper_kernel, constexprs, 4, types, kernel="sparse_mqa_hopper",
+                                splits=splits, band=band, q_tma=q_tma, fp8=fp8)
 
 
 def mhc_shared_rows() -> list[dict]:
@@ -298,13 +316,15 @@ def main() -> None:
     parser.add_argument("--sass-ops", action="store_true", help="with --fp8-engine: SASS instruction counts")
     parser.add_argument("--hopper", action="store_true",
                         help="the Hopper (Gluon) attention kernel instead, one JSON line each")
+    parser.add_argument("--hopper-fp8", action="store_true",
+                        help="the Hopper kernel's FP8 form (packed FP8 KV rows) instead, one JSON line each")
     args = parser.parse_args()
     if args.fp8_engine:
         for row in fp8_engine_rows(args.sass_ops):
             print(json.dumps(row))
         return
-    if args.hopper:
-        for row in hopper_attention_rows():
+    if args.hopper or args.hopper_fp8:
+        for row in hopper_fp8_attention_rows() if args.hopper_fp8 else hopper_attention_rows():
             print(json.dumps(row))
         return
     if args.mhc_shared:

@@ -2,8 +2,9 @@
 
 `reference.py` (plain PyTorch: the CPU path and the test oracle), `triton_kernel.py` (the portable Triton kernel,
 the band pre-pass, the split merge and the launcher), `hopper.py` and `hopper_split.py` (the Gluon kernels of the
-64-head shapes on sm_90, unsplit and split calls, sharing `hopper_common.py`), `select.py` (which of them runs a call: the selection table). `sparse_mqa_attention` is what the model
-calls.
+64-head shapes on sm_90, unsplit and split calls, sharing `hopper_common.py`; `hopper_fp8.py`, the role-split
+kernel's FP8-row form), `select.py` (which of them runs a call: the selection table). `sparse_mqa_attention` is what
+the model calls.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def sparse_mqa_attention(
     """q [T, H, D], kv_pool [N, D], rows [T, L] int32 (-1: unused), sinks [H] fp32 -> [T, H, D] in q's dtype.
     The kernels on CUDA (bf16/fp16), the reference elsewhere. inverse_rope (cos, sin): then the output's rope
     channels are rotated back (V4 attention output). kv_format: kv_pool holds packed FP8 rows (kv_format.py),
-    read by the portable Triton kernel (the Hopper kernels take 16-bit rows only). `out` (contiguous [T, H, D]
+    read by the portable Triton kernel (the role-split Hopper kernel's FP8 form runs only under an explicit config,
+`select.fp8_hopper_attention_config`). `out` (contiguous [T, H, D]
     in q's dtype): written and returned instead of a new tensor (a prefill graph's static buffer)."""
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()):
         raise ValueError(f"attention out must be a contiguous {tuple(q.shape)} {q.dtype} tensor, got "

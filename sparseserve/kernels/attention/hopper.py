@@ -23,6 +23,12 @@ compute the same QK^T (docs/performance.md). Gluon states copies and layouts exp
 Barriers (mbarriers): kv_ready[slot] (256 cp.async arrivals, one per output-warpgroup thread), p_ready[buf] (1),
 p_free[buf] (2), l_ready (1), l_free (2) and q_ready (the TMA's bytes); a barrier's phase parity is its use count.
 
+FP8 form (FP8, packed FP8 KV rows of V4's 592-byte layout; `hopper_fp8.py`): the output warpgroups, instead of
+cp.async, load their column half's e4m3 codes and scales (the upper half also the bf16 rope part), dequantize them
+in registers and store the bf16 tile into their half of the slot, then arrive once each on kv_ready (count 2); the
+score warpgroup and both products are the bf16 form's. The output warpgroups take FP8_WORKER_REGS. With FP8 False
+the kernel compiles to the same code as without the switch.
+
 Each unit walks its valid band [first, last + 1) from the band pre-pass of `triton_kernel.py` (BAND), except where
 every split is one tile (small decode batches): those units walk their split's whole segment and tell an all-holes
 split from its row ids, which saves the pre-pass launch. An empty split (all holes, split > 0) writes
@@ -34,10 +40,17 @@ Roofline: bytes = 2*L*D + 4*H*D per token, FLOPs = 4*H*L*D.
 """
 from __future__ import annotations
 
+import triton
+
 from ..pdl import pdl_args
 from .hopper_common import HEAD_BLOCK, HAVE_GLUON, out_descriptor, q_descriptor
 
 WORKER_REGS = 168  # registers of each output warpgroup (setmaxnreg); the score warpgroup gets the rest, also 168
+# FP8 form: the dequantizing gather's loads and conversions live beside the [64, 256] fp32 accumulator. Under
+# Triton 3.9 the output warpgroups then take 184 (at 168 they spill 40 B of loop-invariant addresses; the score
+# warpgroup gets the rest, 136); Triton 3.6 (the H200's stack) fits them in 168, and at 184 spills in the score
+# warpgroup. `tools/kernel_resources.py --hopper-fp8` measures both (16 B of stack each).
+FP8_WORKER_REGS = 184 if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9) else WORKER_REGS
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -49,6 +62,7 @@ if HAVE_GLUON:
     from .hopper_common import (
         async_gather, cta_barrier, issue_q, next_tile, rows_scaled, store_ml, tile_ids, tma_load_async,
         tma_store_async, unit_row_sum, unit_sink, unit_span, wait_for_prior_grid)
+    from .hopper_fp8 import FP8_CHUNK_LAYOUT, gather_cols_fp8
 
     @gluon.jit
     def _unit_empty(rows_ptr, stride_rt, unit, start, end, units_per_token, BLOCK_N: gl.constexpr,
@@ -236,11 +250,15 @@ if HAVE_GLUON:
         kv_mine, p_smem, alpha_smem, l_smem,
         kv_ready, p_ready, p_free, l_ready, l_free,
         NUM_SPLITS: gl.constexpr, HALF: gl.constexpr, OUT_TMA: gl.constexpr, BAND: gl.constexpr,
+        FP8: gl.constexpr,
     ):
         BLOCK_H: gl.constexpr = 64
         BLOCK_N: gl.constexpr = 64
         DH: gl.constexpr = 256
-        dtype: gl.constexpr = kv_ptr.dtype.element_ty
+        if FP8:
+            dtype: gl.constexpr = gl.bfloat16  # the dequantized values' (hopper_fp8.py)
+        else:
+            dtype: gl.constexpr = kv_ptr.dtype.element_ty
         gather_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         chunk_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64] pieces
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -248,9 +266,12 @@ if HAVE_GLUON:
         row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         num_programs = gl.num_programs(0)
         offs_d = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, gather_layout))
-        offs_g = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gather_layout))
+        if FP8:  # row ids in the dequantizing gather's layout (hopper_fp8.py)
+            offs_g = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, FP8_CHUNK_LAYOUT))
+        else:
+            offs_g = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gather_layout))
+            offs_gc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, chunk_layout))
         offs_dc = HALF * DH + gl.arange(0, 64, layout=gl.SliceLayout(0, chunk_layout))
-        offs_gc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, chunk_layout))
         offs_oh = gl.arange(0, BLOCK_H, layout=row_layout)
         offs_od = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
 
@@ -264,7 +285,10 @@ if HAVE_GLUON:
         g_end = c_end
         for slot in gl.static_range(2):
             r = tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
-            _gather_cols(kv_mine.index(slot), kv_ptr, stride_kv, r, offs_d, kv_ready.index(slot))
+            if FP8:
+                gather_cols_fp8(kv_mine.index(slot), kv_ptr, stride_kv, r, kv_ready.index(slot), HALF, False)
+            else:
+                _gather_cols(kv_mine.index(slot), kv_ptr, stride_kv, r, offs_d, kv_ready.index(slot))
             gu, gt, g_start, g_end = next_tile(gu, gt, g_start, g_end, band_ptr, num_units, units_per_token,
                                                 num_rows, num_programs, NUM_SPLITS, BLOCK_N, BAND)
         r_ahead = tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
@@ -311,8 +335,14 @@ if HAVE_GLUON:
                         cta_barrier()
                         for c in gl.static_range(DH // 64):
                             tma_store_async(out_desc, [row0, HALF * DH + c * 64], kv_mine.index(b).slice(c * 64, 64, dim=1))
-                        r_c = tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_gc, BLOCK_N)
-                        _gather_cols_after_store(kv_mine.index(b), kv_ptr, stride_kv, r_c, offs_dc, kv_ready.index(b))
+                        if FP8:  # (r_ahead is already in the dequantizing gather's layout)
+                            gather_cols_fp8(kv_mine.index(b), kv_ptr, stride_kv, r_ahead, kv_ready.index(b), HALF,
+                                            True)
+                        else:
+                            r_c = tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_gc,
+                                           BLOCK_N)
+                            _gather_cols_after_store(kv_mine.index(b), kv_ptr, stride_kv, r_c, offs_dc,
+                                                     kv_ready.index(b))
                         regathered = True
                 else:
                     _store_unit(out_ptr, part_acc_ptr, acc, l_fin, tok, split, hb * BLOCK_H, num_heads, stride_ot,
@@ -320,7 +350,10 @@ if HAVE_GLUON:
                                 c_end <= c_start, offs_oh, offs_od, NUM_SPLITS)
             # The score warpgroup finished this slot's QK^T before p_ready: my columns of it are free.
             if not regathered:
-                _gather_cols(kv_mine.index(b), kv_ptr, stride_kv, r_ahead, offs_d, kv_ready.index(b))
+                if FP8:
+                    gather_cols_fp8(kv_mine.index(b), kv_ptr, stride_kv, r_ahead, kv_ready.index(b), HALF, False)
+                else:
+                    _gather_cols(kv_mine.index(b), kv_ptr, stride_kv, r_ahead, offs_d, kv_ready.index(b))
             gu, gt, g_start, g_end = next_tile(gu, gt, g_start, g_end, band_ptr, num_units, units_per_token,
                                                 num_rows, num_programs, NUM_SPLITS, BLOCK_N, BAND)
             r_ahead = tile_ids(rows_ptr, stride_rt, gu, gt, g_start, g_end, units_per_token, offs_g, BLOCK_N)
@@ -343,7 +376,7 @@ if HAVE_GLUON:
         qk_scale,  # scale * log2(e): logits are kept in base 2
         out_desc, q_desc,
         NUM_SPLITS: gl.constexpr, WORKER_REGS: gl.constexpr, OUT_TMA: gl.constexpr, Q_TMA: gl.constexpr,
-        BAND: gl.constexpr, PDL: gl.constexpr,
+        BAND: gl.constexpr, FP8: gl.constexpr, PDL: gl.constexpr,
     ):
         wait_for_prior_grid(PDL)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -363,7 +396,10 @@ if HAVE_GLUON:
         l_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
-            mbarrier.init(kv_ready.index(i), count=256)  # every thread of both output warpgroups
+            if FP8:
+                mbarrier.init(kv_ready.index(i), count=2)  # one arrival per output warpgroup (hopper_fp8.py)
+            else:
+                mbarrier.init(kv_ready.index(i), count=256)  # every thread of both output warpgroups
             mbarrier.init(p_ready.index(i), count=1)
             mbarrier.init(p_free.index(i), count=2)
         mbarrier.init(l_ready, count=1)
@@ -379,21 +415,22 @@ if HAVE_GLUON:
             (_output_partition, (kv_ptr, rows_ptr, band_ptr, out_ptr, part_acc_ptr, part_ml_ptr, num_heads,
                                  num_units, units_per_token, num_rows, stride_kv, stride_rt, stride_ot, stride_oh,
                                  out_desc, kv_lo, p_smem, alpha_smem, l_smem,
-                                 kv_ready, p_ready, p_free, l_ready, l_free, NUM_SPLITS, 0, OUT_TMA, BAND)),
+                                 kv_ready, p_ready, p_free, l_ready, l_free, NUM_SPLITS, 0, OUT_TMA, BAND, FP8)),
             (_output_partition, (kv_ptr, rows_ptr, band_ptr, out_ptr, part_acc_ptr, part_ml_ptr, num_heads,
                                  num_units, units_per_token, num_rows, stride_kv, stride_rt, stride_ot, stride_oh,
                                  out_desc, kv_hi, p_smem, alpha_smem, l_smem,
-                                 kv_ready, p_ready, p_free, l_ready, l_free, NUM_SPLITS, 1, OUT_TMA, BAND)),
+                                 kv_ready, p_ready, p_free, l_ready, l_free, NUM_SPLITS, 1, OUT_TMA, BAND, FP8)),
         ], [4, 4], [WORKER_REGS, WORKER_REGS])
 
 
 def launch_hopper_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, qk_scale: float,
-                            num_splits: int, max_programs: int) -> None:
+                            num_splits: int, max_programs: int, fp8: bool = False) -> None:
     """Launch the kernel. The caller (`triton_kernel.sparse_mqa_attention_triton`) has checked `hopper_supported`,
     made the last dims contiguous and run the band pre-pass for rows cut into `num_splits` pieces, or passes band
     None where every split is one 64-row tile; with splits, its merge kernel combines the normalised partials
     (`PARTS_NORMALISED`). At most `max_programs` persistent programs (one per SM: each holds 214 KB of shared
-    memory)."""
+    memory). fp8: kv_pool holds packed FP8 rows (`hopper_fp8.hopper_fp8_supported` checked), dequantized by the
+    output warpgroups as they gather (stride in bytes)."""
     num_tokens, num_heads, _ = q.shape
     units_per_token = num_heads // HEAD_BLOCK * num_splits
     num_units = num_tokens * units_per_token
@@ -403,5 +440,6 @@ def launch_hopper_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_m
         q, kv_pool, rows, rows if band is None else band, sinks, out, part_acc, part_ml,
         num_heads, num_units, units_per_token, rows.shape[1],
         q.stride(0), q.stride(1), kv_pool.stride(0), rows.stride(0), out.stride(0), out.stride(1), qk_scale,
-        out_desc, q_desc, NUM_SPLITS=num_splits, WORKER_REGS=WORKER_REGS, OUT_TMA=out_tma, Q_TMA=q_tma,
-        BAND=band is not None, num_warps=4, **pdl_args(q.device))
+        out_desc, q_desc, NUM_SPLITS=num_splits, WORKER_REGS=FP8_WORKER_REGS if fp8 else WORKER_REGS,
+        OUT_TMA=out_tma, Q_TMA=q_tma,
+        BAND=band is not None, FP8=fp8, num_warps=4, **pdl_args(q.device))

@@ -114,13 +114,21 @@ if HAVE_GLUON:
         gl.store(ml + num_heads, gl.where(empty, 0.0, l_i))
 
 
+def hopper_enabled(q: torch.Tensor) -> bool:
+    """Whether the Hopper kernels may run for a call on q: Gluon present, q on an sm_90 GPU, and not turned off
+    (SPARSESERVE_DISABLE_KERNELS=attention_hopper)."""
+    return (HAVE_GLUON and q.device.type == "cuda" and enabled_on("attention_hopper", q.device)
+            and capability(q.device)[0] == 9)
+
+
 def hopper_supported(q: torch.Tensor, kv_pool: torch.Tensor) -> bool:
     """Whether this kernel can serve the call: Hopper, D = 512, heads in blocks of 64, 16-bit, rows that 16-byte
-    cp.async can read; and not turned off (SPARSESERVE_DISABLE_KERNELS=attention_hopper)."""
-    if not HAVE_GLUON or q.device.type != "cuda" or q.dim() != 3 or not enabled_on("attention_hopper", q.device):
+    cp.async can read; and not turned off (SPARSESERVE_DISABLE_KERNELS=attention_hopper). Packed FP8 rows:
+    `hopper_fp8.hopper_fp8_supported`."""
+    if q.dim() != 3 or not hopper_enabled(q):
         return False
     _, num_heads, head_dim = q.shape
-    return (capability(q.device)[0] == 9 and head_dim == HEAD_DIM and num_heads % HEAD_BLOCK == 0
+    return (head_dim == HEAD_DIM and num_heads % HEAD_BLOCK == 0
             and q.dtype in (torch.bfloat16, torch.float16) and kv_pool.dtype == q.dtype
             and kv_pool.shape[-1] == HEAD_DIM and cp_async_aligned(q) and cp_async_aligned(kv_pool))
 

@@ -14,8 +14,8 @@ The table, first matching row wins (`wide` = tokens x heads / 64, the (token, 64
 | 4   | heads >= 64, wide >= 3/4 of the SMs (D > 128)      | triton | 64            | 32        | none                |
 | 5   | otherwise (small batches, few heads)               | triton | 16            | 64        | up to 2 programs per SM, <= 8, >= 64 rows each |
 
-Packed FP8 rows (`kv_cache_dtype="fp8"`) have their own rows, ahead of these (the Hopper kernels read 16-bit rows
-only, `hopper_supported` is False for them): the portable Triton kernel, which dequantizes each tile it gathers.
+Packed FP8 rows (`kv_cache_dtype="fp8"`) have their own rows, ahead of these (`hopper_supported` is False for
+them): the portable Triton kernel, which dequantizes each tile it gathers.
 
 | row | when (FP8 rows)   | kernel | heads/program | rows/tile | warps, stages | row splits                                 |
 |-----|-------------------|--------|---------------|-----------|---------------|--------------------------------------------|
@@ -29,6 +29,15 @@ At 64 heads, 64-row tiles in two stages beat 32-row tiles (two or three stages) 
 form keeps 32-row tiles. Registers: a few hundred bytes of spills at 64 heads under Triton 3.9 (as the bf16
 64-head variants: the [64, 512] fp32 accumulator takes half the registers); `tools/kernel_resources.py
 --fp8-engine` reports each launched form.
+
+Named alternative, not in the engine's table (untimed against F1 until `benchmarks/kv_fp8_bench.py` has run on the
+H200): `fp8_hopper_attention_config`, row FH, the role-split Hopper kernel's FP8 form (`hopper_fp8.py`: its output
+warpgroups dequantize the rows into shared memory, the bf16 products unchanged), split or not, where
+`hopper_fp8.hopper_fp8_supported` holds (bf16 q, V4's 592-byte rows).
+
+| row | when (FP8 rows, named config) | kernel | heads/program | rows/tile | row splits                   |
+|-----|-------------------------------|--------|---------------|-----------|------------------------------|
+| FH  | `hopper_fp8_supported`        | hopper | 64            | 64        | as row 1 (the role-split kernel takes the splits too) |
 
 The Hopper kernel is two Gluon kernels sharing `hopper_common.py`: unsplit calls (prefill, decode batches that fill
 the chip) run the role-split kernel (`hopper.py`), split calls the lockstep kernel (`hopper_split.py`), whose short
@@ -88,10 +97,7 @@ def attention_config(num_tokens: int, num_heads: int, num_rows: int, head_dim: i
         return fp8_attention_config(num_tokens, num_heads, num_rows, num_sms)
     wide = num_tokens * _cdiv(num_heads, 64)
     if hopper and num_heads % 64 == 0 and head_dim == 512 and wide >= HOPPER_MIN_PROGRAMS:
-        splits = _splits(wide, num_rows, HOPPER_SPLIT_MAX, HOPPER_SPLIT_MIN_ROWS, num_sms)
-        if _cdiv(num_rows, 64) <= 3 and _cdiv(_cdiv(num_rows, splits), 64) > 1:
-            splits = 1  # a short list splits only into one-tile splits (see the table)
-        return AttnConfig("hopper", 64, 64, 4, 2, splits, band_prepass=True)
+        return AttnConfig("hopper", 64, 64, 4, 2, _hopper_splits(wide, num_rows, num_sms), band_prepass=True)
     if num_heads >= 64 and 4 * wide >= 3 * num_sms:
         if head_dim <= 128 or wide >= 8 * num_sms:
             return AttnConfig("triton", 64, 64, 4 if head_dim <= 128 else 8, 2, band_prepass=True)
@@ -112,6 +118,21 @@ def fp8_attention_config(num_tokens: int, num_heads: int, num_rows: int, num_sms
     if block_h == 64:
         return AttnConfig("triton", 64, 64, 8, 2, splits, band_prepass=True)
     return AttnConfig("triton", 16, 32, 4, 2, splits)
+
+
+def fp8_hopper_attention_config(num_tokens: int, num_heads: int, num_rows: int, num_sms: int) -> AttnConfig:
+    """Row FH (named, not the engine's: see the module docstring): the role-split Hopper kernel's FP8 form, with
+    row 1's splits. For calls where `hopper_fp8.hopper_fp8_supported` holds (64-head multiples, D = 512)."""
+    wide = num_tokens * _cdiv(num_heads, 64)
+    return AttnConfig("hopper", 64, 64, 4, 2, _hopper_splits(wide, num_rows, num_sms), band_prepass=True)
+
+
+def _hopper_splits(wide: int, num_rows: int, num_sms: int) -> int:
+    """Row 1's splits: fill one wave, a list of at most three tiles only into one-tile splits."""
+    splits = _splits(wide, num_rows, HOPPER_SPLIT_MAX, HOPPER_SPLIT_MIN_ROWS, num_sms)
+    if _cdiv(num_rows, 64) <= 3 and _cdiv(_cdiv(num_rows, splits), 64) > 1:
+        splits = 1  # a short list splits only into one-tile splits (see the table)
+    return splits
 
 
 def _splits(programs: int, num_rows: int, max_splits: int, min_rows: int, num_sms: int) -> int:

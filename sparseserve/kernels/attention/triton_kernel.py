@@ -10,7 +10,8 @@ not the list's static width. Launch choices come from `select.attention_config` 
 
 FP8 KV cache (sparseserve/kv_format.py): the pool holds packed rows; a tile is gathered through one uint8 pointer
 (stride in bytes) and dequantized in registers to q's dtype (exact: e4m3 times a power of two), then the same
-dot products run. The Hopper kernels do not read FP8 rows (`hopper_supported` is False for them).
+dot products run. The engine's selection sends FP8 rows here; the role-split Hopper kernel has an FP8 form
+(`hopper_fp8.py`), launched by the named config `select.fp8_hopper_attention_config` (not yet the engine's).
 
 Roofline (per token, D = head dim, H heads, L rows): bytes = L*D*2 (rows, bf16; FP8: L*row_bytes) + 2*H*D*2 (q in, out);
 FLOPs = 4*H*L*D (QK^T and PV).
@@ -30,6 +31,7 @@ from ..pdl import pdl_args, wait_for_prior_grid
 from ..rope import apply_rope
 from .hopper import launch_hopper_attention
 from .hopper_common import hopper_supported
+from .hopper_fp8 import FP8_FORMAT, hopper_fp8_supported
 from .hopper_split import launch_split_attention
 from .select import MERGE_COLS, MERGE_HEADS, AttnConfig, attention_config, needs_band_prepass, split_length
 
@@ -245,12 +247,16 @@ def sparse_mqa_attention_triton(
     sinks = sinks.contiguous()
     cfg = config or engine_attention_config(q, kv_pool, num_rows)
     hopper = cfg.kernel == "hopper"
-    if config is not None and hopper and not (
-            hopper_supported(q, kv_pool) and cfg.block_h == 64 and cfg.block_n == 64 and cfg.band_prepass):
+    hopper_tiles = cfg.block_h == 64 and cfg.block_n == 64 and cfg.band_prepass
+    if hopper and kv_format is not None:
+        if not (hopper_fp8_supported(q, kv_pool, kv_format) and hopper_tiles):
+            raise ValueError(f"{cfg} asks for the Hopper kernel on FP8 KV rows, which takes sm_90, bf16 q with "
+                             f"64-head blocks, D = 512, the {FP8_FORMAT} row layout, 64-row tiles and a band "
+                             f"pre-pass; got q {tuple(q.shape)} {q.dtype} on {q.device}, {kv_format}: use a 'triton' "
+                             f"config (select.fp8_attention_config)")
+    elif config is not None and hopper and not (hopper_supported(q, kv_pool) and hopper_tiles):
         raise ValueError(f"{cfg} asks for the Hopper kernel, which takes sm_90, 64-head blocks, D = 512, 64-row "
                          f"tiles and a band pre-pass; got q {tuple(q.shape)} {q.dtype} on {q.device}")
-    if hopper and kv_format is not None:
-        raise ValueError(f"{cfg} asks for the Hopper kernel, which does not read FP8 KV rows; use a 'triton' config")
     if cfg.kernel not in ("triton", "hopper"):
         raise ValueError(f"AttnConfig.kernel must be 'triton' or 'hopper', got {cfg.kernel!r}")
     block_d = fp8_block(head_dim) if kv_format is not None else max(16, triton.next_power_of_2(head_dim))
@@ -274,7 +280,11 @@ def sparse_mqa_attention_triton(
         _valid_band_kernel[(num_tokens * splits,)](
             rows, band, num_rows, rows_per_split, rows.stride(0), NUM_SPLITS=splits, SCAN=scan, num_warps=4,
             **pdl_args(rows.device))
-    if hopper:
+    if hopper and kv_format is not None:
+        # FP8 rows: the role-split kernel's FP8 form, split or not (only it has one: hopper_fp8.py).
+        launch_hopper_attention(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, float(scale) * _LOG2E, splits,
+                                cfg.max_programs or num_sms(q.device), fp8=True)
+    elif hopper:
         # Unsplit calls take the role-split kernel, split ones the lockstep kernel (select.py says why).
         launch = launch_split_attention if splits > 1 else launch_hopper_attention
         launch(q, kv_pool, rows, band, sinks, out, part_acc, part_ml, float(scale) * _LOG2E, splits,

@@ -2,6 +2,8 @@
 launch recorder."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -28,6 +30,33 @@ class LaunchRecorder:
             self.launches.append((tuple(grid), tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper()))))
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+def record_expert_launches(monkeypatch) -> tuple[LaunchRecorder, LaunchRecorder]:
+    """LaunchRecorders in place of moe_quant's gate-up and down kernels (undone by monkeypatch)."""
+    from sparseserve.kernels.quant import moe_quant
+
+    gate_up = LaunchRecorder(moe_quant._moe_q_gate_up_kernel)
+    down = LaunchRecorder(moe_quant._moe_q_down_kernel)
+    monkeypatch.setattr(moe_quant, "_moe_q_gate_up_kernel", gate_up)
+    monkeypatch.setattr(moe_quant, "_moe_q_down_kernel", down)
+    return gate_up, down
+
+
+def launches_match_across_routings(monkeypatch, cfg, experts_case: Callable, num_tokens: int, limit: float):
+    """Graph safety: the experts with `cfg` on a skewed and on a uniform routing (experts_case(num_tokens,
+    "even", skewed) -> x, w_gu, w_dn, weights, ids) launch the same grids and constexprs. Returns the recorders
+    and the uniform case's inputs."""
+    from sparseserve.kernels.quant.moe_quant import fused_moe_quant_triton
+
+    gate_up, down = record_expert_launches(monkeypatch)
+    for skewed in (True, False):
+        case = experts_case(num_tokens, "even", skewed)
+        x, w_gu, w_dn, weights, ids = case
+        fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, limit, config=cfg)
+    assert len(gate_up.launches) == len(down.launches) == 2
+    assert gate_up.launches[0] == gate_up.launches[1] and down.launches[0] == down.launches[1]
+    return gate_up, down, case
 
 
 def scaled_rows(gen: torch.Generator, num_tokens: int, hidden: int) -> torch.Tensor:

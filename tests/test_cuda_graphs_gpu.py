@@ -104,6 +104,20 @@ def spec_config(k, adaptive=False):
     return {"speculative_config": {"method": "mtp", "num_speculative_tokens": k, "adaptive": adaptive}}
 
 
+def generate_with_draft_cycle(llm, limits: list[int]):
+    """Greedy generation of prompt_set() with the scheduler's draft limit cycling through `limits` (one per
+    step): (token ids, drafts, accepted), after checking that drafts were verified and the cache is free."""
+    import itertools
+
+    engine = llm.llm_engine
+    cycle = itertools.cycle(limits)
+    engine.scheduler.draft_limit = lambda batch: next(cycle)
+    outs = llm.generate(prompt_set(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    m = engine.spec_metrics
+    assert m.num_verify_steps > 0 and engine.all_cache_free()
+    return [o.outputs[0].token_ids for o in outs], m.num_draft_tokens, m.num_accepted_tokens
+
+
 @pytest.mark.parametrize("k, extra", [(1, {}), (2, {}), (3, {}),
                                       (2, {"num_gpu_blocks_override": 400})])  # preemption under graphs
 def test_speculative_graphs_equal_eager_token_for_token(k, extra):
@@ -134,8 +148,6 @@ def test_adaptive_speculation_graphs_equal_eager_and_costs_are_timed():
     """Adaptive speculation captures graphs for every 1 + d and times them at start-up; with the
     same drafts per step (a fixed cycle in place of the policy) graphs and padded eager steps give
     the same tokens and acceptance."""
-    import itertools
-
     from sparseserve.spec_decode.adaptive import AdaptivePolicy
 
     k, results = 3, {}
@@ -152,13 +164,7 @@ def test_adaptive_speculation_graphs_equal_eager_and_costs_are_timed():
             assert all(s > 0 for s in costs.seconds.values())
         else:
             engine.runner.pad_like_graphs = True
-        cycle = itertools.cycle([3, 1, 0, 2])
-        engine.scheduler.draft_limit = lambda batch: next(cycle)
-        outs = llm.generate(prompt_set(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                            use_tqdm=False)
-        m = engine.spec_metrics
-        results[eager] = ([o.outputs[0].token_ids for o in outs], m.num_draft_tokens, m.num_accepted_tokens)
-        assert m.num_verify_steps > 0 and engine.all_cache_free()
+        results[eager] = generate_with_draft_cycle(llm, [3, 1, 0, 2])
         del llm, engine
         gc.collect()
         torch.cuda.empty_cache()
@@ -170,8 +176,6 @@ def test_state_only_catch_up_graphs_equal_eager_under_adaptive_speculation():
     (query length 1), which takes the plain target graph's metadata (copied on the device) and
     streams (in place): with the drafts per step mostly 0, graph and padded eager engines give the
     same tokens and acceptance (the drafts read the state the catch-ups wrote)."""
-    import itertools
-
     k, results = 2, {}
     for eager in (True, False):
         llm = LLM(TINY, enforce_eager=eager, **COMMON, **spec_config(k, adaptive=True))
@@ -193,13 +197,7 @@ def test_state_only_catch_up_graphs_equal_eager_under_adaptive_speculation():
             catch_up.run = run
         # A step's limit caps both the drafts it verifies and the drafts it proposes, so a nonzero limit
         # verifies only after a nonzero one (2, 1 and 1, 1 below); the zeros are the catch-up steps.
-        cycle = itertools.cycle([0, 2, 1, 0, 0, 1, 1, 0])
-        engine.scheduler.draft_limit = lambda batch: next(cycle)
-        outs = llm.generate(prompt_set(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                            use_tqdm=False)
-        m = engine.spec_metrics
-        results[eager] = ([o.outputs[0].token_ids for o in outs], m.num_draft_tokens, m.num_accepted_tokens)
-        assert m.num_verify_steps > 0 and engine.all_cache_free()
+        results[eager] = generate_with_draft_cycle(llm, [0, 2, 1, 0, 0, 1, 1, 0])
         if not eager:
             assert any(replays)  # plain steps' catch-ups replayed, with the target graph's metadata
         del llm, engine, runner

@@ -24,7 +24,7 @@ from sparseserve.kernels.quant.formats import QuantFormatError, QuantWeight
 from sparseserve.kernels.quant.moe_quant import HAS_TRITON, fused_moe_quant_triton, interpreter_has_dot_scaled
 from sparseserve.kernels.quant.select import (DOT_BF16, DOT_FP8, DOT_FP16, DOT_FP32, MoeQuantConfig, linear_config,
                                               linear_variants, moe_quant_config, moe_quant_variants)
-from quant_checks import assert_moe_close, expert_routing, LaunchRecorder, scaled_rows
+from quant_checks import assert_moe_close, expert_routing, launches_match_across_routings, scaled_rows
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -158,18 +158,11 @@ def test_launches_depend_on_static_shapes_only(form, num_tokens, monkeypatch):
     only)."""
     fields = EXPERT_FORMS[form]
     skip_unless_form_runs(fields["fp4_scaled_dot"])
-    gate_up = LaunchRecorder(moe_quant._moe_q_gate_up_kernel)
-    down = LaunchRecorder(moe_quant._moe_q_down_kernel)
-    monkeypatch.setattr(moe_quant, "_moe_q_gate_up_kernel", gate_up)
-    monkeypatch.setattr(moe_quant, "_moe_q_down_kernel", down)
     cfg = replace(moe_quant_config(num_tokens, TOP_K, E, "fp4", interpret=not CUDA), **fields)
     if not fields["fp4_fp8_mma"]:
         cfg = replace(cfg, dot=EXACT_DOT)
-    for skewed in (True, False):
-        x, w_gu, w_dn, weights, ids = _experts_case(num_tokens, "even", skewed)
-        fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, LIMIT, config=cfg)
-    assert len(gate_up.launches) == len(down.launches) == 2
-    assert gate_up.launches[0] == gate_up.launches[1] and down.launches[0] == down.launches[1]
+    gate_up, down, (x, w_gu, w_dn, weights, ids) = launches_match_across_routings(
+        monkeypatch, cfg, _experts_case, num_tokens, LIMIT)
     for launches in (gate_up.launches, down.launches):
         constexprs = dict(launches[0][1])
         assert constexprs["FP4_SCALED_DOT"] is fields["fp4_scaled_dot"] and constexprs["EVEN_K"] is True

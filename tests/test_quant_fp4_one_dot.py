@@ -23,7 +23,8 @@ from sparseserve.kernels.quant import reference as ref
 from sparseserve.kernels.quant.formats import ONE_DOT_MAX_SHIFT, QuantFormatError, QuantWeight, fp4_one_dot_exact
 from sparseserve.kernels.quant.moe_quant import HAS_TRITON, fused_moe_quant_triton
 from sparseserve.kernels.quant.select import DOT_FP32, MoeQuantConfig, moe_quant_config, moe_quant_variants
-from quant_checks import assert_moe_close, expert_routing, LaunchRecorder, scaled_rows
+from quant_checks import (assert_moe_close, expert_routing, launches_match_across_routings, record_expert_launches,
+                          scaled_rows)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -297,14 +298,6 @@ def _experts_case(num_tokens: int, shape: str, skewed: bool = True, gate_up_span
     return x.to(DEVICE), w_gu, w_dn, weights.to(DEVICE), ids.to(DEVICE)
 
 
-def _record(monkeypatch) -> tuple[LaunchRecorder, LaunchRecorder]:
-    gate_up = LaunchRecorder(moe_quant._moe_q_gate_up_kernel)
-    down = LaunchRecorder(moe_quant._moe_q_down_kernel)
-    monkeypatch.setattr(moe_quant, "_moe_q_gate_up_kernel", gate_up)
-    monkeypatch.setattr(moe_quant, "_moe_q_down_kernel", down)
-    return gate_up, down
-
-
 _CASES = [(path, shape, t) for path in sorted(PATHS) for shape in sorted(SHAPES) for t in (1, 3)]
 _CASES += [("prefill", "ragged", 64)]
 
@@ -312,7 +305,7 @@ _CASES += [("prefill", "ragged", 64)]
 @needs_kernels
 @pytest.mark.parametrize("path,shape,num_tokens", _CASES)
 def test_the_one_dot_form_matches_the_reference(path, shape, num_tokens, monkeypatch):
-    gate_up, down = _record(monkeypatch)
+    gate_up, down = record_expert_launches(monkeypatch)
     x, w_gu, w_dn, weights, ids = _experts_case(num_tokens, shape)
     assert w_gu.fp4_one_dot_exact and w_dn.fp4_one_dot_exact
     y = fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, LIMIT, config=PATHS[path])
@@ -333,7 +326,7 @@ def test_the_one_dot_form_with_fp32_power_of_two_scales():
 def test_a_weight_past_the_bound_takes_the_four_dot_form(path, monkeypatch):
     """Gate-up scales spanning 15 binades in every group: that tensor runs the four-dot form (FP4_ONE_DOT off,
     FP4_FP8 on) and still matches the reference; the down weight, within the bound, keeps the one-dot form."""
-    gate_up, down = _record(monkeypatch)
+    gate_up, down = record_expert_launches(monkeypatch)
     x, w_gu, w_dn, weights, ids = _experts_case(3, "even", gate_up_span=ONE_DOT_MAX_SHIFT + 1)
     assert not w_gu.fp4_one_dot_exact and w_dn.fp4_one_dot_exact
     y = fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, LIMIT, config=PATHS[path])
@@ -347,13 +340,8 @@ def test_a_weight_past_the_bound_takes_the_four_dot_form(path, monkeypatch):
 def test_one_dot_launches_depend_on_static_shapes_only(num_tokens, monkeypatch):
     """Graph safety: with the table's row for the size in the one-dot form, the grids and constexprs are the
     same for a skewed and a uniform routing."""
-    gate_up, down = _record(monkeypatch)
     cfg = replace(moe_quant_config(num_tokens, TOP_K, E, "fp4", interpret=not CUDA), fp4_one_dot=True)
-    for skewed in (True, False):
-        x, w_gu, w_dn, weights, ids = _experts_case(num_tokens, "even", skewed)
-        fused_moe_quant_triton(x, w_gu, w_dn, weights, ids, LIMIT, config=cfg)
-    assert len(gate_up.launches) == len(down.launches) == 2
-    assert gate_up.launches[0] == gate_up.launches[1] and down.launches[0] == down.launches[1]
+    gate_up, down, _ = launches_match_across_routings(monkeypatch, cfg, _experts_case, num_tokens, LIMIT)
     for launches in (gate_up.launches, down.launches):
         constexprs = dict(launches[0][1])
         assert constexprs["FP4_ONE_DOT"] and constexprs["FP4_FP8"] and constexprs["EVEN_K"]

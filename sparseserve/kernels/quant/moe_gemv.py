@@ -32,7 +32,7 @@ import torch
 
 from ..moe import moe_combine
 from ..pdl import pdl_args, wait_for_prior_grid
-from .formats import BLOCK, QuantFormatError, QuantWeight, check_scale_fmt
+from .formats import BLOCK, QuantFormatError, QuantWeight
 from .select import MoeQuantConfig
 
 try:  # Triton is optional: without it every path is the reference.
@@ -178,8 +178,7 @@ def fused_moe_gemv(
     shared: torch.Tensor | Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The weight-streaming form (module docstring); same contract as moe_quant.fused_moe_quant_triton, whose
-    shape checks have run (it dispatches here when cfg.gemv). FP4 weights only."""
-    check_scale_fmt(scale_fmt)
+    shape and scale_fmt checks have run (it dispatches here when cfg.gemv). FP4 weights only."""
     if w_gate_up.fmt != "fp4" or w_down.fmt != "fp4":
         raise QuantFormatError(f"MoeQuantConfig.gemv runs FP4 experts only, got {w_gate_up.fmt} weights: use "
                                "gemv=False (the grouped GEMM) for fp8_block experts")
